@@ -1,0 +1,3 @@
+from p2pdiloco.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""The `p2pdiloco` command: bootstrap, peer, local. Each entry point parses, builds, runs and closes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from p2pdiloco import __version__
+from p2pdiloco.config import Config, ConfigError, load_config, parse_set
+
+logger = logging.getLogger("p2pdiloco")
+
+EPILOG = "Docs: README.md, docs/architecture.md, docs/operations.md."
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    logging.getLogger("p2pdiloco").setLevel(logging.DEBUG if verbose else logging.INFO)
+    # hivemind logs every retried RPC at WARNING; they are expected in a swarm where peers come and go
+    if not verbose:
+        logging.getLogger("hivemind").setLevel(logging.ERROR)
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config (see peers/tiny.toml); flags override it")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value, e.g. --set model.n_layer=4 (repeatable)")
+    p.add_argument("--run-dir", metavar="DIR", help="folder for metrics, summary, checkpoint and plots")
+    p.add_argument("--run-id", metavar="NAME", help="swarm name; all peers of one run use the same")
+    p.add_argument("--data", nargs="+", metavar="PATH", help="text files or folders (default: Python's stdlib sources)")
+    p.add_argument("--device", metavar="DEV", help="auto (default), cpu, cuda, cuda:N, mps, xpu")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def config_from_args(args: argparse.Namespace, extra: dict | None = None) -> Config:
+    flags: dict[str, dict] = {}
+    if args.run_dir:
+        flags.setdefault("run", {})["run_dir"] = args.run_dir
+    if args.run_id:
+        flags.setdefault("swarm", {})["run_id"] = args.run_id
+    if args.data:
+        flags.setdefault("data", {})["paths"] = args.data
+    if args.device:
+        flags.setdefault("run", {})["device"] = args.device
+    for section, values in (extra or {}).items():
+        flags.setdefault(section, {}).update(values)
+    return load_config(args.config, [flags, parse_set(args.sets)])
+
+
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    from p2pdiloco.bootstrap import run_bootstrap
+
+    run_bootstrap(args.host, args.port, Path(args.identity), args.announce or [],
+                  Path(args.maddr_file) if args.maddr_file else None)
+    return 0
+
+
+def cmd_peer(args: argparse.Namespace) -> int:
+    from p2pdiloco.local import summarize
+    from p2pdiloco.peer import StopFlag, run_peer
+
+    extra: dict[str, dict] = {"swarm": {}, "run": {}}
+    if args.initial_peers:
+        extra["swarm"]["initial_peers"] = args.initial_peers
+    if args.host:
+        extra["swarm"]["host"] = args.host
+    if args.port is not None:
+        extra["swarm"]["port"] = args.port
+    if args.announce:
+        extra["swarm"]["announce"] = args.announce
+    if args.name:
+        extra["run"]["name"] = args.name
+    if args.steps:
+        extra["run"]["total_steps"] = args.steps
+    cfg = config_from_args(args, extra)
+    stop = StopFlag()
+    stop.install()
+    summary = run_peer(cfg, stop, announce=lambda line: print(line, flush=True))
+    run_dir = Path(cfg.run.run_dir)
+    if not args.in_local:  # a peer of `local` leaves the run's summary and plot to it
+        summarize(run_dir, [run_dir], cfg.to_dict(), summary["wall_s"])
+        try:
+            from p2pdiloco.plot import plot_run
+
+            plot_run(run_dir)
+        except Exception as e:  # a plot must not lose the run's results
+            logger.warning("plotting failed: %r", e)
+    print(json.dumps({k: summary[k] for k in ("inner_steps", "rounds", "merges", "eval_loss_initial",
+                                               "eval_loss_final")}), flush=True)
+    return 0
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    from p2pdiloco.local import run_local
+
+    if args.peers < 1:
+        raise ConfigError("--peers must be >= 1")
+    extra = {"run": {"total_steps": args.steps}} if args.steps else {}
+    cfg = config_from_args(args, extra)
+    sets = list(args.sets)
+    if args.data:
+        sets.append("data.paths=" + ",".join(str(Path(p).resolve()) for p in args.data))
+    if args.device:
+        sets.append(f"run.device={args.device}")
+    run_dir = Path(args.run_dir or "runs/local")
+    summary = run_local(args.peers, cfg, run_dir, args.config, sets)
+    ok = summary["peers_finished"] == args.peers
+    print(f"summary: {run_dir / 'summary.json'}")
+    if summary["eval_loss_final"] is not None:
+        print(f"eval loss {summary['eval_loss_initial']:.4f} -> {summary['eval_loss_final']:.4f} "
+              f"({summary['peers_finished']}/{args.peers} peers finished)")
+    return 0 if ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="p2pdiloco",
+        description="DiLoCo training on volunteer compute: peers find each other through a hivemind DHT, "
+        "train locally and merge pseudo-gradients over slow links.",
+        epilog=EPILOG,
+    )
+    parser.add_argument("--version", action="version", version=f"p2pdiloco {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    b = sub.add_parser("bootstrap", help="host a DHT-only bootstrap node", epilog=EPILOG,
+                       description="Run a DHT-only node that peers use to find each other. Its identity key is "
+                       "created on first run and reused, so its address stays the same across restarts.")
+    b.add_argument("--host", default="0.0.0.0", help="interface to listen on (default 0.0.0.0)")
+    b.add_argument("--port", type=int, default=31337, help="TCP port (default 31337)")
+    b.add_argument("--identity", default="bootstrap.key", metavar="FILE",
+                   help="private key file, created if missing (default ./bootstrap.key)")
+    b.add_argument("--announce", nargs="+", metavar="MADDR", help="public multiaddrs to advertise, e.g. /ip4/203.0.113.5/tcp/31337")
+    b.add_argument("--maddr-file", metavar="FILE", help="also write the node's multiaddrs here")
+    b.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    b.set_defaults(func=cmd_bootstrap)
+
+    p = sub.add_parser("peer", help="join a swarm and train", epilog=EPILOG,
+                       description="Join the swarm through any bootstrap node or live peer and train. With no "
+                       "--initial-peers, start a new swarm and print the address others should use.")
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="bootstrap node or live peer multiaddrs")
+    p.add_argument("--host", help="interface to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, help="TCP port to listen on (default: any free one)")
+    p.add_argument("--announce", nargs="+", metavar="MADDR", help="public multiaddrs to advertise")
+    p.add_argument("--name", help="public name of this peer")
+    p.add_argument("--steps", type=int, help="inner steps to run (run.total_steps)")
+    p.add_argument("--in-local", action="store_true", help=argparse.SUPPRESS)
+    add_config_args(p)
+    p.set_defaults(func=cmd_peer)
+
+    lo = sub.add_parser("local", help="run a whole swarm on this machine", epilog=EPILOG,
+                        description="Start a bootstrap node and N peers on 127.0.0.1, show their progress, "
+                        "and write summary.json and loss.png to the run folder.")
+    lo.add_argument("--peers", type=int, default=4, help="number of peers (default 4)")
+    lo.add_argument("--steps", type=int, help="inner steps per peer (default: run.total_steps of the config)")
+    add_config_args(lo)
+    lo.set_defaults(func=cmd_local)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    from p2pdiloco.swarm import SwarmError
+
+    try:
+        return args.func(args)
+    except (ConfigError, SwarmError) as e:
+        print(f"p2pdiloco {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"p2pdiloco {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,294 @@
+"""Run configuration: one small dataclass per component, composed into `Config`.
+
+TOML files (``peers/*.toml``) map onto it one to one: a ``[model]`` table sets `ModelConfig` fields and so
+on. Command-line flags and ``--set section.key=value`` override what the file says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """Bad user input in a config file or a flag; the CLI prints it as one line."""
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only transformer over byte tokens."""
+
+    n_layer: int = 2
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    seq_len: int = 128
+    """Context length in tokens (bytes)."""
+    dropout: float = 0.0
+    """Dropout probability inside blocks."""
+    init_seed: int = 1234
+    """Seed of the initial weights; the same on every peer so that all start from one global model."""
+    vocab_size: int = 256
+    """Byte-level tokens: always 256."""
+
+
+@dataclass
+class DataConfig:
+    """Where training text comes from and how a peer picks its part of it."""
+
+    paths: list[str] = field(default_factory=list)
+    """Text files or folders; empty means the running Python's standard library sources."""
+    val_fraction: float = 0.02
+    """Share of files held out for validation (chosen by file-name hash, the same on every peer)."""
+    max_bytes: int = 24_000_000
+    """Read at most this many bytes of text (keeps start-up fast on laptops)."""
+    shard: str = ""
+    """'i/n' reads the i-th of n disjoint parts of the training text; empty: a seed-shuffled order of all."""
+    batch_size: int = 16
+    """Sequences per inner step."""
+
+
+@dataclass
+class InnerOptConfig:
+    """AdamW for the inner steps, with linear warmup then cosine decay over the whole run."""
+
+    lr: float = 2e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    warmup_steps: int = 30
+    """Inner steps of linear warmup."""
+    min_lr_ratio: float = 0.1
+    """Learning rate at the end of the cosine, as a fraction of the peak."""
+    grad_clip: float = 1.0
+    """Clip the gradient's global L2 norm to this (0 disables)."""
+
+
+@dataclass
+class OuterOptConfig:
+    """Nesterov SGD applied to the merged pseudo-gradient (DiLoCo, arXiv 2311.08105)."""
+
+    lr: float = 0.7
+    """Outer learning rate."""
+    momentum: float = 0.9
+    """Outer momentum."""
+    nesterov: bool = True
+    """Use Nesterov momentum."""
+
+
+@dataclass
+class SwarmConfig:
+    """How a peer finds the swarm and merges with it."""
+
+    run_id: str = "p2pdiloco"
+    """Name of the swarm; prefixes every DHT key and protocol name."""
+    initial_peers: list[str] = field(default_factory=list)
+    """Multiaddrs of a bootstrap node or any live peer; empty starts a new swarm."""
+    host: str = "0.0.0.0"
+    """Interface to listen on."""
+    port: int = 0
+    """TCP port to listen on (0 picks a free one)."""
+    announce: list[str] = field(default_factory=list)
+    """Multiaddrs to announce instead of the listening ones (public address behind NAT)."""
+    round_steps: int = 50
+    """Inner steps per round (H in DiLoCo)."""
+    merge_window_s: float = 15.0
+    """Longest wait for other peers to become ready for a merge before merging alone."""
+    merge_timeout_s: float = 60.0
+    """Longest a merge's data exchange may take before it is abandoned and not applied."""
+    heartbeat_s: float = 2.0
+    """Seconds between peer records in the DHT; a record expires after three of these."""
+    join_timeout_s: float = 20.0
+    """Give up on unreachable initial peers after this many seconds."""
+
+
+@dataclass
+class RunConfig:
+    """One peer's run: length, device, output."""
+
+    total_steps: int = 1000
+    """Inner steps this peer runs before it stops (the learning-rate schedule spans them)."""
+    run_dir: str = "runs/latest"
+    """Folder for metrics, checkpoints and plots."""
+    device: str = "auto"
+    """auto (cuda > mps > xpu > cpu), or a torch device string."""
+    seed: int = 0
+    """Seed of this peer's data order."""
+    eval_batches: int = 8
+    """Validation batches per evaluation of the global model."""
+    log_every: int = 10
+    """Write a metrics line every this many inner steps."""
+    name: str = ""
+    """Optional public name of this peer."""
+    threads: int = 0
+    """torch CPU threads (0 keeps torch's default)."""
+
+
+@dataclass
+class Config:
+    """Everything one peer needs, one table per component."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerOptConfig = field(default_factory=InnerOptConfig)
+    outer: OuterOptConfig = field(default_factory=OuterOptConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What must be equal on every peer of a swarm for their contributions to mean the same thing."""
+        return {"model": dataclasses.asdict(self.model), "tokenizer": "bytes"}
+
+
+def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def fingerprint_diff(mine: dict[str, Any], theirs: dict[str, Any], prefix: str = "") -> list[str]:
+    """Human-readable differences between two fingerprints, e.g. ``model.n_layer: 2 here, 4 in swarm``."""
+    out = []
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(key), theirs.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += fingerprint_diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} here, {b!r} in the swarm")
+    return out
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Convert a TOML or command-line value to the field's type, or raise ConfigError."""
+    hint = annotation
+    origin = typing.get_origin(hint)
+    try:
+        if origin in (list,):
+            (item_type,) = typing.get_args(hint)
+            if isinstance(value, str):
+                value = [v for v in value.split(",") if v]
+            if not isinstance(value, list):
+                raise TypeError
+            return [_coerce(v, item_type, key) for v in value]
+        if origin in (typing.Union, types.UnionType):
+            raise TypeError  # no optional fields today
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                return value.lower() in ("true", "1", "yes", "on")
+            raise TypeError
+        if hint is int:
+            if isinstance(value, bool):
+                raise TypeError
+            if isinstance(value, float) and not value.is_integer():
+                raise TypeError
+            return int(value)
+        if hint is float:
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        if hint is str:
+            if not isinstance(value, str | int | float):
+                raise TypeError
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    else:
+        raise ConfigError(f"config key {key!r} has an unsupported type")
+    raise ConfigError(f"config key {key!r} expects {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def _section_types(section: Any) -> dict[str, Any]:
+    return typing.get_type_hints(type(section))
+
+
+def apply_values(config: Config, values: dict[str, Any], source: str) -> None:
+    """Set ``{"section": {"key": value}}`` onto `config`, naming `source` in errors."""
+    sections = {f.name for f in dataclasses.fields(config)}
+    for section_name, table in values.items():
+        if section_name not in sections:
+            raise ConfigError(f"{source}: unknown config section [{section_name}] (known: {', '.join(sorted(sections))})")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: [{section_name}] must be a table")
+        section = getattr(config, section_name)
+        types_ = _section_types(section)
+        for key, value in table.items():
+            if key not in types_:
+                raise ConfigError(
+                    f"{source}: unknown config key '{section_name}.{key}' (known in [{section_name}]: "
+                    f"{', '.join(types_)})"
+                )
+            setattr(section, key, _coerce(value, types_[key], f"{section_name}.{key}"))
+
+
+def parse_set(items: list[str]) -> dict[str, dict[str, Any]]:
+    """Turn ``["model.n_layer=4", ...]`` into ``{"model": {"n_layer": "4"}}`` (strings are coerced later)."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise ConfigError(f"--set expects section.key=value, got {item!r}")
+        out.setdefault(section, {})[name] = value.strip()
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[dict[str, Any]] | None = None) -> Config:
+    """Defaults, then the TOML file at `path`, then each override table in order."""
+    config = Config()
+    if path is not None:
+        path = Path(path)
+        try:
+            values = tomllib.loads(path.read_text())
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        apply_values(config, values, str(path))
+    for table in overrides or []:
+        apply_values(config, table, "flags")
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Reject values that cannot work, with a message that says which key and why."""
+    m = config.model
+    checks = [
+        (m.n_layer >= 1, "model.n_layer must be >= 1"),
+        (m.d_model % m.n_head == 0, "model.d_model must be divisible by model.n_head"),
+        (m.seq_len >= 2, "model.seq_len must be >= 2"),
+        (m.vocab_size == 256, "model.vocab_size must be 256 (byte tokens)"),
+        (0 < config.data.val_fraction < 1, "data.val_fraction must be in (0, 1)"),
+        (config.data.batch_size >= 1, "data.batch_size must be >= 1"),
+        (config.swarm.round_steps >= 1, "swarm.round_steps must be >= 1"),
+        (config.run.total_steps >= 1, "run.total_steps must be >= 1"),
+        (config.inner.lr > 0 and config.outer.lr > 0, "learning rates must be positive"),
+        (0 <= config.outer.momentum < 1, "outer.momentum must be in [0, 1)"),
+        (config.swarm.merge_window_s > 0 and config.swarm.merge_timeout_s > 0, "merge times must be positive"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    if config.data.shard:
+        try:
+            i, n = (int(x) for x in config.data.shard.split("/"))
+        except ValueError:
+            raise ConfigError(f"data.shard must look like 'i/n', got {config.data.shard!r}") from None
+        if not 0 <= i < n:
+            raise ConfigError(f"data.shard {config.data.shard!r}: need 0 <= i < n")

@@ -1,0 +1,329 @@
+"""The learner: inner AdamW steps on local data, a merge every round, the outer step, metrics.
+
+Reads like DiLoCo's Algorithm 1 (arXiv 2311.08105): H inner steps, pseudo-gradient, merge, outer step,
+restart from the new global model. The network is reached only through `Merger.submit`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.nn.utils import parameters_to_vector
+
+from p2pdiloco.config import Config, ConfigError
+from p2pdiloco.merge import Contribution, Merger, MergeResult
+from p2pdiloco.outer import cosine_lr, outer_step, pseudo_gradient, state_digest
+
+logger = logging.getLogger(__name__)
+
+
+def pick_device(name: str) -> torch.device:
+    """'auto' picks cuda > mps > xpu > cpu; anything else must name a device this machine has."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        if hasattr(torch, "xpu") and torch.xpu.is_available():
+            return torch.device("xpu")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r} (use auto, cpu, cuda, cuda:N, mps or xpu)") from None
+    available = {
+        "cpu": True,
+        "cuda": torch.cuda.is_available(),
+        "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(),
+        "xpu": hasattr(torch, "xpu") and torch.xpu.is_available(),
+    }
+    if not available.get(device.type, False):
+        raise ConfigError(f"device {name!r} is not available on this machine")
+    return device
+
+
+@torch.no_grad()
+def load_flat_(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    """Copy a flat fp32 vector into the model's parameters.
+
+    Copies, unlike torch's vector_to_parameters, which on CPU would make the parameters views of `flat`
+    so that inner steps would silently rewrite the global model.
+    """
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        p.copy_(flat[offset : offset + n].view_as(p))
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} values, model has {offset}")
+
+
+def autocast_for(device: torch.device):
+    """bf16 autocast where the hardware supports it (CUDA with bf16); full precision elsewhere."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class MetricsLog:
+    """Append-only JSON lines, flushed per line so that a crash loses at most the line being written."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", buffering=1)
+
+    def write(self, **fields) -> None:
+        self._file.write(json.dumps(fields) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class Counters:
+    step: int = 0
+    round: int = 0
+    tokens: int = 0
+    tokens_in_round: int = 0
+    merges: int = 0
+    merge_failures: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    compute_s: float = 0.0
+    merge_wait_s: float = 0.0
+    global_tokens: float = 0.0
+    """Tokens whose effect reached this peer's global model (its weight when global models are averaged)."""
+    last_group_size: int = 1
+    last_merge_s: float = 0.0
+
+
+class Learner:
+    """One peer's training loop.
+
+    Args:
+        cfg: the run's config.
+        model: the model, already on `device`, with the swarm's initial weights.
+        next_batch: returns (inputs, targets) on CPU, shape [batch, seq_len].
+        val_batches: fixed validation batches (the same on every peer).
+        merger: the network, behind `Merger.submit`.
+        device: where inner steps run.
+        metrics: where metrics lines go.
+        should_stop: polled between steps; True ends the run early (Ctrl+C, SIGTERM).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        model: torch.nn.Module,
+        next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+        val_batches: list[tuple[torch.Tensor, torch.Tensor]],
+        merger: Merger,
+        device: torch.device,
+        metrics: MetricsLog,
+        should_stop: Callable[[], bool] = lambda: False,
+    ):
+        self.cfg, self.model, self.next_batch, self.val_batches = cfg, model, next_batch, val_batches
+        self.merger, self.device, self.metrics, self.should_stop = merger, device, metrics, should_stop
+        inner = cfg.inner
+        self.opt = torch.optim.AdamW(
+            model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2), weight_decay=inner.weight_decay
+        )
+        self.global_params = self._local_params()
+        self.momentum = torch.zeros_like(self.global_params)
+        self.c = Counters()
+        self.t_start = time.monotonic()
+        self.last_loss = float("nan")
+        self.eval_loss_initial = float("nan")
+        self.eval_loss_final = float("nan")
+        self._loss_sum, self._loss_n, self._t_log, self._tokens_log = 0.0, 0, time.monotonic(), 0
+        self.tag = merger.peer_id[-6:]
+
+    # ---- the loop ----
+
+    def run(self) -> dict:
+        """Train until `run.total_steps` inner steps or until asked to stop; returns this peer's summary."""
+        H, total = self.cfg.swarm.round_steps, self.cfg.run.total_steps
+        self.eval_loss_initial = self.evaluate()
+        self.metrics.write(kind="eval", elapsed_s=self.elapsed(), step=0, tokens=0, eval_loss=self.eval_loss_initial)
+        logger.info("[%s] eval loss at start %.4f", self.tag, self.eval_loss_initial)
+        while self.c.step < total and not self.should_stop():
+            self.inner_step()
+            if self.c.step % H == 0 or self.c.step == total:
+                result = self.submit_round()
+                if result is None:  # asked to stop while merging
+                    break
+                self.apply_merge(result)
+                self.log_merge(result)
+        self.eval_loss_final = self.evaluate_global()
+        self.metrics.write(
+            kind="eval", elapsed_s=self.elapsed(), step=self.c.step, tokens=self.c.tokens, eval_loss=self.eval_loss_final
+        )
+        return self.summary()
+
+    def inner_step(self) -> float:
+        """One AdamW step on a local batch, with the run-wide warmup + cosine schedule."""
+        t0 = time.monotonic()
+        inner = self.cfg.inner
+        lr = cosine_lr(self.c.step, inner.lr, inner.warmup_steps, self.cfg.run.total_steps, inner.min_lr_ratio)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        x, y = self.next_batch()
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with autocast_for(self.device):
+            _, loss = self.model(x, y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), inner.grad_clip)
+        self.opt.step()
+        loss_value = float(loss.detach())
+        self.c.compute_s += time.monotonic() - t0
+        self.c.step += 1
+        self.c.tokens += x.numel()
+        self.c.tokens_in_round += x.numel()
+        self.last_loss = loss_value
+        self._loss_sum += loss_value
+        self._loss_n += 1
+        if self.c.step % self.cfg.run.log_every == 0:
+            self.log_train(lr)
+        return loss_value
+
+    def submit_round(self) -> MergeResult | None:
+        """Hand Δ to the merger and wait for the merged result (synchronous DiLoCo); None if told to stop."""
+        local = self._local_params()
+        contribution = Contribution(
+            pseudo_grad=pseudo_gradient(self.global_params, local),
+            weight=float(self.c.tokens_in_round),
+            global_params=self.global_params,
+            momentum=self.momentum,
+            state_digest=self.global_digest(),
+            state_weight=self.c.global_tokens,
+            round=self.c.round,
+        )
+        t0 = time.monotonic()
+        future = self.merger.submit(contribution)
+        bound = self.cfg.swarm.merge_window_s + 2 * self.cfg.swarm.merge_timeout_s + 30
+        while True:
+            try:
+                result = future.result(timeout=0.2)
+                break
+            except FutureTimeout:
+                if self.should_stop():
+                    future.cancel()
+                    return None
+                if time.monotonic() - t0 > bound:  # a bug in the merger must not hang the peer forever
+                    logger.error("[%s] merge did not finish in %.0f s; merging alone", self.tag, bound)
+                    result = MergeResult(group=[self.merger.peer_id], pseudo_grad=contribution.pseudo_grad,
+                                         total_weight=contribution.weight, failure="merger hung")
+                    break
+        self.c.merge_wait_s += time.monotonic() - t0
+        return result
+
+    def apply_merge(self, result: MergeResult) -> None:
+        """Outer Nesterov step on the merged Δ̄, then restart the local model from the new θg."""
+        n = self.global_params.numel()
+        if result.global_state is not None:  # members disagreed: adopt the group's averaged global model
+            self.global_params = result.global_state[:n].clone()
+            self.momentum = result.global_state[n:].clone()
+        outer = self.cfg.outer
+        self.global_params, self.momentum = outer_step(
+            self.global_params, self.momentum, result.pseudo_grad, outer.lr, outer.momentum, outer.nesterov
+        )
+        load_flat_(self.model, self.global_params)
+        self.c.round += 1
+        self.c.tokens_in_round = 0
+        self.c.global_tokens += result.total_weight
+        self.c.merges += 0 if result.alone else 1
+        self.c.merge_failures += 1 if result.failure else 0
+        self.c.bytes_sent += result.bytes_sent
+        self.c.bytes_received += result.bytes_received
+        self.c.last_group_size = len(result.group)
+        self.c.last_merge_s = result.duration_s
+
+    # ---- measurements ----
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss of the model as it is now."""
+        self.model.eval()
+        losses = []
+        for x, y in self.val_batches:
+            with autocast_for(self.device):
+                _, loss = self.model(x.to(self.device), y.to(self.device))
+            losses.append(float(loss))
+        self.model.train()
+        return sum(losses) / len(losses) if losses else float("nan")
+
+    def evaluate_global(self) -> float:
+        """Validation loss of the global model θg (the local model may have moved on since the last merge)."""
+        local = self._local_params()
+        load_flat_(self.model, self.global_params)
+        try:
+            return self.evaluate()
+        finally:
+            load_flat_(self.model, local)
+
+    def log_train(self, lr: float) -> None:
+        now = time.monotonic()
+        tps = (self.c.tokens - self._tokens_log) / max(now - self._t_log, 1e-9)
+        self.metrics.write(
+            kind="train", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round, tokens=self.c.tokens,
+            loss=self._loss_sum / max(self._loss_n, 1), lr=lr, tokens_per_s=tps,
+            bytes_sent=self.c.bytes_sent, bytes_received=self.c.bytes_received, merges=self.c.merges,
+        )
+        self._loss_sum, self._loss_n, self._t_log, self._tokens_log = 0.0, 0, now, self.c.tokens
+
+    def log_merge(self, result: MergeResult) -> None:
+        eval_loss = self.evaluate()  # the local model equals θg right after a merge
+        self.metrics.write(
+            kind="merge", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round, tokens=self.c.tokens,
+            group_size=len(result.group), group_id=result.group_id, merges=self.c.merges, failure=result.failure,
+            merge_s=result.duration_s, bytes_sent=self.c.bytes_sent, bytes_received=self.c.bytes_received,
+            global_digest=self.global_digest(), adopted_state=result.global_state is not None, eval_loss=eval_loss,
+        )
+        logger.info(
+            "[%s] round %d: merged with %d peer(s) in %.2f s%s, eval loss %.4f", self.tag, self.c.round,
+            len(result.group), result.duration_s, f" (failed: {result.failure})" if result.failure else "", eval_loss,
+        )
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t_start
+
+    def global_digest(self) -> str:
+        return state_digest(self.global_params, self.momentum)
+
+    def record(self) -> dict:
+        """What this peer tells the swarm in its heartbeat."""
+        wall = max(self.elapsed(), 1e-9)
+        return {
+            "step": self.c.step, "round": self.c.round, "tokens": self.c.tokens, "loss": _finite(self.last_loss),
+            "tokens_per_s": self.c.tokens / wall, "merges": self.c.merges,
+            "bytes_sent": self.c.bytes_sent, "bytes_received": self.c.bytes_received,
+            "last_group_size": self.c.last_group_size, "last_merge_s": self.c.last_merge_s,
+        }
+
+    def summary(self) -> dict:
+        return {
+            "peer_id": self.merger.peer_id, "inner_steps": self.c.step, "tokens": self.c.tokens,
+            "rounds": self.c.round, "merges": self.c.merges, "merge_failures": self.c.merge_failures,
+            "bytes_sent": self.c.bytes_sent, "bytes_received": self.c.bytes_received,
+            "wall_s": self.elapsed(), "compute_s": self.c.compute_s, "merge_wait_s": self.c.merge_wait_s,
+            "eval_loss_initial": self.eval_loss_initial, "eval_loss_final": self.eval_loss_final,
+            "global_digest": self.global_digest(), "device": str(self.device),
+        }
+
+    def _local_params(self) -> torch.Tensor:
+        return parameters_to_vector(self.model.parameters()).detach().float().cpu().clone()
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None

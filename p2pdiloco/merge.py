@@ -1,0 +1,131 @@
+"""The one narrow interface between the learner and the network: submit a contribution, get a merge result.
+
+The learner never sees a DHT or a socket. `P2PMerger` (in `p2p_merger.py`) implements this over hivemind;
+`InMemoryMerger` below implements it for tests of the learner loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from p2pdiloco.outer import weighted_average
+
+
+@dataclass
+class Contribution:
+    """What a peer offers to a merge at the end of a round."""
+
+    pseudo_grad: torch.Tensor
+    """Flat fp32 CPU Δ = θg − θ."""
+    weight: float
+    """Tokens processed in this round: the contribution's weight in the average."""
+    global_params: torch.Tensor
+    """Flat fp32 CPU θg the pseudo-gradient was taken against (averaged only when members disagree)."""
+    momentum: torch.Tensor
+    """Flat fp32 CPU outer momentum buffer (travels with θg when members disagree)."""
+    state_digest: str
+    """Hash of (θg, momentum): members compare digests to see whether their global models agree."""
+    state_weight: float
+    """Tokens already merged into θg: how much a member's θg counts when global models are averaged."""
+    round: int = 0
+    """This peer's round counter, for logs."""
+
+
+@dataclass
+class MergeResult:
+    """The outcome of one merge: a group average, or this peer alone."""
+
+    group: list[str]
+    """Peer ids of the merge group in group order; just this peer when it merged alone."""
+    pseudo_grad: torch.Tensor
+    """Weighted average Δ̄ over the group (this peer's own Δ when alone)."""
+    total_weight: float
+    """Sum of the members' weights (tokens)."""
+    global_state: torch.Tensor | None = None
+    """When members' global models disagreed: the averaged θg and momentum concatenated, else None."""
+    failure: str = ""
+    """Why a group merge was abandoned (and this peer merged alone instead); empty if none failed."""
+    bytes_sent: int = 0
+    """Bytes this peer sent for this merge."""
+    bytes_received: int = 0
+    """Bytes this peer received for this merge."""
+    duration_s: float = 0.0
+    """Seconds from submit to result."""
+    group_id: str = ""
+    """Identifier of the merge group ('' when alone)."""
+
+    @property
+    def alone(self) -> bool:
+        return len(self.group) <= 1
+
+
+def alone_result(peer_id: str, contribution: Contribution, failure: str = "", **kwargs) -> MergeResult:
+    """A merge with oneself: DiLoCo with one replica still applies its own outer step."""
+    return MergeResult(
+        group=[peer_id], pseudo_grad=contribution.pseudo_grad, total_weight=contribution.weight, failure=failure, **kwargs
+    )
+
+
+class Merger(Protocol):
+    """What the learner needs from the network."""
+
+    peer_id: str
+
+    def submit(self, contribution: Contribution) -> Future[MergeResult]:
+        """Start merging `contribution` with whichever peers are ready; the future never raises."""
+        ...
+
+    def close(self) -> None:
+        """Abandon merges in flight and release resources."""
+        ...
+
+
+@dataclass
+class _Rendezvous:
+    expected: int
+    contributions: dict[str, Contribution] = field(default_factory=dict)
+    futures: dict[str, Future] = field(default_factory=dict)
+
+
+class InMemoryMerger:
+    """A fake merger for tests: peers in one process that share a `hub` dict merge once `group_size` arrive.
+
+    Args:
+        peer_id: this peer's id.
+        hub: a dict shared by all fakes of one test, with a "lock" and "group_size" entry.
+    """
+
+    def __init__(self, peer_id: str, hub: dict):
+        self.peer_id = peer_id
+        self.hub = hub
+        hub.setdefault("lock", threading.Lock())
+
+    def submit(self, contribution: Contribution) -> Future[MergeResult]:
+        future: Future[MergeResult] = Future()
+        with self.hub["lock"]:
+            rv = self.hub.setdefault("pending", _Rendezvous(self.hub["group_size"]))
+            rv.contributions[self.peer_id] = contribution
+            rv.futures[self.peer_id] = future
+            if len(rv.contributions) < rv.expected:
+                return future
+            del self.hub["pending"]
+        group = sorted(rv.contributions)
+        members = [rv.contributions[p] for p in group]
+        avg = weighted_average([c.pseudo_grad for c in members], [c.weight for c in members])
+        state = None
+        if len({c.state_digest for c in members}) > 1:
+            state = weighted_average(
+                [torch.cat([c.global_params, c.momentum]) for c in members], [c.state_weight for c in members]
+            )
+        total = sum(c.weight for c in members)
+        for p in group:
+            rv.futures[p].set_result(MergeResult(group=group, pseudo_grad=avg, total_weight=total, global_state=state))
+        return future
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,98 @@
+"""Training math of DiLoCo as pure functions on flat fp32 tensors: no network, no threads.
+
+References: DiLoCo (arXiv 2311.08105) for the pseudo-gradient and the Nesterov outer step; Async Local-SGD
+(arXiv 2401.09135) for keeping the inner steps taken while a merge is in flight (the rebase).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def pseudo_gradient(global_params: torch.Tensor, local_params: torch.Tensor) -> torch.Tensor:
+    """Δ = θg − θ: how far this peer's inner steps moved it from the global model.
+
+    Args:
+        global_params: flat fp32 global model θg at the start of the round.
+        local_params: flat fp32 local model θ at the end of the round.
+
+    Returns:
+        A new flat fp32 tensor. It points *against* the direction of progress, like a gradient.
+    """
+    return global_params.float() - local_params.float()
+
+
+def outer_step(
+    global_params: torch.Tensor,
+    momentum: torch.Tensor,
+    pseudo_grad: torch.Tensor,
+    lr: float,
+    mu: float,
+    nesterov: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of (Nesterov) SGD on the global model, as torch.optim.SGD computes it.
+
+    m ← μ·m + Δ;  θg ← θg − lr·(Δ + μ·m) with Nesterov, else θg ← θg − lr·m.
+
+    Args:
+        global_params: flat fp32 θg before the step.
+        momentum: flat fp32 momentum buffer m (zeros before the first step).
+        pseudo_grad: flat fp32 merged Δ̄.
+        lr: outer learning rate (DiLoCo: 0.7).
+        mu: outer momentum (DiLoCo: 0.9).
+        nesterov: use the Nesterov form.
+
+    Returns:
+        (new θg, new m), both new tensors; the inputs are not modified.
+    """
+    new_momentum = momentum * mu + pseudo_grad
+    update = pseudo_grad + new_momentum * mu if nesterov else new_momentum
+    return global_params - update * lr, new_momentum
+
+
+def rebase(new_global: torch.Tensor, local_now: torch.Tensor, local_at_submit: torch.Tensor) -> torch.Tensor:
+    """θ ← θg + (θ − θ_at_submit): move onto the new global model, keeping steps taken since the submit."""
+    return new_global + (local_now - local_at_submit)
+
+
+def weighted_average(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """Σ wᵢ·xᵢ / Σ wᵢ, summed in the given order so that every peer computing it gets the same bits.
+
+    Args:
+        tensors: same-shape fp32 tensors, one per merge-group member, in group order.
+        weights: non-negative weights (tokens processed); if all are zero, members count equally.
+    """
+    if len(tensors) != len(weights) or not tensors:
+        raise ValueError("need one weight per tensor and at least one tensor")
+    if any(w < 0 for w in weights):
+        raise ValueError("weights must be non-negative")
+    total = float(sum(weights))
+    if total <= 0:
+        weights, total = [1.0] * len(tensors), float(len(tensors))
+    out = torch.zeros_like(tensors[0], dtype=torch.float32)
+    for x, w in zip(tensors, weights, strict=True):
+        out.add_(x.float(), alpha=w / total)
+    return out
+
+
+def cosine_lr(step: int, peak_lr: float, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Linear warmup to `peak_lr`, then cosine decay to `min_ratio`·peak at `total_steps` (nanoGPT's get_lr)."""
+    min_lr = peak_lr * min_ratio
+    if step < warmup_steps:
+        return peak_lr * (step + 1) / warmup_steps
+    if step >= total_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak_lr - min_lr)
+
+
+def state_digest(*tensors: torch.Tensor) -> str:
+    """A short hash of tensors' exact bytes: equal digests mean bit-identical global state."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -1,0 +1,405 @@
+"""Merging pseudo-gradients with whichever peers are ready, over hivemind's libp2p daemon.
+
+One merge, seen from one peer:
+
+1. **Ready.** The peer writes a `ready` record (with its matchmaking deadline) to the DHT.
+2. **Group.** The peer with the smallest id among those ready is the leader. It invites the others as soon
+   as every live peer is ready, or at its deadline with whoever is. Each peer accepts at most one invite
+   per merge; the leader then sends the final member list, the members' weights and whether their global
+   models disagree (digests differ) to every member. A peer that is not invited in time merges alone.
+3. **Exchange.** A reduce-scatter then all-gather, as in a butterfly all-reduce: member j owns slice j of
+   the vector, receives that slice from every member, and only when it holds all of them sends back
+   the weighted average. A member applies the result only if it received *every* averaged slice, so a
+   member that dies mid-merge makes the merge fail, and never leaves anyone a partial average (the silent
+   failure mode of hivemind's all-reduce with `next_chunk_timeout`, see DESIGN.md). Every member that
+   succeeds holds the same bits, because each slice is averaged once, by its owner.
+4. **Agreement.** If the members' global models differ (a member merged alone or failed a merge), the
+   group also averages (θg, momentum), weighted by the tokens each member's θg has absorbed; a fresh
+   peer, with none, adopts the swarm's model.
+
+We use libp2p streams directly instead of hivemind's `DecentralizedAverager` because that averager applies
+averages as per-member deltas (so members end up one rounding error apart), swallows codec failures and
+can apply partial averages without a signal; here every byte sent is counted and every failure is seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import hivemind
+import torch
+from hivemind.p2p import PeerID
+from hivemind.utils.timed_storage import get_dht_time
+
+from p2pdiloco.config import SwarmConfig
+from p2pdiloco.merge import Contribution, MergeResult, alone_result
+from p2pdiloco.outer import weighted_average
+from p2pdiloco.swarm import BackgroundLoop, peers_key, read_subkeys, ready_key, write_subkey
+from p2pdiloco.wire import ByteCounter, WireError, recv_msg, send_msg
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.25
+"""How often a peer looking for a group re-reads the ready records."""
+RPC_TIMEOUT_S = 5.0
+"""Bound on one small request (invite, group notice)."""
+
+
+class MergeFailed(Exception):
+    """A group merge that must not be applied."""
+
+
+def slice_bounds(length: int, parts: int) -> list[tuple[int, int]]:
+    """Split range(length) into `parts` contiguous near-equal slices, the same on every member."""
+    base, extra = divmod(length, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+@dataclass
+class _Slot:
+    """The slice of one vector that this peer reduces for its group."""
+
+    weights: list[float]
+    parts: list[torch.Tensor | None]
+    result: asyncio.Future
+
+    def add(self, index: int, part: torch.Tensor) -> None:
+        if self.parts[index] is not None:
+            raise MergeFailed(f"duplicate part from member {index}")
+        self.parts[index] = part
+        if all(p is not None for p in self.parts) and not self.result.done():
+            self.result.set_result(weighted_average(self.parts, self.weights))
+
+
+@dataclass
+class _Group:
+    group_id: str
+    members: list[str]
+    weights: list[float]
+    state_weights: list[float]
+    need_state: bool
+    lengths: dict[str, int]
+    """Vector length per tag: 'd' for the pseudo-gradient, 's' for (θg, momentum)."""
+    slots: dict[str, _Slot] = field(default_factory=dict)
+
+    def slot(self, tag: str, my_index: int) -> _Slot:
+        if tag not in self.slots:
+            lo, hi = slice_bounds(self.lengths[tag], len(self.members))[my_index]
+            weights = self.weights if tag == "d" else self.state_weights
+            self.slots[tag] = _Slot(list(weights), [None] * len(self.members), asyncio.get_running_loop().create_future())
+        return self.slots[tag]
+
+
+@dataclass
+class _Search:
+    """This peer's current search for a group."""
+
+    contribution: Contribution
+    deadline: float
+    leading: bool = False
+    accepted_gid: str = ""
+    leader: str = ""
+    invited: asyncio.Event = field(default_factory=asyncio.Event)
+    group: asyncio.Future | None = None
+
+
+class P2PMerger:
+    """Merges contributions with other peers of the run over the DHT's p2p daemon.
+
+    Args:
+        dht: this peer's running DHT.
+        cfg: swarm settings (run id, merge window and timeout).
+        loop: the background loop that runs all network work.
+        n_params: length of the flat parameter vector (the same on every peer of the swarm).
+    """
+
+    def __init__(self, dht: hivemind.DHT, cfg: SwarmConfig, loop: BackgroundLoop, n_params: int):
+        self.dht, self.cfg, self._loop, self.n_params = dht, cfg, loop, n_params
+        self.peer_id = dht.peer_id.to_base58()
+        self.counter = ByteCounter()
+        self._search: _Search | None = None
+        self._groups: dict[str, asyncio.Future] = {}
+        self._p2p = None
+        self._closed = False
+        self._ready_expiration = 0.0
+        self._loop.run(self._setup(), timeout=30)
+
+    def _proto(self, op: str) -> str:
+        return f"p2pdiloco.{self.cfg.run_id}.{op}"
+
+    async def _setup(self) -> None:
+        self._p2p = await self.dht.replicate_p2p()
+        await self._p2p.add_binary_stream_handler(self._proto("invite"), self._on_invite)
+        await self._p2p.add_binary_stream_handler(self._proto("group"), self._on_group)
+        await self._p2p.add_binary_stream_handler(self._proto("part"), self._on_part)
+
+    # ---- the interface the learner sees ----
+
+    def submit(self, contribution: Contribution) -> Future[MergeResult]:
+        return self._loop.submit(self._merge(contribution))
+
+    def close(self) -> None:
+        self._closed = True
+
+    # ---- one merge ----
+
+    async def _merge(self, c: Contribution) -> MergeResult:
+        t0, sent0, recv0 = time.monotonic(), self.counter.sent, self.counter.received
+
+        def finish(result: MergeResult) -> MergeResult:
+            result.bytes_sent = self.counter.sent - sent0
+            result.bytes_received = self.counter.received - recv0
+            result.duration_s = time.monotonic() - t0
+            return result
+
+        group = None
+        try:
+            group = await self._find_group(c)
+            if group is None:
+                return finish(alone_result(self.peer_id, c))
+            me = group.members.index(self.peer_id)
+            timeout = self.cfg.merge_timeout_s
+            avg = await asyncio.wait_for(self._allreduce(group, me, "d", c.pseudo_grad), timeout)
+            state = None
+            if group.need_state:
+                state = await asyncio.wait_for(
+                    self._allreduce(group, me, "s", torch.cat([c.global_params, c.momentum])), timeout
+                )
+            return finish(
+                MergeResult(
+                    group=list(group.members), pseudo_grad=avg, total_weight=float(sum(group.weights)),
+                    global_state=state, group_id=group.group_id,
+                )
+            )
+        except (MergeFailed, WireError, TimeoutError, ConnectionError, OSError) as e:
+            reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            logger.warning("[%s] merge of round %d failed, merging alone: %s", self.peer_id[-6:], c.round, reason)
+            return finish(alone_result(self.peer_id, c, failure=reason))
+        except Exception as e:  # the future must never raise into the learner: a bug here costs one merge
+            logger.exception("[%s] unexpected error in merge", self.peer_id[-6:])
+            return finish(alone_result(self.peer_id, c, failure=f"{type(e).__name__}: {e}"))
+        finally:
+            if group is not None:
+                self._groups.pop(group.group_id, None)
+
+    async def _find_group(self, c: Contribution) -> _Group | None:
+        window = self.cfg.merge_window_s
+        search = _Search(contribution=c, deadline=get_dht_time() + window)
+        self._search = search
+        me = self.peer_id
+        try:
+            await self._write_ready({"looking": True, "deadline": search.deadline}, ttl=window + 5)
+            while not self._closed:
+                if search.accepted_gid:
+                    return await self._await_group(search)
+                ready = {p: r for p, r in (await read_subkeys(self.dht, ready_key(self.cfg.run_id))).items() if r.get("looking")}
+                ready[me] = {"deadline": search.deadline}
+                live = len(await read_subkeys(self.dht, peers_key(self.cfg.run_id)))
+                now = get_dht_time()
+                leader = min(ready)
+                if search.accepted_gid:
+                    return await self._await_group(search)
+                if leader == me:
+                    if len(ready) > 1 and (len(ready) >= live or now >= search.deadline):
+                        return await self._lead(search, sorted(p for p in ready if p != me))
+                    if now >= search.deadline or live <= 1:
+                        return None
+                else:
+                    leader_deadline = float(ready[leader].get("deadline", search.deadline))
+                    if now >= min(max(search.deadline, leader_deadline) + RPC_TIMEOUT_S, search.deadline + window):
+                        return None
+                try:
+                    await asyncio.wait_for(search.invited.wait(), POLL_S)
+                except TimeoutError:
+                    pass
+            return None
+        finally:
+            self._search = None
+            # withdraw the ready record in the background: the exchange should not wait for the DHT
+            asyncio.create_task(self._write_ready({"looking": False}, ttl=window + 5))
+
+    async def _write_ready(self, value: dict, ttl: float) -> None:
+        # each version of our ready record must expire later than the last, or the DHT keeps the old one
+        self._ready_expiration = max(get_dht_time() + ttl, self._ready_expiration + 1e-3)
+        await write_subkey(self.dht, ready_key(self.cfg.run_id), self.peer_id, value, self._ready_expiration)
+
+    async def _lead(self, search: _Search, candidates: list[str]) -> _Group | None:
+        search.leading = True  # from here on, invites from others are declined
+        gid = secrets.token_hex(8)
+        c = search.contribution
+        replies = await asyncio.gather(*(self._rpc(p, "invite", {"group_id": gid}) for p in candidates))
+        members, weights, state_weights, digests = [self.peer_id], [c.weight], [c.state_weight], [c.state_digest]
+        for peer, reply in zip(candidates, replies, strict=True):
+            if reply and reply.get("accept") is True:
+                try:
+                    w, sw, d = float(reply["weight"]), float(reply["state_weight"]), str(reply["digest"])
+                except (KeyError, TypeError, ValueError):
+                    continue
+                if w >= 0 and sw >= 0:
+                    members.append(peer)
+                    weights.append(w)
+                    state_weights.append(sw)
+                    digests.append(d)
+        if len(members) == 1:
+            return None
+        group = _Group(gid, members, weights, state_weights, len(set(digests)) > 1, self._lengths())
+        self._group_future(gid).set_result(group)
+        notice = {"group_id": gid, "members": members, "weights": weights, "state_weights": state_weights, "need_state": group.need_state}
+        await asyncio.gather(*(self._rpc(p, "group", notice) for p in members[1:]))
+        logger.info("[%s] leading merge group %s of %d peers", self.peer_id[-6:], gid, len(members))
+        return group
+
+    async def _await_group(self, search: _Search) -> _Group | None:
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._group_future(search.accepted_gid)), RPC_TIMEOUT_S)
+        except TimeoutError:
+            logger.info("[%s] leader %s never sent the group; merging alone", self.peer_id[-6:], search.leader[-6:])
+            self._groups.pop(search.accepted_gid, None)
+            return None
+
+    def _lengths(self) -> dict[str, int]:
+        return {"d": self.n_params, "s": 2 * self.n_params}
+
+    def _group_future(self, gid: str) -> asyncio.Future:
+        if gid not in self._groups:
+            self._groups[gid] = asyncio.get_running_loop().create_future()
+        return self._groups[gid]
+
+    async def _allreduce(self, group: _Group, me: int, tag: str, vector: torch.Tensor) -> torch.Tensor:
+        vector = vector.detach().float().contiguous().cpu()
+        if vector.numel() != group.lengths[tag]:
+            raise MergeFailed(f"vector of {vector.numel()} values, group expects {group.lengths[tag]}")
+        bounds = slice_bounds(vector.numel(), len(group.members))
+        slot = group.slot(tag, me)
+        lo, hi = bounds[me]
+        slot.add(me, vector[lo:hi].clone())
+
+        async def exchange(j: int) -> torch.Tensor:
+            if j == me:
+                return await asyncio.shield(slot.result)
+            lo, hi = bounds[j]
+            header = {"group_id": group.group_id, "tag": tag, "index": me}
+            reply, payload = await self._call(group.members[j], "part", header, vector[lo:hi].numpy().tobytes(), (hi - lo) * 4)
+            if not reply.get("ok"):
+                raise MergeFailed(f"member {group.members[j][-6:]} could not reduce its slice: {reply.get('error')}")
+            if len(payload) != (hi - lo) * 4:
+                raise MergeFailed(f"member {group.members[j][-6:]} returned {len(payload)} bytes, expected {(hi - lo) * 4}")
+            return torch.frombuffer(bytearray(payload), dtype=torch.float32)
+
+        parts = await asyncio.gather(*(exchange(j) for j in range(len(group.members))))
+        return torch.cat(parts)
+
+    # ---- requests ----
+
+    async def _call(self, peer: str, op: str, header: dict, payload: bytes = b"", max_reply: int = 0) -> tuple[dict, bytes]:
+        _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._proto(op))
+        try:
+            await send_msg(writer, header, payload, self.counter)
+            return await recv_msg(reader, max_reply, self.counter)
+        finally:
+            writer.close()
+
+    async def _rpc(self, peer: str, op: str, header: dict) -> dict | None:
+        """A small request with a short timeout; None if the peer did not answer."""
+        try:
+            reply, _ = await asyncio.wait_for(self._call(peer, op, header), RPC_TIMEOUT_S)
+            return reply
+        except Exception as e:  # an unreachable or dead peer is normal in a swarm
+            logger.debug("[%s] %s to %s failed: %r", self.peer_id[-6:], op, peer[-6:], e)
+            return None
+
+    # ---- handlers: what other peers ask of us ----
+
+    async def _on_invite(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            header, _ = await asyncio.wait_for(recv_msg(reader, 0, self.counter), RPC_TIMEOUT_S)
+            search, gid = self._search, header.get("group_id")
+            reply = {"accept": False}
+            if search is not None and not search.leading and not search.accepted_gid and isinstance(gid, str) and gid:
+                search.accepted_gid, search.leader = gid, info.peer_id.to_base58()
+                search.invited.set()
+                c = search.contribution
+                reply = {"accept": True, "weight": c.weight, "state_weight": c.state_weight, "digest": c.state_digest}
+            await send_msg(writer, reply, counter=self.counter)
+        except Exception as e:
+            logger.debug("[%s] bad invite: %r", self.peer_id[-6:], e)
+        finally:
+            writer.close()
+
+    async def _on_group(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            header, _ = await asyncio.wait_for(recv_msg(reader, 0, self.counter), RPC_TIMEOUT_S)
+            gid = header.get("group_id")
+            search = self._search
+            ok = (
+                search is not None and gid == search.accepted_gid and info.peer_id.to_base58() == search.leader
+                and self._valid_notice(header)
+            )
+            if ok:
+                group = _Group(
+                    gid, [str(m) for m in header["members"]], [float(w) for w in header["weights"]],
+                    [float(w) for w in header["state_weights"]], bool(header["need_state"]), self._lengths(),
+                )
+                fut = self._group_future(gid)
+                if not fut.done():
+                    fut.set_result(group)
+            await send_msg(writer, {"ok": ok}, counter=self.counter)
+        except Exception as e:
+            logger.debug("[%s] bad group notice: %r", self.peer_id[-6:], e)
+        finally:
+            writer.close()
+
+    def _valid_notice(self, h: dict) -> bool:
+        members, weights, sw = h.get("members"), h.get("weights"), h.get("state_weights")
+        return (
+            isinstance(members, list) and isinstance(weights, list) and isinstance(sw, list)
+            and 2 <= len(members) == len(weights) == len(sw) and len(set(members)) == len(members)
+            and self.peer_id in members and all(isinstance(m, str) for m in members)
+            and all(isinstance(w, int | float) and w >= 0 for w in weights + sw)
+        )
+
+    async def _on_part(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            max_part = 2 * self.n_params * 4
+            header, payload = await asyncio.wait_for(recv_msg(reader, max_part, self.counter), self.cfg.merge_timeout_s)
+            try:
+                result = await self._reduce_part(info.peer_id.to_base58(), header, payload)
+                await send_msg(writer, {"ok": True}, result.numpy().tobytes(), self.counter)
+            except (MergeFailed, TimeoutError) as e:
+                await send_msg(writer, {"ok": False, "error": f"{type(e).__name__}: {e}"}, counter=self.counter)
+        except Exception as e:
+            logger.debug("[%s] part exchange failed: %r", self.peer_id[-6:], e)
+        finally:
+            writer.close()
+
+    async def _reduce_part(self, sender: str, header: dict, payload: bytes) -> torch.Tensor:
+        gid, tag, index = header.get("group_id"), header.get("tag"), header.get("index")
+        if not isinstance(gid, str) or tag not in ("d", "s") or not isinstance(index, int):
+            raise MergeFailed("malformed part header")
+        search = self._search
+        if gid not in self._groups and (search is None or search.accepted_gid != gid):
+            raise MergeFailed("unknown group")  # checked first so that strangers cannot make us hold state
+        self._group_future(gid)  # our own group notice may still be on its way
+        group: _Group = await asyncio.wait_for(asyncio.shield(self._groups[gid]), RPC_TIMEOUT_S)
+        if not 0 <= index < len(group.members) or group.members[index] != sender:
+            raise MergeFailed("sender is not that member of the group")
+        me = group.members.index(self.peer_id)
+        lo, hi = slice_bounds(group.lengths[tag], len(group.members))[me]
+        if len(payload) != (hi - lo) * 4:
+            raise MergeFailed(f"part of {len(payload)} bytes, expected {(hi - lo) * 4}")
+        part = torch.frombuffer(bytearray(payload), dtype=torch.float32)
+        if not torch.isfinite(part).all():
+            raise MergeFailed(f"non-finite values from {sender[-6:]}")
+        slot = group.slot(tag, me)
+        slot.add(index, part)
+        return await asyncio.wait_for(asyncio.shield(slot.result), self.cfg.merge_timeout_s)

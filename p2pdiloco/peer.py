@@ -1,0 +1,145 @@
+"""One peer process: data, model, DHT, merger and learner wired together, and closed in order."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import platform
+import signal
+import threading
+from pathlib import Path
+
+import torch
+from hivemind.utils.timed_storage import get_dht_time
+
+from p2pdiloco import __version__
+from p2pdiloco.config import Config
+from p2pdiloco.data import BatchSampler, eval_batches, load_text
+from p2pdiloco.learner import Learner, MetricsLog, pick_device
+from p2pdiloco.model import build_model, count_params
+from p2pdiloco.p2p_merger import P2PMerger
+from p2pdiloco.swarm import (
+    BackgroundLoop,
+    check_fingerprint,
+    peers_key,
+    read_subkeys,
+    start_dht,
+    visible_maddrs,
+    write_subkey,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM: the peer finishes its inner step, abandons any merge and exits cleanly.
+
+    A second SIGINT raises KeyboardInterrupt for an immediate (still cleaned-up) exit.
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def __call__(self) -> bool:
+        return self._event.is_set()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def install(self) -> None:
+        def on_signal(signum, _frame):
+            if self._event.is_set() and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            logger.warning("%s received: stopping after the current step", signal.Signals(signum).name)
+            self._event.set()
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write via a temporary file, fsync and rename, so a reader never sees a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_global_atomic(path: Path, learner: Learner) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(
+        {"global_params": learner.global_params, "momentum": learner.momentum, "step": learner.c.step,
+         "round": learner.c.round, "tokens": learner.c.tokens, "config": learner.cfg.to_dict()},
+        tmp,
+    )
+    with tmp.open("rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+async def heartbeat(dht, run_id: str, peer_id: str, record, period: float) -> None:
+    """Publish this peer's record every `period` seconds; it expires after three missed beats."""
+    while True:
+        await write_subkey(dht, peers_key(run_id), peer_id, record(), get_dht_time() + 3 * period)
+        await asyncio.sleep(period)
+
+
+def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
+    """Join the swarm, train, write the run folder; returns the summary.
+
+    Args:
+        cfg: the run's config.
+        stop: polled between steps.
+        announce: where to print the lines a user needs (addresses); `print` for the CLI.
+    """
+    if cfg.run.threads > 0:
+        torch.set_num_threads(cfg.run.threads)
+    run_dir = Path(cfg.run.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device = pick_device(cfg.run.device)
+    data = load_text(cfg.data, min_bytes=2 * (cfg.model.seq_len + 1))
+    sampler = BatchSampler(data.train, cfg.model.seq_len, cfg.data.batch_size, cfg.run.seed, cfg.data.shard)
+    val = eval_batches(data.val, cfg.model.seq_len, cfg.data.batch_size, cfg.run.eval_batches)
+    model = build_model(cfg.model).to(device)
+    n_params = count_params(model)
+    logger.info("model: %d parameters on %s; data: %d files, %d bytes (%s)", n_params, device, data.n_files,
+                data.n_bytes, data.source)
+
+    dht = start_dht(cfg.swarm)
+    loop = BackgroundLoop()
+    merger = metrics = None
+    try:
+        peer_id = dht.peer_id.to_base58()
+        maddrs = visible_maddrs(dht)
+        announce(f"peer {peer_id} listening on:")
+        for m in maddrs:
+            announce(f"  {m}")
+        announce("others can join with: p2pdiloco peer --initial-peers " + (maddrs[0] if maddrs else "<address>"))
+        fingerprint = cfg.fingerprint()
+        check_fingerprint(fingerprint, loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30))
+
+        merger = P2PMerger(dht, cfg.swarm, loop, n_params)
+        metrics = MetricsLog(run_dir / "metrics.jsonl")
+        learner = Learner(cfg, model, sampler.next_batch, val, merger, device, metrics, should_stop=stop)
+        static = {
+            "name": cfg.run.name, "device": str(device), "version": __version__, "maddrs": maddrs,
+            "fingerprint": fingerprint, "host": platform.node(),
+        }
+        loop.submit(heartbeat(dht, cfg.swarm.run_id, peer_id, lambda: {**static, **learner.record()},
+                              cfg.swarm.heartbeat_s))
+        summary = learner.run()
+        summary.update(name=cfg.run.name, n_params=n_params)
+        write_json_atomic(run_dir / "peer_summary.json", summary)
+        save_global_atomic(run_dir / "global.pt", learner)
+        return summary
+    finally:
+        if merger is not None:
+            merger.close()
+        if metrics is not None:
+            metrics.close()
+        loop.close()
+        dht.shutdown()
