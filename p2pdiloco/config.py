@@ -113,6 +113,10 @@ class SwarmConfig:
     """Seconds between peer records in the DHT; a record expires after three of these."""
     join_timeout_s: float = 20.0
     """Give up on unreachable initial peers after this many seconds."""
+    wait_for_peers: int = 0
+    """Before the first inner step, wait until this many peers (this one included) are live; 0 does not wait."""
+    wait_for_peers_s: float = 120.0
+    """Longest wait for `wait_for_peers`; after it the peer starts with whoever is there."""
 
 
 @dataclass

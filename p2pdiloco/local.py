@@ -72,6 +72,8 @@ def peer_command(i: int, n: int, cfg: Config, initial_peer: str, run_dir: Path, 
            "--run-dir", str(run_dir), "--name", f"peer{i}", "--in-local",
            "--set", f"data.shard={i}/{n}", "--set", f"run.seed={i}", "--set", f"run.total_steps={cfg.run.total_steps}",
            "--set", f"swarm.run_id={cfg.swarm.run_id}"]
+    if cfg.swarm.wait_for_peers == 0:
+        cmd += ["--set", f"swarm.wait_for_peers={n}"]  # start together, so the first rounds merge as a group
     if cfg.run.threads == 0:
         cmd += ["--set", "run.threads=1"]  # N peers on a few cores: one thread each avoids oversubscription
     if config_path:
@@ -84,7 +86,7 @@ def peer_command(i: int, n: int, cfg: Config, initial_peer: str, run_dir: Path, 
 def progress_table(peers: list[PeerProc], total_steps: int, started: float) -> Table:
     table = Table(title=f"p2pdiloco local — {time.monotonic() - started:.0f} s")
     for col in ("peer", "step", "round", "train loss", "eval loss", "merges", "group", "tok/s", "state"):
-        table.add_column(col, justify="right" if col != "peer" else "left")
+        table.add_column(col, justify="right" if col != "peer" else "left", no_wrap=True)
     for p in peers:
         r = p.last
         rc = p.proc.poll()

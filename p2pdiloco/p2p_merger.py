@@ -39,7 +39,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2pdiloco.config import SwarmConfig
 from p2pdiloco.merge import Contribution, MergeResult, alone_result
 from p2pdiloco.outer import weighted_average
-from p2pdiloco.swarm import BackgroundLoop, peers_key, read_subkeys, ready_key, write_subkey
+from p2pdiloco.swarm import BackgroundLoop, live_records, peers_key, read_subkeys, ready_key, write_subkey
 from p2pdiloco.wire import ByteCounter, WireError, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,16 @@ class P2PMerger:
         self._p2p = None
         self._closed = False
         self._ready_expiration = 0.0
+        self.faults: dict[tuple[str, int], str] = {}
+        """Test hook: {(stage, round): action}; see `_inject`."""
         self._loop.run(self._setup(), timeout=30)
+
+    async def _inject(self, stage: str, round_: int) -> None:
+        """Deterministic fault injection for tests, keyed by (stage, round): 'stall' freezes this peer's
+        side of the merge (as SIGSTOP would) until the merge is abandoned."""
+        if self.faults.get((stage, round_)) == "stall":
+            logger.warning("[%s] injected fault: stalling at %s of round %d", self.peer_id[-6:], stage, round_)
+            await asyncio.sleep(3600)
 
     def _proto(self, op: str) -> str:
         return f"p2pdiloco.{self.cfg.run_id}.{op}"
@@ -168,6 +177,7 @@ class P2PMerger:
             if group is None:
                 return finish(alone_result(self.peer_id, c))
             me = group.members.index(self.peer_id)
+            await self._inject("exchange", c.round)
             timeout = self.cfg.merge_timeout_s
             avg = await asyncio.wait_for(self._allreduce(group, me, "d", c.pseudo_grad), timeout)
             state = None
@@ -204,7 +214,7 @@ class P2PMerger:
                     return await self._await_group(search)
                 ready = {p: r for p, r in (await read_subkeys(self.dht, ready_key(self.cfg.run_id))).items() if r.get("looking")}
                 ready[me] = {"deadline": search.deadline}
-                live = len(await read_subkeys(self.dht, peers_key(self.cfg.run_id)))
+                live = len(live_records(await read_subkeys(self.dht, peers_key(self.cfg.run_id))))
                 now = get_dht_time()
                 leader = min(ready)
                 if search.accepted_gid:

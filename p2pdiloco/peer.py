@@ -9,6 +9,7 @@ import os
 import platform
 import signal
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from p2pdiloco.p2p_merger import P2PMerger
 from p2pdiloco.swarm import (
     BackgroundLoop,
     check_fingerprint,
+    live_records,
     peers_key,
     read_subkeys,
     start_dht,
@@ -81,11 +83,36 @@ def save_global_atomic(path: Path, learner: Learner) -> None:
     os.replace(tmp, path)
 
 
-async def heartbeat(dht, run_id: str, peer_id: str, record, period: float) -> None:
-    """Publish this peer's record every `period` seconds; it expires after three missed beats."""
+class Heartbeat:
+    """This peer's record in the DHT: refreshed every `period` seconds, expiring after three missed beats,
+    and replaced by a 'left' record when the peer exits cleanly, so others stop counting on it at once."""
+
+    def __init__(self, dht, run_id: str, peer_id: str, record, period: float):
+        self.dht, self.key, self.peer_id, self.record, self.period = dht, peers_key(run_id), peer_id, record, period
+        self._expiration = 0.0
+
+    async def _write(self, value: dict) -> None:
+        # a newer record must expire later than the one it replaces, or the DHT keeps the old one
+        self._expiration = max(get_dht_time() + 3 * self.period, self._expiration + 1e-3)
+        await write_subkey(self.dht, self.key, self.peer_id, value, self._expiration)
+
+    async def run(self) -> None:
+        while True:
+            await self._write(self.record())
+            await asyncio.sleep(self.period)
+
+    async def leave(self) -> None:
+        await self._write({"left": True})
+
+
+def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, stop: StopFlag) -> int:
+    """Block until `swarm.wait_for_peers` peers are live (or the wait times out); returns how many are."""
+    want, deadline = cfg.swarm.wait_for_peers, time.monotonic() + cfg.swarm.wait_for_peers_s
     while True:
-        await write_subkey(dht, peers_key(run_id), peer_id, record(), get_dht_time() + 3 * period)
-        await asyncio.sleep(period)
+        live = len(live_records(loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30)))
+        if live >= want or stop() or time.monotonic() > deadline:
+            return live
+        time.sleep(0.2)  # polling the DHT, with a deadline
 
 
 def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
@@ -111,7 +138,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
 
     dht = start_dht(cfg.swarm)
     loop = BackgroundLoop()
-    merger = metrics = None
+    merger = metrics = heartbeat = None
     try:
         peer_id = dht.peer_id.to_base58()
         maddrs = visible_maddrs(dht)
@@ -120,7 +147,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
             announce(f"  {m}")
         announce("others can join with: p2pdiloco peer --initial-peers " + (maddrs[0] if maddrs else "<address>"))
         fingerprint = cfg.fingerprint()
-        check_fingerprint(fingerprint, loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30))
+        check_fingerprint(fingerprint, live_records(loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30)))
 
         merger = P2PMerger(dht, cfg.swarm, loop, n_params)
         metrics = MetricsLog(run_dir / "metrics.jsonl")
@@ -129,14 +156,23 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
             "name": cfg.run.name, "device": str(device), "version": __version__, "maddrs": maddrs,
             "fingerprint": fingerprint, "host": platform.node(),
         }
-        loop.submit(heartbeat(dht, cfg.swarm.run_id, peer_id, lambda: {**static, **learner.record()},
-                              cfg.swarm.heartbeat_s))
+        heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer_id, lambda: {**static, **learner.record()},
+                              cfg.swarm.heartbeat_s)
+        loop.submit(heartbeat.run())
+        if cfg.swarm.wait_for_peers > 1:
+            live = wait_for_peers(loop, dht, cfg, stop)
+            logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)
         summary = learner.run()
         summary.update(name=cfg.run.name, n_params=n_params)
         write_json_atomic(run_dir / "peer_summary.json", summary)
         save_global_atomic(run_dir / "global.pt", learner)
         return summary
     finally:
+        if heartbeat is not None:
+            try:
+                loop.run(heartbeat.leave(), timeout=5)
+            except Exception as e:  # leaving: others will see the record expire instead
+                logger.debug("withdrawing the peer record failed: %r", e)
         if merger is not None:
             merger.close()
         if metrics is not None:

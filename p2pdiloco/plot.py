@@ -82,16 +82,17 @@ def plot_run(run_dir: Path) -> list[Path]:
     """Draw ``run_dir/loss.png``: training loss (left) and global-model eval loss (right) per peer.
 
     Args:
-        run_dir: A run folder holding ``peers/<peer_name>/metrics.jsonl``.
+        run_dir: A run folder holding ``peers/<peer_name>/metrics.jsonl`` (`p2pdiloco local`), or the
+            folder of one peer holding ``metrics.jsonl``.
 
     Returns:
         The paths written: ``[run_dir / "loss.png"]``, or ``[]`` when no peer has a loss point yet.
     """
     run_dir = Path(run_dir)
-    peers = {
-        metrics.parent.name: read_metrics(metrics)
-        for metrics in sorted(run_dir.glob("peers/*/metrics.jsonl"))
-    }
+    files = sorted(run_dir.glob("peers/*/metrics.jsonl"))
+    if not files and (run_dir / "metrics.jsonl").exists():  # the folder of one `p2pdiloco peer`
+        files = [run_dir / "metrics.jsonl"]
+    peers = {metrics.parent.name: read_metrics(metrics) for metrics in files}
     peers = {name: c for name, c in peers.items() if c.train or c.eval}
     if not peers:
         LOG.warning("nothing to plot in %s: no loss points in peers/*/metrics.jsonl", run_dir)

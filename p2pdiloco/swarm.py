@@ -122,6 +122,11 @@ async def write_subkey(
         return False
 
 
+def live_records(records: dict[str, dict]) -> dict[str, dict]:
+    """Peer records of peers that have not announced that they left."""
+    return {p: r for p, r in records.items() if not r.get("left")}
+
+
 def check_fingerprint(mine: dict[str, Any], records: dict[str, dict]) -> None:
     """Raise SwarmError if any live peer's record carries a different config fingerprint."""
     for peer_id, record in records.items():

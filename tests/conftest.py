@@ -1,0 +1,78 @@
+"""Shared fixtures: real hivemind DHTs on loopback, and reaping of every child process a test leaves."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import hivemind
+import psutil
+import pytest
+
+from p2pdiloco.swarm import BackgroundLoop
+
+
+def wait_for(condition, timeout: float, interval: float = 0.1, what: str = "condition"):
+    """Poll `condition()` until it returns a truthy value or `timeout` seconds pass (then fail the test)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_local_dht(initial_peers=None) -> hivemind.DHT:
+    return hivemind.DHT(start=True, initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                        startup_timeout=15)
+
+
+@pytest.fixture
+def bootstrap_dht():
+    dht = start_local_dht()
+    try:
+        yield dht
+    finally:
+        dht.shutdown()
+
+
+@pytest.fixture
+def net_loop():
+    loop = BackgroundLoop("test-net")
+    try:
+        yield loop
+    finally:
+        loop.close()
+
+
+def _is_shm_manager(p: psutil.Process) -> bool:
+    try:
+        return "torch_shm_manager" in p.name() or any("torch_shm_manager" in a for a in p.cmdline()[:1])
+    except psutil.Error:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def reap_children():
+    """Every process a test started (DHTs, p2pd, peer subprocesses) must be gone after it; kill stragglers."""
+    me = psutil.Process(os.getpid())
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    # torch's shared-memory manager is started once per process on first use and must outlive each test
+    leftover = [p for p in me.children(recursive=True) if p.pid not in before and not _is_shm_manager(p)]
+    _, alive = psutil.wait_procs(leftover, timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)

@@ -1,0 +1,92 @@
+"""The learner loop with an in-memory merger: no network, real model and optimizer."""
+
+import threading
+
+import torch
+
+from p2pdiloco.config import load_config, parse_set
+from p2pdiloco.learner import Learner, MetricsLog, load_flat_
+from p2pdiloco.merge import InMemoryMerger, MergeResult
+from p2pdiloco.model import build_model
+from p2pdiloco.outer import outer_step
+
+
+def _cfg(**sets):
+    items = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "data.batch_size=4",
+             "swarm.round_steps=5", "run.total_steps=20", "run.log_every=5", "inner.warmup_steps=2", "inner.lr=3e-3"]
+    return load_config(None, [parse_set(items + [f"{k}={v}" for k, v in sets.items()])])
+
+
+def _batches(seed):
+    # a learnable pattern: repeating ramps, offset per peer
+    g = torch.Generator().manual_seed(seed)
+
+    def next_batch():
+        start = torch.randint(0, 200, (4, 1), generator=g)
+        seq = (start + torch.arange(17)) % 256
+        return seq[:, :-1].long(), seq[:, 1:].long()
+
+    return next_batch
+
+
+def _learner(cfg, merger, tmp_path, seed):
+    model = build_model(cfg.model)
+    val = [_batches(99)() for _ in range(2)]
+    metrics = MetricsLog(tmp_path / f"{merger.peer_id}.jsonl")
+    return Learner(cfg, model, _batches(seed), val, merger, torch.device("cpu"), metrics)
+
+
+def test_two_learners_merge_every_round_and_agree(tmp_path):
+    cfg = _cfg()
+    hub = {"group_size": 2}
+    learners = [_learner(cfg, InMemoryMerger(f"p{i}", hub), tmp_path, i) for i in range(2)]
+    summaries = [None, None]
+
+    def run(i):
+        summaries[i] = learners[i].run()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(s is not None for s in summaries)
+    for s in summaries:
+        assert s["inner_steps"] == 20 and s["rounds"] == 4 and s["merges"] == 4
+        assert s["eval_loss_final"] < s["eval_loss_initial"] - 0.5
+    assert torch.equal(learners[0].global_params, learners[1].global_params)
+    assert torch.equal(learners[0].momentum, learners[1].momentum)
+
+
+def test_apply_merge_does_outer_step_and_does_not_alias_global_params(tmp_path):
+    cfg = _cfg()
+    learner = _learner(cfg, InMemoryMerger("p0", {"group_size": 1}), tmp_path, 0)
+    before = learner.global_params.clone()
+    delta = torch.full_like(before, 0.01)
+    learner.apply_merge(MergeResult(group=["p0", "p1"], pseudo_grad=delta, total_weight=64.0))
+    expected, _ = outer_step(before, torch.zeros_like(before), delta, 0.7, 0.9)
+    assert torch.equal(learner.global_params, expected)
+    assert learner.c.merges == 1 and learner.c.global_tokens == 64.0
+    # inner steps must change the local model only; θg stays what the merge made it
+    learner.inner_step()
+    assert torch.equal(learner.global_params, expected)
+    assert not torch.equal(learner._local_params(), expected)
+
+
+def test_apply_merge_adopts_group_state_when_members_disagreed(tmp_path):
+    cfg = _cfg()
+    learner = _learner(cfg, InMemoryMerger("p0", {"group_size": 1}), tmp_path, 0)
+    n = learner.global_params.numel()
+    state = torch.cat([torch.full((n,), 0.5), torch.full((n,), 0.25)])
+    zero = torch.zeros(n)
+    learner.apply_merge(MergeResult(group=["p0", "p1"], pseudo_grad=zero, total_weight=1.0, global_state=state))
+    expected, m = outer_step(torch.full((n,), 0.5), torch.full((n,), 0.25), zero, 0.7, 0.9)
+    assert torch.equal(learner.global_params, expected) and torch.equal(learner.momentum, m)
+
+
+def test_load_flat_copies():
+    model = torch.nn.Linear(2, 2)
+    flat = torch.arange(6, dtype=torch.float32)
+    load_flat_(model, flat)
+    flat += 100
+    assert model.weight.flatten().tolist() == [0.0, 1.0, 2.0, 3.0]

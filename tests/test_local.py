@@ -1,0 +1,65 @@
+"""`p2pdiloco local` end to end: a bootstrap node and three peer processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections import defaultdict
+
+import psutil
+import pytest
+
+from tests.conftest import wait_for
+from tests.test_cli import TINY
+
+pytestmark = pytest.mark.integration
+
+
+def test_three_peer_swarm_merges_agrees_and_learns(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "p2pdiloco", "local", "--peers", "3", "--steps", "60", "--run-dir", str(tmp_path),
+         "--set", "swarm.round_steps=15", *TINY],
+        capture_output=True, text=True, timeout=170, stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["peers_finished"] == 3
+    assert summary["eval_loss_final"] < summary["eval_loss_initial"] - 0.3
+    assert summary["global_models_identical"] is True
+    for peer in summary["peers"]:
+        for key in ("peer_id", "inner_steps", "tokens", "rounds", "merges", "bytes_sent", "bytes_received",
+                    "wall_s", "compute_s"):
+            assert key in peer
+        assert peer["inner_steps"] == 60 and peer["rounds"] == 4 and peer["merges"] >= 1
+        assert peer["bytes_sent"] > 0 and peer["bytes_received"] > 0
+    assert summary["config"]["swarm"]["round_steps"] == 15
+    # every member of a merge group ends it holding the same global model, bit for bit
+    digests = defaultdict(set)
+    for i in range(3):
+        for line in (tmp_path / "peers" / f"peer{i}" / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            if row["kind"] == "merge" and row["group_size"] > 1:
+                digests[row["group_id"]].add(row["global_digest"])
+    assert digests and all(len(d) == 1 for d in digests.values())
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+def test_ctrl_c_on_local_leaves_no_process(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "p2pdiloco", "local", "--peers", "2", "--steps", "100000", "--run-dir", str(tmp_path),
+         *TINY], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+    )
+    try:
+        metrics = [tmp_path / "peers" / f"peer{i}" / "metrics.jsonl" for i in range(2)]
+        wait_for(lambda: all(m.exists() and '"train"' in m.read_text() for m in metrics), 90, what="both peers training")
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        assert len(descendants) >= 4  # peers, their DHT processes and p2p daemons
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=45) is not None
+        _, alive = psutil.wait_procs(descendants, timeout=10)
+        assert not alive, f"left running: {[p.name() for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

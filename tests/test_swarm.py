@@ -1,0 +1,121 @@
+"""Real hivemind DHTs and p2p daemons on loopback: discovery, merging, failed merges."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hivemind.utils.timed_storage import get_dht_time
+
+from p2pdiloco.config import SwarmConfig
+from p2pdiloco.merge import Contribution
+from p2pdiloco.outer import weighted_average
+from p2pdiloco.p2p_merger import P2PMerger, slice_bounds
+from p2pdiloco.swarm import SwarmError, check_fingerprint, peers_key, read_subkeys, start_dht, write_subkey
+from tests.conftest import start_local_dht, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def test_slice_bounds_cover_exactly():
+    assert slice_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert slice_bounds(2, 3) == [(0, 1), (1, 2), (2, 2)]
+
+
+def test_two_peers_find_each_other_through_bootstrap(bootstrap_dht, net_loop):
+    maddrs = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
+    a = start_local_dht(maddrs)
+    b = start_local_dht(maddrs)
+    try:
+        for dht, name in ((a, "a"), (b, "b")):
+            net_loop.run(write_subkey(dht, peers_key("t"), name, {"step": 1}, get_dht_time() + 30), timeout=10)
+        seen = wait_for(lambda: (r := net_loop.run(read_subkeys(b, peers_key("t")), 10)).keys() >= {"a", "b"} and r,
+                        timeout=20, what="both records")
+        assert seen["a"] == {"step": 1}
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_unreachable_initial_peer_is_a_clear_error():
+    cfg = SwarmConfig(host="127.0.0.1", initial_peers=["/ip4/127.0.0.1/tcp/9/p2p/12D3KooWNoCmJBXGUxB4Eg1M4kzki6u8kU4UvVSqqc4fmisFGNPU"],
+                      join_timeout_s=10)
+    with pytest.raises(SwarmError, match="could not join the swarm"):
+        start_dht(cfg)
+    with pytest.raises(SwarmError, match="not a multiaddr"):
+        start_dht(SwarmConfig(initial_peers=["127.0.0.1:31337"]))
+
+
+def test_mismatched_fingerprint_is_refused():
+    mine = {"model": {"n_layer": 2}, "tokenizer": "bytes"}
+    check_fingerprint(mine, {"p": {"fingerprint": dict(mine)}})
+    with pytest.raises(SwarmError, match="model.n_layer: 2 here, 4 in the swarm"):
+        check_fingerprint(mine, {"p": {"fingerprint": {"model": {"n_layer": 4}, "tokenizer": "bytes"}}})
+
+
+def _contribution(vec, weight, digest="same", state_weight=1.0):
+    return Contribution(pseudo_grad=vec, weight=weight, global_params=vec * 10, momentum=vec * 100,
+                        state_digest=digest, state_weight=state_weight)
+
+
+@pytest.fixture
+def three_mergers(bootstrap_dht, net_loop):
+    maddrs = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
+    cfg = SwarmConfig(run_id="t", merge_window_s=8, merge_timeout_s=4)
+    dhts = [start_local_dht(maddrs) for _ in range(3)]
+    mergers = [P2PMerger(d, cfg, net_loop, n_params=1001) for d in dhts]
+    for m, d in zip(mergers, dhts, strict=True):  # heartbeats, so the leader knows how many peers are live
+        net_loop.run(write_subkey(d, peers_key("t"), m.peer_id, {}, get_dht_time() + 60), 10)
+    try:
+        yield mergers
+    finally:
+        for m in mergers:
+            m.close()
+        for d in dhts:
+            d.shutdown()
+
+
+def test_three_peers_average_exactly_and_agree_bitwise(three_mergers):
+    torch.manual_seed(0)
+    vecs = [torch.randn(1001) for _ in range(3)]
+    weights = [100.0, 200.0, 300.0]
+    futures = [m.submit(_contribution(v, w)) for m, v, w in zip(three_mergers, vecs, weights, strict=True)]
+    results = [f.result(timeout=60) for f in futures]
+    for r in results:
+        assert r.failure == "" and len(r.group) == 3 and r.global_state is None
+        assert r.total_weight == 600.0
+        assert r.bytes_sent > 2 * 2 / 3 * 1001 * 4  # reduce-scatter + all-gather payloads, plus headers
+    by_id = {m.peer_id: (v, w) for m, v, w in zip(three_mergers, vecs, weights, strict=True)}
+    order = results[0].group
+    expected = weighted_average([by_id[p][0] for p in order], [by_id[p][1] for p in order])
+    for r in results:
+        assert r.group == order
+        assert torch.equal(r.pseudo_grad, expected)  # same bits on every member, and the exact average
+
+
+def test_disagreeing_global_models_are_averaged_by_absorbed_tokens(three_mergers):
+    vecs = [torch.full((1001,), float(i)) for i in range(3)]
+    contribs = [_contribution(vecs[0], 1, "a", state_weight=0.0),  # a fresh joiner: its θg counts for nothing
+                _contribution(vecs[1], 1, "b", state_weight=500.0), _contribution(vecs[2], 1, "b", state_weight=500.0)]
+    results = [f.result(timeout=60) for f in [m.submit(c) for m, c in zip(three_mergers, contribs, strict=True)]]
+    for r in results:
+        assert r.failure == "" and r.global_state is not None
+        # θg = 10·vec, momentum = 100·vec; averaged 1:1 over the two peers with weight -> 15 and 150
+        torch.testing.assert_close(r.global_state[:1001], torch.full((1001,), 15.0))
+        torch.testing.assert_close(r.global_state[1001:], torch.full((1001,), 150.0))
+        assert torch.equal(r.global_state, results[0].global_state)
+
+
+def test_member_frozen_mid_merge_fails_the_merge_for_everyone(three_mergers):
+    frozen = three_mergers[2]
+    frozen.faults[("exchange", 7)] = "stall"
+    vecs = [torch.full((1001,), float(i + 1)) for i in range(3)]
+    futures = []
+    for m, v in zip(three_mergers, vecs, strict=True):
+        c = _contribution(v, 1.0)
+        c.round = 7
+        futures.append(m.submit(c))
+    for f, v in zip(futures[:2], vecs[:2], strict=True):
+        r = f.result(timeout=60)
+        assert r.failure, "a merge with a frozen member must be reported as failed"
+        assert r.alone and torch.equal(r.pseudo_grad, v)  # own update kept, no partial average applied
+    futures[2].cancel()

@@ -1,0 +1,53 @@
+"""Message framing: round trip, byte counts, and refusal of malformed or oversized frames."""
+
+import asyncio
+
+import pytest
+
+from p2pdiloco.wire import MAX_HEADER_BYTES, ByteCounter, WireError, recv_msg, send_msg
+
+
+class _Sink:
+    def __init__(self):
+        self.data = bytearray()
+
+    def write(self, b):
+        self.data += b
+
+    async def drain(self):
+        pass
+
+
+def _reader(data: bytes) -> asyncio.StreamReader:
+    r = asyncio.StreamReader()
+    r.feed_data(data)
+    r.feed_eof()
+    return r
+
+
+async def test_round_trip_and_byte_counts():
+    sink, sent, received = _Sink(), ByteCounter(), ByteCounter()
+    await send_msg(sink, {"op": "part", "index": 2}, b"\x00" * 40, sent)
+    header, payload = await recv_msg(_reader(bytes(sink.data)), 40, received)
+    assert header == {"op": "part", "index": 2} and payload == b"\x00" * 40
+    assert sent.sent == len(sink.data) == received.received
+
+
+async def test_oversized_payload_refused_before_reading():
+    sink = _Sink()
+    await send_msg(sink, {}, b"x" * 100)
+    with pytest.raises(WireError, match="exceeds 99"):
+        await recv_msg(_reader(bytes(sink.data)), 99)
+
+
+async def test_huge_declared_header_refused():
+    data = (MAX_HEADER_BYTES + 1).to_bytes(4, "big")
+    with pytest.raises(WireError, match="header"):
+        await recv_msg(_reader(data), 10)
+
+
+@pytest.mark.parametrize("data", [b"", b"\x00\x00", b"\x00\x00\x00\x05abc", b"\x00\x00\x00\x01\xc1" + bytes(8),
+                                  b"\x00\x00\x00\x01\x05" + bytes(8)])
+async def test_truncated_or_garbage_frames(data):
+    with pytest.raises(WireError):
+        await recv_msg(_reader(data), 10)
