@@ -36,6 +36,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-id", metavar="NAME", help="swarm name; all peers of one run use the same")
     p.add_argument("--data", nargs="+", metavar="PATH", help="text files or folders (default: Python's stdlib sources)")
     p.add_argument("--device", metavar="DEV", help="auto (default), cpu, cuda, cuda:N, mps, xpu")
+    p.add_argument("--sync", action="store_true",
+                   help="synchronous DiLoCo baseline: wait for every merge and for every live peer")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -49,6 +51,8 @@ def config_from_args(args: argparse.Namespace, extra: dict | None = None) -> Con
         flags.setdefault("data", {})["paths"] = args.data
     if args.device:
         flags.setdefault("run", {})["device"] = args.device
+    if args.sync:
+        flags.setdefault("swarm", {})["sync"] = True
     for section, values in (extra or {}).items():
         flags.setdefault(section, {}).update(values)
     return load_config(args.config, [flags, parse_set(args.sets)])
@@ -97,6 +101,21 @@ def cmd_peer(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_slow(items: list[str], n_peers: int) -> dict[int, float]:
+    """``["3:4"]`` -> ``{3: 4.0}``: peer 3 runs 4x slower."""
+    slow = {}
+    for item in items:
+        index, sep, factor = item.partition(":")
+        try:
+            i, f = int(index), float(factor)
+        except ValueError:
+            raise ConfigError(f"--slow expects INDEX:FACTOR, e.g. 3:4, got {item!r}") from None
+        if not sep or not 0 <= i < n_peers or f < 1:
+            raise ConfigError(f"--slow {item!r}: need 0 <= INDEX < --peers and FACTOR >= 1")
+        slow[i] = f
+    return slow
+
+
 def cmd_local(args: argparse.Namespace) -> int:
     from p2pdiloco.local import run_local
 
@@ -109,14 +128,28 @@ def cmd_local(args: argparse.Namespace) -> int:
         sets.append("data.paths=" + ",".join(str(Path(p).resolve()) for p in args.data))
     if args.device:
         sets.append(f"run.device={args.device}")
+    if args.sync:
+        sets.append("swarm.sync=true")
+    slow = parse_slow(args.slow or [], args.peers)
     run_dir = Path(args.run_dir or "runs/local")
-    summary = run_local(args.peers, cfg, run_dir, args.config, sets)
+    summary = run_local(args.peers, cfg, run_dir, args.config, sets, slow=slow)
     ok = summary["peers_finished"] == args.peers
     print(f"summary: {run_dir / 'summary.json'}")
     if summary["eval_loss_final"] is not None:
         print(f"eval loss {summary['eval_loss_initial']:.4f} -> {summary['eval_loss_final']:.4f} "
               f"({summary['peers_finished']}/{args.peers} peers finished)")
     return 0 if ok else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from p2pdiloco import bench
+
+    out = Path(args.out or f"runs/bench-{args.which}")
+    if args.which == "straggler":
+        bench.bench_straggler(out, seconds=args.seconds)
+    else:
+        bench.bench_overhead(out, steps=args.steps)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,8 +192,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "and write summary.json and loss.png to the run folder.")
     lo.add_argument("--peers", type=int, default=4, help="number of peers (default 4)")
     lo.add_argument("--steps", type=int, help="inner steps per peer (default: run.total_steps of the config)")
+    lo.add_argument("--slow", action="append", metavar="INDEX:FACTOR",
+                    help="make peer INDEX FACTOR times slower, emulating an older accelerator (repeatable)")
     add_config_args(lo)
     lo.set_defaults(func=cmd_local)
+
+    be = sub.add_parser("bench", help="measure a figure beside its baseline", epilog=EPILOG,
+                        description="straggler: fast peers' inner steps/s with one 4x slower peer ÷ without it, "
+                        "decoupled vs --sync, and eval loss at equal wall time (about 5 minutes). overhead: a "
+                        "peer's inner-step throughput in a swarm ÷ a plain torch loop (about 2 minutes).")
+    be.add_argument("which", choices=["straggler", "overhead"], help="which benchmark")
+    be.add_argument("--out", metavar="DIR", help="output folder (default runs/bench-<which>)")
+    be.add_argument("--seconds", type=float, default=60.0, help="straggler: wall time of each of its 4 runs")
+    be.add_argument("--steps", type=int, default=600, help="overhead: inner steps measured")
+    be.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    be.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -104,9 +104,19 @@ class SwarmConfig:
     announce: list[str] = field(default_factory=list)
     """Multiaddrs to announce instead of the listening ones (public address behind NAT)."""
     round_steps: int = 50
-    """Inner steps per round (H in DiLoCo)."""
+    """Inner steps per round (H in DiLoCo); used when round_seconds is 0."""
+    round_seconds: float = 0.0
+    """If > 0, rounds are timed instead: a round ends at the next multiple of this many seconds of DHT time,
+    so peers of any speed submit on the swarm's cadence and a slow peer simply runs fewer steps."""
+    sync: bool = False
+    """Synchronous DiLoCo (the baseline): wait for the merge, and wait for every live peer to be ready."""
     merge_window_s: float = 15.0
-    """Longest wait for other peers to become ready for a merge before merging alone."""
+    """Upper bound on the wait for other peers to become ready for a merge (the whole wait in sync mode)."""
+    window_fraction: float = 0.25
+    """Decoupled mode: wait for others at most this fraction of this peer's recent round time (Decoupled
+    DiLoCo's grace window), clamped to [min_window_s, merge_window_s]."""
+    min_window_s: float = 1.0
+    """Lower bound of the adaptive merge window."""
     merge_timeout_s: float = 60.0
     """Longest a merge's data exchange may take before it is abandoned and not applied."""
     heartbeat_s: float = 2.0
@@ -139,6 +149,17 @@ class RunConfig:
     """Optional public name of this peer."""
     threads: int = 0
     """torch CPU threads (0 keeps torch's default)."""
+    eval_every_rounds: int = 1
+    """Evaluate the global model after every this many merges (0: only at start and end)."""
+    time_limit_s: float = 0.0
+    """Stop training after this many seconds (0: no limit); benchmarks use it to compare at equal wall time."""
+    slow_factor: float = 1.0
+    """Emulate an accelerator this many times slower: each inner step is padded with sleep."""
+    min_step_s: float = 0.0
+    """Pad each inner step to at least this long (emulated accelerator time, so that benchmark peers sharing
+    few cores do not compete for them); 0 disables."""
+    cpu_affinity: str = ""
+    """Comma-separated CPU ids to pin this peer to (Linux), e.g. "0"; empty leaves it to the OS."""
 
 
 @dataclass
@@ -285,10 +306,21 @@ def validate(config: Config) -> None:
         (config.inner.lr > 0 and config.outer.lr > 0, "learning rates must be positive"),
         (0 <= config.outer.momentum < 1, "outer.momentum must be in [0, 1)"),
         (config.swarm.merge_window_s > 0 and config.swarm.merge_timeout_s > 0, "merge times must be positive"),
+        (config.swarm.round_seconds >= 0, "swarm.round_seconds must be >= 0"),
+        (0 < config.swarm.window_fraction <= 1, "swarm.window_fraction must be in (0, 1]"),
+        (0 < config.swarm.min_window_s <= config.swarm.merge_window_s, "need 0 < swarm.min_window_s <= merge_window_s"),
+        (config.run.slow_factor >= 1, "run.slow_factor must be >= 1"),
+        (config.run.min_step_s >= 0 and config.run.time_limit_s >= 0, "run.min_step_s and run.time_limit_s must be >= 0"),
+        (config.run.eval_every_rounds >= 0, "run.eval_every_rounds must be >= 0"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    if config.run.cpu_affinity:
+        try:
+            [int(c) for c in config.run.cpu_affinity.split(",")]
+        except ValueError:
+            raise ConfigError(f"run.cpu_affinity must be comma-separated CPU ids, got {config.run.cpu_affinity!r}") from None
     if config.data.shard:
         try:
             i, n = (int(x) for x in config.data.shard.split("/"))

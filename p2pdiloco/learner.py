@@ -1,7 +1,10 @@
 """The learner: inner AdamW steps on local data, a merge every round, the outer step, metrics.
 
-Reads like DiLoCo's Algorithm 1 (arXiv 2311.08105): H inner steps, pseudo-gradient, merge, outer step,
-restart from the new global model. The network is reached only through `Merger.submit`.
+Reads like DiLoCo's Algorithm 1 (arXiv 2311.08105), decoupled: H inner steps (or a timed round), hand the
+pseudo-gradient to the merger and go on training at once; when the merge lands, take the outer step and
+rebase the steps taken meanwhile onto the new global model (Async Local-SGD, arXiv 2401.09135). In sync
+mode the learner waits for each merge instead (OpenDiLoCo's baseline). The network is reached only through
+`Merger.submit`.
 """
 
 from __future__ import annotations
@@ -12,16 +15,18 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from hivemind.utils.timed_storage import get_dht_time
 from torch.nn.utils import parameters_to_vector
 
 from p2pdiloco.config import Config, ConfigError
 from p2pdiloco.merge import Contribution, Merger, MergeResult
-from p2pdiloco.outer import cosine_lr, outer_step, pseudo_gradient, state_digest
+from p2pdiloco.outer import cosine_lr, outer_step, pseudo_gradient, rebase, state_digest
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +99,7 @@ class Counters:
     round: int = 0
     tokens: int = 0
     tokens_in_round: int = 0
+    steps_in_round: int = 0
     merges: int = 0
     merge_failures: int = 0
     bytes_sent: int = 0
@@ -104,6 +110,16 @@ class Counters:
     """Tokens whose effect reached this peer's global model (its weight when global models are averaged)."""
     last_group_size: int = 1
     last_merge_s: float = 0.0
+
+
+@dataclass
+class InFlight:
+    """A submitted round whose merge has not been applied yet."""
+
+    future: Future
+    local_at_submit: torch.Tensor
+    contribution: Contribution
+    submitted_at: float
 
 
 class Learner:
@@ -146,23 +162,29 @@ class Learner:
         self.eval_loss_final = float("nan")
         self._loss_sum, self._loss_n, self._t_log, self._tokens_log = 0.0, 0, time.monotonic(), 0
         self.tag = merger.peer_id[-6:]
+        self.in_flight: InFlight | None = None
+        self.t_train = time.monotonic()
+        self.train_s = 0.0
+        self._round_deadline = 0.0
 
     # ---- the loop ----
 
     def run(self) -> dict:
-        """Train until `run.total_steps` inner steps or until asked to stop; returns this peer's summary."""
-        H, total = self.cfg.swarm.round_steps, self.cfg.run.total_steps
+        """Train until `run.total_steps`, the time limit, or a stop request; returns this peer's summary."""
         self.eval_loss_initial = self.evaluate()
         self.metrics.write(kind="eval", elapsed_s=self.elapsed(), step=0, tokens=0, eval_loss=self.eval_loss_initial)
         logger.info("[%s] eval loss at start %.4f", self.tag, self.eval_loss_initial)
-        while self.c.step < total and not self.should_stop():
+        self.t_train = time.monotonic()
+        self.start_round()
+        while self.c.step < self.cfg.run.total_steps and not self.should_stop() and not self.out_of_time():
             self.inner_step()
-            if self.c.step % H == 0 or self.c.step == total:
-                result = self.submit_round()
-                if result is None:  # asked to stop while merging
-                    break
-                self.apply_merge(result)
-                self.log_merge(result)
+            self.poll_merge()
+            if self.round_done():
+                self.submit_round()
+                if self.cfg.swarm.sync:
+                    self.wait_merge()
+        self.train_s = time.monotonic() - self.t_train
+        self.finish()
         self.eval_loss_final = self.evaluate_global()
         self.metrics.write(
             kind="eval", elapsed_s=self.elapsed(), step=self.c.step, tokens=self.c.tokens, eval_loss=self.eval_loss_final
@@ -186,8 +208,10 @@ class Learner:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), inner.grad_clip)
         self.opt.step()
         loss_value = float(loss.detach())
+        self.pace(time.monotonic() - t0)
         self.c.compute_s += time.monotonic() - t0
         self.c.step += 1
+        self.c.steps_in_round += 1
         self.c.tokens += x.numel()
         self.c.tokens_in_round += x.numel()
         self.last_loss = loss_value
@@ -197,8 +221,29 @@ class Learner:
             self.log_train(lr)
         return loss_value
 
-    def submit_round(self) -> MergeResult | None:
-        """Hand Δ to the merger and wait for the merged result (synchronous DiLoCo); None if told to stop."""
+    def pace(self, compute_s: float) -> None:
+        """Emulate a slower accelerator (run.slow_factor) or a fixed step time (run.min_step_s) by sleeping."""
+        run = self.cfg.run
+        target = max(run.min_step_s, compute_s) * run.slow_factor
+        if target > compute_s:
+            time.sleep(target - compute_s)
+
+    def start_round(self) -> None:
+        self.c.steps_in_round = 0
+        T = self.cfg.swarm.round_seconds
+        if T > 0:  # end on the swarm-wide cadence: the next multiple of T in DHT time
+            self._round_deadline = (math.floor(get_dht_time() / T) + 1) * T
+
+    def round_done(self) -> bool:
+        """True when this round should be submitted; never while a merge is still in flight."""
+        if self.in_flight is not None or self.c.steps_in_round == 0:
+            return False
+        if self.cfg.swarm.round_seconds > 0:
+            return get_dht_time() >= self._round_deadline
+        return self.c.steps_in_round >= self.cfg.swarm.round_steps
+
+    def submit_round(self) -> None:
+        """Hand Δ to the merger and start the next round at once; the merge runs in the background."""
         local = self._local_params()
         contribution = Contribution(
             pseudo_grad=pseudo_gradient(self.global_params, local),
@@ -209,27 +254,64 @@ class Learner:
             state_weight=self.c.global_tokens,
             round=self.c.round,
         )
+        self.in_flight = InFlight(self.merger.submit(contribution), local, contribution, time.monotonic())
+        self.c.tokens_in_round = 0
+        self.start_round()
+
+    def poll_merge(self) -> None:
+        """Apply the merge in flight if it has finished; never waits."""
+        if self.in_flight is not None and self.in_flight.future.done():
+            self._apply_in_flight(self.in_flight.future.result())
+
+    def wait_merge(self) -> bool:
+        """Block until the merge in flight finishes and apply it; False if told to stop first (merge dropped)."""
+        if self.in_flight is None:
+            return True
         t0 = time.monotonic()
-        future = self.merger.submit(contribution)
         bound = self.cfg.swarm.merge_window_s + 2 * self.cfg.swarm.merge_timeout_s + 30
         while True:
             try:
-                result = future.result(timeout=0.2)
+                result = self.in_flight.future.result(timeout=0.2)
                 break
             except FutureTimeout:
                 if self.should_stop():
-                    future.cancel()
-                    return None
-                if time.monotonic() - t0 > bound:  # a bug in the merger must not hang the peer forever
+                    self.in_flight.future.cancel()
+                    self.in_flight = None
+                    return False
+                if time.monotonic() - self.in_flight.submitted_at > bound:  # a merger bug must not hang the peer
                     logger.error("[%s] merge did not finish in %.0f s; merging alone", self.tag, bound)
-                    result = MergeResult(group=[self.merger.peer_id], pseudo_grad=contribution.pseudo_grad,
-                                         total_weight=contribution.weight, failure="merger hung")
+                    c = self.in_flight.contribution
+                    result = MergeResult(group=[self.merger.peer_id], pseudo_grad=c.pseudo_grad,
+                                         total_weight=c.weight, failure="merger hung")
                     break
         self.c.merge_wait_s += time.monotonic() - t0
-        return result
+        self._apply_in_flight(result)
+        return True
 
-    def apply_merge(self, result: MergeResult) -> None:
-        """Outer Nesterov step on the merged Δ̄, then restart the local model from the new θg."""
+    def finish(self) -> None:
+        """End of training: land the merge in flight and the last partial round, unless told to stop."""
+        if self.should_stop():
+            if self.in_flight is not None:
+                self.in_flight.future.cancel()
+                self.in_flight = None
+            return
+        if self.wait_merge() and self.c.tokens_in_round > 0 and not self.should_stop():
+            self.submit_round()
+            self.wait_merge()
+
+    def _apply_in_flight(self, result: MergeResult) -> None:
+        flight, self.in_flight = self.in_flight, None
+        self.apply_merge(result, flight.local_at_submit)
+        self.log_merge(result)
+
+    def apply_merge(self, result: MergeResult, local_at_submit: torch.Tensor | None = None) -> None:
+        """Outer Nesterov step on the merged Δ̄, then move the local model onto the new θg.
+
+        Args:
+            result: the merge.
+            local_at_submit: the local model when Δ was taken. Inner steps taken since then are kept:
+                θ ← θg + (θ − θ_at_submit). None restarts from θg (synchronous DiLoCo).
+        """
         n = self.global_params.numel()
         if result.global_state is not None:  # members disagreed: adopt the group's averaged global model
             self.global_params = result.global_state[:n].clone()
@@ -238,9 +320,11 @@ class Learner:
         self.global_params, self.momentum = outer_step(
             self.global_params, self.momentum, result.pseudo_grad, outer.lr, outer.momentum, outer.nesterov
         )
-        load_flat_(self.model, self.global_params)
+        if local_at_submit is None:
+            load_flat_(self.model, self.global_params)
+        else:
+            load_flat_(self.model, rebase(self.global_params, self._local_params(), local_at_submit))
         self.c.round += 1
-        self.c.tokens_in_round = 0
         self.c.global_tokens += result.total_weight
         self.c.merges += 0 if result.alone else 1
         self.c.merge_failures += 1 if result.failure else 0
@@ -248,6 +332,10 @@ class Learner:
         self.c.bytes_received += result.bytes_received
         self.c.last_group_size = len(result.group)
         self.c.last_merge_s = result.duration_s
+
+    def out_of_time(self) -> bool:
+        limit = self.cfg.run.time_limit_s
+        return limit > 0 and time.monotonic() - self.t_train >= limit
 
     # ---- measurements ----
 
@@ -283,7 +371,8 @@ class Learner:
         self._loss_sum, self._loss_n, self._t_log, self._tokens_log = 0.0, 0, now, self.c.tokens
 
     def log_merge(self, result: MergeResult) -> None:
-        eval_loss = self.evaluate()  # the local model equals θg right after a merge
+        every = self.cfg.run.eval_every_rounds
+        eval_loss = self.evaluate_global() if every and self.c.round % every == 0 else None
         self.metrics.write(
             kind="merge", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round, tokens=self.c.tokens,
             group_size=len(result.group), group_id=result.group_id, merges=self.c.merges, failure=result.failure,
@@ -291,8 +380,9 @@ class Learner:
             global_digest=self.global_digest(), adopted_state=result.global_state is not None, eval_loss=eval_loss,
         )
         logger.info(
-            "[%s] round %d: merged with %d peer(s) in %.2f s%s, eval loss %.4f", self.tag, self.c.round,
-            len(result.group), result.duration_s, f" (failed: {result.failure})" if result.failure else "", eval_loss,
+            "[%s] round %d: merged with %d peer(s) in %.2f s%s%s", self.tag, self.c.round,
+            len(result.group), result.duration_s, f" (failed: {result.failure})" if result.failure else "",
+            f", eval loss {eval_loss:.4f}" if eval_loss is not None else "",
         )
 
     def elapsed(self) -> float:
@@ -317,6 +407,8 @@ class Learner:
             "rounds": self.c.round, "merges": self.c.merges, "merge_failures": self.c.merge_failures,
             "bytes_sent": self.c.bytes_sent, "bytes_received": self.c.bytes_received,
             "wall_s": self.elapsed(), "compute_s": self.c.compute_s, "merge_wait_s": self.c.merge_wait_s,
+            "train_s": self.train_s, "steps_per_s": self.c.step / self.train_s if self.train_s > 0 else 0.0,
+            "mode": "sync" if self.cfg.swarm.sync else "decoupled",
             "eval_loss_initial": self.eval_loss_initial, "eval_loss_final": self.eval_loss_final,
             "global_digest": self.global_digest(), "device": str(self.device),
         }

@@ -67,7 +67,7 @@ class PeerProc:
 
 
 def peer_command(i: int, n: int, cfg: Config, initial_peer: str, run_dir: Path, config_path: str | None,
-                 sets: list[str]) -> list[str]:
+                 sets: list[str], slow_factor: float = 1.0) -> list[str]:
     cmd = [sys.executable, "-m", "p2pdiloco", "peer", "--initial-peers", initial_peer, "--host", "127.0.0.1",
            "--run-dir", str(run_dir), "--name", f"peer{i}", "--in-local",
            "--set", f"data.shard={i}/{n}", "--set", f"run.seed={i}", "--set", f"run.total_steps={cfg.run.total_steps}",
@@ -80,6 +80,8 @@ def peer_command(i: int, n: int, cfg: Config, initial_peer: str, run_dir: Path, 
         cmd += ["--config", config_path]
     for s in sets:
         cmd += ["--set", s]
+    if slow_factor != 1.0:
+        cmd += ["--set", f"run.slow_factor={slow_factor}"]
     return cmd
 
 
@@ -154,7 +156,8 @@ def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float)
 
 
 def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None, sets: list[str],
-              console: Console | None = None) -> dict:
+              console: Console | None = None, slow: dict[int, float] | None = None,
+              peer_sets: dict[int, list[str]] | None = None) -> dict:
     """Run a whole swarm on this machine and return the run's summary.
 
     Args:
@@ -164,6 +167,8 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
         config_path: the TOML file the peers should load, if any.
         sets: `section.key=value` overrides the peers should apply.
         console: where progress is drawn.
+        slow: {peer index: factor} for peers that emulate a slower accelerator.
+        peer_sets: extra overrides for single peers, {peer index: ["section.key=value", ...]}.
     """
     console = console or Console()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -181,7 +186,8 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
             for stale in ("metrics.jsonl", "peer_summary.json"):
                 (pdir / stale).unlink(missing_ok=True)
             log = (pdir / "peer.log").open("w")
-            cmd = peer_command(i, n_peers, cfg, maddr, pdir, config_path, sets)
+            cmd = peer_command(i, n_peers, cfg, maddr, pdir, config_path, sets + (peer_sets or {}).get(i, []),
+                               (slow or {}).get(i, 1.0))
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
             peers.append(PeerProc(f"peer{i}", pdir, proc, log))

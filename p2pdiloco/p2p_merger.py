@@ -132,6 +132,8 @@ class P2PMerger:
         self._p2p = None
         self._closed = False
         self._ready_expiration = 0.0
+        self._last_submit = time.monotonic()
+        self._round_ema: float | None = None
         self.faults: dict[tuple[str, int], str] = {}
         """Test hook: {(stage, round): action}; see `_inject`."""
         self._loop.run(self._setup(), timeout=30)
@@ -203,7 +205,7 @@ class P2PMerger:
                 self._groups.pop(group.group_id, None)
 
     async def _find_group(self, c: Contribution) -> _Group | None:
-        window = self.cfg.merge_window_s
+        window = self._window()
         search = _Search(contribution=c, deadline=get_dht_time() + window)
         self._search = search
         me = self.peer_id
@@ -242,6 +244,22 @@ class P2PMerger:
         # each version of our ready record must expire later than the last, or the DHT keeps the old one
         self._ready_expiration = max(get_dht_time() + ttl, self._ready_expiration + 1e-3)
         await write_subkey(self.dht, ready_key(self.cfg.run_id), self.peer_id, value, self._ready_expiration)
+
+    def _window(self) -> float:
+        """How long to wait for others to become ready.
+
+        Sync mode waits up to merge_window_s, for everyone. Decoupled mode waits a fraction of this peer's
+        recent round time (an EMA of the time between its submits), in the spirit of Decoupled DiLoCo's grace
+        window: long enough that peers finishing their round at about the same time meet, short enough that
+        nobody's merges are held up by a slow or vanished peer. No constant to retune per model or link.
+        """
+        now = time.monotonic()
+        interval = now - self._last_submit
+        self._last_submit = now
+        self._round_ema = interval if self._round_ema is None else 0.5 * self._round_ema + 0.5 * interval
+        if self.cfg.sync:
+            return self.cfg.merge_window_s
+        return min(self.cfg.merge_window_s, max(self.cfg.min_window_s, self.cfg.window_fraction * self._round_ema))
 
     async def _lead(self, search: _Search, candidates: list[str]) -> _Group | None:
         search.leading = True  # from here on, invites from others are declined

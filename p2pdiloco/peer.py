@@ -123,6 +123,8 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
         stop: polled between steps.
         announce: where to print the lines a user needs (addresses); `print` for the CLI.
     """
+    if cfg.run.cpu_affinity:  # before anything starts, so the DHT and p2p daemon inherit it too
+        os.sched_setaffinity(0, {int(c) for c in cfg.run.cpu_affinity.split(",")})
     if cfg.run.threads > 0:
         torch.set_num_threads(cfg.run.threads)
     run_dir = Path(cfg.run.run_dir)
