@@ -29,10 +29,10 @@ def run_bootstrap(
     identity.parent.mkdir(parents=True, exist_ok=True)
     created = not identity.exists()
     cfg = SwarmConfig(host=host, port=port, announce=announce)
-    dht = start_dht(cfg, identity_path=str(identity))
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    dht = start_dht(cfg, identity_path=str(identity))
     try:
         maddrs = visible_maddrs(dht)
         print_fn(f"bootstrap node {dht.peer_id.to_base58()} ({'new' if created else 'reused'} identity {identity})")

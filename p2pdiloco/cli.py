@@ -62,7 +62,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     from p2pdiloco.bootstrap import run_bootstrap
 
     run_bootstrap(args.host, args.port, Path(args.identity), args.announce or [],
-                  Path(args.maddr_file) if args.maddr_file else None)
+                  Path(args.maddr_file) if args.maddr_file else None, print_fn=lambda line: print(line, flush=True))
     return 0
 
 
@@ -81,7 +81,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         extra["swarm"]["announce"] = args.announce
     if args.name:
         extra["run"]["name"] = args.name
-    if args.steps:
+    if args.steps is not None:
         extra["run"]["total_steps"] = args.steps
     cfg = config_from_args(args, extra)
     stop = StopFlag()
@@ -121,7 +121,7 @@ def cmd_local(args: argparse.Namespace) -> int:
 
     if args.peers < 1:
         raise ConfigError("--peers must be >= 1")
-    extra = {"run": {"total_steps": args.steps}} if args.steps else {}
+    extra = {"run": {"total_steps": args.steps}} if args.steps is not None else {}
     cfg = config_from_args(args, extra)
     sets = list(args.sets)
     if args.data:
@@ -131,7 +131,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     if args.sync:
         sets.append("swarm.sync=true")
     slow = parse_slow(args.slow or [], args.peers)
-    run_dir = Path(args.run_dir or "runs/local")
+    run_dir = Path(cfg.run.run_dir)
     summary = run_local(args.peers, cfg, run_dir, args.config, sets, slow=slow)
     ok = summary["peers_finished"] == args.peers
     print(f"summary: {run_dir / 'summary.json'}")

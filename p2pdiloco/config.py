@@ -118,7 +118,8 @@ class SwarmConfig:
     min_window_s: float = 1.0
     """Lower bound of the adaptive merge window."""
     merge_timeout_s: float = 60.0
-    """Longest a merge's data exchange may take before it is abandoned and not applied."""
+    """Longest one exchange phase of a merge (Δ; then (θg, momentum) if members disagree) may take before
+    the merge is abandoned and not applied."""
     heartbeat_s: float = 2.0
     """Seconds between peer records in the DHT; a record expires after three of these."""
     join_timeout_s: float = 20.0
@@ -296,7 +297,8 @@ def validate(config: Config) -> None:
     m = config.model
     checks = [
         (m.n_layer >= 1, "model.n_layer must be >= 1"),
-        (m.d_model % m.n_head == 0, "model.d_model must be divisible by model.n_head"),
+        (m.n_head >= 1 and m.d_model >= 1, "model.n_head and model.d_model must be >= 1"),
+        (m.n_head >= 1 and m.d_model % max(m.n_head, 1) == 0, "model.d_model must be divisible by model.n_head"),
         (m.seq_len >= 2, "model.seq_len must be >= 2"),
         (m.vocab_size == 256, "model.vocab_size must be 256 (byte tokens)"),
         (0 < config.data.val_fraction < 1, "data.val_fraction must be in (0, 1)"),
@@ -312,6 +314,12 @@ def validate(config: Config) -> None:
         (config.run.slow_factor >= 1, "run.slow_factor must be >= 1"),
         (config.run.min_step_s >= 0 and config.run.time_limit_s >= 0, "run.min_step_s and run.time_limit_s must be >= 0"),
         (config.run.eval_every_rounds >= 0, "run.eval_every_rounds must be >= 0"),
+        (config.run.log_every >= 1, "run.log_every must be >= 1"),
+        (config.run.eval_batches >= 1, "run.eval_batches must be >= 1"),
+        (config.data.max_bytes >= 1, "data.max_bytes must be >= 1"),
+        (config.swarm.heartbeat_s > 0, "swarm.heartbeat_s must be > 0"),
+        (config.swarm.join_timeout_s > 0, "swarm.join_timeout_s must be > 0"),
+        (config.swarm.wait_for_peers >= 0 and config.swarm.wait_for_peers_s >= 0, "swarm.wait_for_peers* must be >= 0"),
     ]
     for ok, message in checks:
         if not ok:

@@ -166,6 +166,7 @@ class Learner:
         self.t_train = time.monotonic()
         self.train_s = 0.0
         self._round_deadline = 0.0
+        self._round_started = time.monotonic()
 
     # ---- the loop ----
 
@@ -230,6 +231,7 @@ class Learner:
 
     def start_round(self) -> None:
         self.c.steps_in_round = 0
+        self._round_started = time.monotonic()
         T = self.cfg.swarm.round_seconds
         if T > 0:  # end on the swarm-wide cadence: the next multiple of T in DHT time
             self._round_deadline = (math.floor(get_dht_time() / T) + 1) * T
@@ -253,6 +255,7 @@ class Learner:
             state_digest=self.global_digest(),
             state_weight=self.c.global_tokens,
             round=self.c.round,
+            round_s=time.monotonic() - self._round_started,
         )
         self.in_flight = InFlight(self.merger.submit(contribution), local, contribution, time.monotonic())
         self.c.tokens_in_round = 0
@@ -260,15 +263,30 @@ class Learner:
 
     def poll_merge(self) -> None:
         """Apply the merge in flight if it has finished; never waits."""
-        if self.in_flight is not None and self.in_flight.future.done():
+        if self.in_flight is None:
+            return
+        if self.in_flight.future.done():
             self._apply_in_flight(self.in_flight.future.result())
+        elif time.monotonic() - self.in_flight.submitted_at > self._merge_bound():
+            self._apply_in_flight(self._hung_merge())
+
+    def _merge_bound(self) -> float:
+        """No merge can legitimately take longer: the window, two exchange phases, and slack."""
+        return self.cfg.swarm.merge_window_s + 2 * self.cfg.swarm.merge_timeout_s + 30
+
+    def _hung_merge(self) -> MergeResult:
+        """A merger bug must not stop this peer from ever merging again: give up on it, keep our own update."""
+        logger.error("[%s] merge did not finish in %.0f s; merging alone", self.tag, self._merge_bound())
+        self.in_flight.future.cancel()
+        c = self.in_flight.contribution
+        return MergeResult(group=[self.merger.peer_id], pseudo_grad=c.pseudo_grad, total_weight=c.weight,
+                           failure="merger hung")
 
     def wait_merge(self) -> bool:
         """Block until the merge in flight finishes and apply it; False if told to stop first (merge dropped)."""
         if self.in_flight is None:
             return True
         t0 = time.monotonic()
-        bound = self.cfg.swarm.merge_window_s + 2 * self.cfg.swarm.merge_timeout_s + 30
         while True:
             try:
                 result = self.in_flight.future.result(timeout=0.2)
@@ -278,11 +296,8 @@ class Learner:
                     self.in_flight.future.cancel()
                     self.in_flight = None
                     return False
-                if time.monotonic() - self.in_flight.submitted_at > bound:  # a merger bug must not hang the peer
-                    logger.error("[%s] merge did not finish in %.0f s; merging alone", self.tag, bound)
-                    c = self.in_flight.contribution
-                    result = MergeResult(group=[self.merger.peer_id], pseudo_grad=c.pseudo_grad,
-                                         total_weight=c.weight, failure="merger hung")
+                if time.monotonic() - self.in_flight.submitted_at > self._merge_bound():
+                    result = self._hung_merge()
                     break
         self.c.merge_wait_s += time.monotonic() - t0
         self._apply_in_flight(result)
@@ -310,12 +325,14 @@ class Learner:
         Args:
             result: the merge.
             local_at_submit: the local model when Δ was taken. Inner steps taken since then are kept:
-                θ ← θg + (θ − θ_at_submit). None restarts from θg (synchronous DiLoCo).
+                θ ← θg + (θ − θ_at_submit); in sync mode there are none, so θ ← θg exactly. None
+                restarts from θg regardless.
         """
         n = self.global_params.numel()
         if result.global_state is not None:  # members disagreed: adopt the group's averaged global model
             self.global_params = result.global_state[:n].clone()
             self.momentum = result.global_state[n:].clone()
+            self.c.global_tokens = max(self.c.global_tokens, result.state_weight)
         outer = self.cfg.outer
         self.global_params, self.momentum = outer_step(
             self.global_params, self.momentum, result.pseudo_grad, outer.lr, outer.momentum, outer.nesterov

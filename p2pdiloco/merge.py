@@ -34,6 +34,8 @@ class Contribution:
     """Tokens already merged into θg: how much a member's θg counts when global models are averaged."""
     round: int = 0
     """This peer's round counter, for logs."""
+    round_s: float = 0.0
+    """Wall time of the round that produced this contribution (sizes the merge window); 0 if unknown."""
 
 
 @dataclass
@@ -48,6 +50,8 @@ class MergeResult:
     """Sum of the members' weights (tokens)."""
     global_state: torch.Tensor | None = None
     """When members' global models disagreed: the averaged θg and momentum concatenated, else None."""
+    state_weight: float = 0.0
+    """With `global_state`: the most tokens any member's θg had absorbed (what the adopted θg now stands for)."""
     failure: str = ""
     """Why a group merge was abandoned (and this peer merged alone instead); empty if none failed."""
     bytes_sent: int = 0
@@ -81,7 +85,7 @@ class Merger(Protocol):
         ...
 
     def close(self) -> None:
-        """Abandon merges in flight and release resources."""
+        """Stop taking part in merges (results of merges still in flight are not applied)."""
         ...
 
 
@@ -123,8 +127,11 @@ class InMemoryMerger:
                 [torch.cat([c.global_params, c.momentum]) for c in members], [c.state_weight for c in members]
             )
         total = sum(c.weight for c in members)
+        state_weight = max(c.state_weight for c in members)
         for p in group:
-            rv.futures[p].set_result(MergeResult(group=group, pseudo_grad=avg, total_weight=total, global_state=state))
+            rv.futures[p].set_result(
+                MergeResult(group=group, pseudo_grad=avg, total_weight=total, global_state=state, state_weight=state_weight)
+            )
         return future
 
     def close(self) -> None:

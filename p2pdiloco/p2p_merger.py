@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
+import signal
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -94,7 +96,6 @@ class _Group:
 
     def slot(self, tag: str, my_index: int) -> _Slot:
         if tag not in self.slots:
-            lo, hi = slice_bounds(self.lengths[tag], len(self.members))[my_index]
             weights = self.weights if tag == "d" else self.state_weights
             self.slots[tag] = _Slot(list(weights), [None] * len(self.members), asyncio.get_running_loop().create_future())
         return self.slots[tag]
@@ -134,15 +135,25 @@ class P2PMerger:
         self._ready_expiration = 0.0
         self._last_submit = time.monotonic()
         self._round_ema: float | None = None
+        self._round = -1
+        self._tasks: set[asyncio.Task] = set()
         self.faults: dict[tuple[str, int], str] = {}
         """Test hook: {(stage, round): action}; see `_inject`."""
         self._loop.run(self._setup(), timeout=30)
 
     async def _inject(self, stage: str, round_: int) -> None:
-        """Deterministic fault injection for tests, keyed by (stage, round): 'stall' freezes this peer's
-        side of the merge (as SIGSTOP would) until the merge is abandoned."""
-        if self.faults.get((stage, round_)) == "stall":
-            logger.warning("[%s] injected fault: stalling at %s of round %d", self.peer_id[-6:], stage, round_)
+        """Deterministic fault injection for tests, keyed by (stage, round).
+
+        Stages: 'exchange' (before this peer sends its slices), 'serve_part' (inside the reducer, on the
+        first slice received from another member). Actions: 'stall' freezes this peer's side of the merge
+        (as SIGSTOP would) until the merge is abandoned; 'kill' SIGKILLs this process on the spot.
+        """
+        action = self.faults.get((stage, round_))
+        if action:
+            logger.warning("[%s] injected fault: %s at %s of round %d", self.peer_id[-6:], action, stage, round_)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "stall":
             await asyncio.sleep(3600)
 
     def _proto(self, op: str) -> str:
@@ -166,6 +177,7 @@ class P2PMerger:
 
     async def _merge(self, c: Contribution) -> MergeResult:
         t0, sent0, recv0 = time.monotonic(), self.counter.sent, self.counter.received
+        self._round = c.round
 
         def finish(result: MergeResult) -> MergeResult:
             result.bytes_sent = self.counter.sent - sent0
@@ -180,7 +192,7 @@ class P2PMerger:
                 return finish(alone_result(self.peer_id, c))
             me = group.members.index(self.peer_id)
             await self._inject("exchange", c.round)
-            timeout = self.cfg.merge_timeout_s
+            timeout = self.cfg.merge_timeout_s  # per exchange phase: Δ, then (θg, m) if they disagree
             avg = await asyncio.wait_for(self._allreduce(group, me, "d", c.pseudo_grad), timeout)
             state = None
             if group.need_state:
@@ -191,6 +203,7 @@ class P2PMerger:
                 MergeResult(
                     group=list(group.members), pseudo_grad=avg, total_weight=float(sum(group.weights)),
                     global_state=state, group_id=group.group_id,
+                    state_weight=max(group.state_weights) if state is not None else 0.0,
                 )
             )
         except (MergeFailed, WireError, TimeoutError, ConnectionError, OSError) as e:
@@ -205,18 +218,23 @@ class P2PMerger:
                 self._groups.pop(group.group_id, None)
 
     async def _find_group(self, c: Contribution) -> _Group | None:
-        window = self._window()
+        window = self._window(c.round_s)
         search = _Search(contribution=c, deadline=get_dht_time() + window)
         self._search = search
         me = self.peer_id
+        silent: set[str] = set()
         try:
             await self._write_ready({"looking": True, "deadline": search.deadline}, ttl=window + 5)
             while not self._closed:
                 if search.accepted_gid:
                     return await self._await_group(search)
-                ready = {p: r for p, r in (await read_subkeys(self.dht, ready_key(self.cfg.run_id))).items() if r.get("looking")}
+                records = live_records(await read_subkeys(self.dht, peers_key(self.cfg.run_id)))
+                live = len(records)
+                ready = {
+                    p: r for p, r in (await read_subkeys(self.dht, ready_key(self.cfg.run_id))).items()
+                    if r.get("looking") and p in records and p not in silent
+                }  # a crashed peer's stale ready record must not make it everyone's leader
                 ready[me] = {"deadline": search.deadline}
-                live = len(live_records(await read_subkeys(self.dht, peers_key(self.cfg.run_id))))
                 now = get_dht_time()
                 leader = min(ready)
                 if search.accepted_gid:
@@ -228,8 +246,11 @@ class P2PMerger:
                         return None
                 else:
                     leader_deadline = float(ready[leader].get("deadline", search.deadline))
-                    if now >= min(max(search.deadline, leader_deadline) + RPC_TIMEOUT_S, search.deadline + window):
+                    if now >= search.deadline + window:
                         return None
+                    if now >= max(search.deadline, leader_deadline) + RPC_TIMEOUT_S:
+                        silent.add(leader)  # it never invited us: look past it (the next one may lead)
+                        continue
                 try:
                     await asyncio.wait_for(search.invited.wait(), POLL_S)
                 except TimeoutError:
@@ -238,23 +259,26 @@ class P2PMerger:
         finally:
             self._search = None
             # withdraw the ready record in the background: the exchange should not wait for the DHT
-            asyncio.create_task(self._write_ready({"looking": False}, ttl=window + 5))
+            task = asyncio.create_task(self._write_ready({"looking": False}, ttl=window + 5))
+            self._tasks.add(task)  # keep a reference until it is done, or it may be collected mid-flight
+            task.add_done_callback(self._tasks.discard)
 
     async def _write_ready(self, value: dict, ttl: float) -> None:
         # each version of our ready record must expire later than the last, or the DHT keeps the old one
         self._ready_expiration = max(get_dht_time() + ttl, self._ready_expiration + 1e-3)
         await write_subkey(self.dht, ready_key(self.cfg.run_id), self.peer_id, value, self._ready_expiration)
 
-    def _window(self) -> float:
+    def _window(self, round_s: float) -> float:
         """How long to wait for others to become ready.
 
         Sync mode waits up to merge_window_s, for everyone. Decoupled mode waits a fraction of this peer's
-        recent round time (an EMA of the time between its submits), in the spirit of Decoupled DiLoCo's grace
-        window: long enough that peers finishing their round at about the same time meet, short enough that
-        nobody's merges are held up by a slow or vanished peer. No constant to retune per model or link.
+        recent round time (an EMA of the rounds' wall times as the learner reports them, else of the time
+        between submits), in the spirit of Decoupled DiLoCo's grace window: long enough that peers finishing
+        their round at about the same time meet, short enough that nobody's merges are held up by a slow or
+        vanished peer. No constant to retune per model or link.
         """
         now = time.monotonic()
-        interval = now - self._last_submit
+        interval = round_s if round_s > 0 else now - self._last_submit
         self._last_submit = now
         self._round_ema = interval if self._round_ema is None else 0.5 * self._round_ema + 0.5 * interval
         if self.cfg.sync:
@@ -428,6 +452,7 @@ class P2PMerger:
         part = torch.frombuffer(bytearray(payload), dtype=torch.float32)
         if not torch.isfinite(part).all():
             raise MergeFailed(f"non-finite values from {sender[-6:]}")
+        await self._inject("serve_part", self._round)
         slot = group.slot(tag, me)
         slot.add(index, part)
         return await asyncio.wait_for(asyncio.shield(slot.result), self.cfg.merge_timeout_s)

@@ -24,6 +24,7 @@ from p2pdiloco.p2p_merger import P2PMerger
 from p2pdiloco.swarm import (
     BackgroundLoop,
     check_fingerprint,
+    check_maddrs,
     live_records,
     peers_key,
     read_subkeys,
@@ -115,6 +116,35 @@ def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, stop: StopFlag) -> in
         time.sleep(0.2)  # polling the DHT, with a deadline
 
 
+def join_address(maddrs: list[str]) -> str:
+    """The address to tell other machines: the first one that is not loopback, if any."""
+    for m in maddrs:
+        if not (m.startswith("/ip4/127.") or m.startswith("/ip6/::1/")):
+            return m
+    return maddrs[0] if maddrs else "<address>"
+
+
+def keep_previous(path: Path) -> None:
+    """A new run into an old folder must not mix with (or erase) the old run's metrics: move them aside."""
+    if path.exists() and path.stat().st_size > 0:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+        path.rename(path.with_name(f"{path.stem}-{stamp}{path.suffix}"))
+
+
+def faults_from_env(name: str) -> dict[tuple[str, int], str]:
+    """Test hook: P2PDILOCO_FAULTS="peer2@serve_part:3:kill,peer1@exchange:5:stall" injects faults into the
+    merges of the peers so named (see `P2PMerger._inject`)."""
+    faults = {}
+    for item in filter(None, os.environ.get("P2PDILOCO_FAULTS", "").split(",")):
+        who, _, spec = item.partition("@")
+        stage, round_, action = spec.split(":")
+        if who == name:
+            faults[(stage, int(round_))] = action
+    if faults:
+        logger.warning("fault injection enabled for %s: %s", name, faults)
+    return faults
+
+
 def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
     """Join the swarm, train, write the run folder; returns the summary.
 
@@ -129,6 +159,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
         torch.set_num_threads(cfg.run.threads)
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    check_maddrs(cfg.swarm.initial_peers, "initial peer")  # a typo should not cost a data load first
     device = pick_device(cfg.run.device)
     data = load_text(cfg.data, min_bytes=2 * (cfg.model.seq_len + 1))
     sampler = BatchSampler(data.train, cfg.model.seq_len, cfg.data.batch_size, cfg.run.seed, cfg.data.shard)
@@ -147,11 +178,13 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
         announce(f"peer {peer_id} listening on:")
         for m in maddrs:
             announce(f"  {m}")
-        announce("others can join with: p2pdiloco peer --initial-peers " + (maddrs[0] if maddrs else "<address>"))
+        announce("others can join with: p2pdiloco peer --initial-peers " + join_address(maddrs))
         fingerprint = cfg.fingerprint()
         check_fingerprint(fingerprint, live_records(loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30)))
 
         merger = P2PMerger(dht, cfg.swarm, loop, n_params)
+        merger.faults = faults_from_env(cfg.run.name)
+        keep_previous(run_dir / "metrics.jsonl")
         metrics = MetricsLog(run_dir / "metrics.jsonl")
         learner = Learner(cfg, model, sampler.next_batch, val, merger, device, metrics, should_stop=stop)
         static = {

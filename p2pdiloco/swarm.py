@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Coroutine
 from concurrent.futures import Future
 from typing import Any
@@ -52,6 +53,7 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
     """
     check_maddrs(cfg.initial_peers, "initial peer")
     check_maddrs(cfg.announce, "announce address")
+    t0 = time.monotonic()
     try:
         return hivemind.DHT(
             start=True,
@@ -66,9 +68,10 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
     except P2PDaemonError as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         if cfg.initial_peers:
+            waited = time.monotonic() - t0
             raise SwarmError(
                 f"could not join the swarm through {', '.join(cfg.initial_peers)} "
-                f"within {cfg.join_timeout_s:.0f} s ({reason})"
+                f"({reason}; gave up after {waited:.1f} s)"
             ) from None
         raise SwarmError(f"could not start the p2p daemon on {cfg.host}:{cfg.port} ({reason})") from None
     except TimeoutError:

@@ -90,3 +90,28 @@ def test_load_flat_copies():
     load_flat_(model, flat)
     flat += 100
     assert model.weight.flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_decoupled_apply_rebases_steps_taken_during_the_merge(tmp_path):
+    cfg = _cfg()
+    learner = _learner(cfg, InMemoryMerger("p0", {"group_size": 1}), tmp_path, 0)
+    theta_g = learner.global_params.clone()
+    at_submit = theta_g - 0.5  # the local model when Δ was taken
+    now = at_submit + 0.25  # two more "inner steps" moved it by +0.25 meanwhile
+    load_flat_(learner.model, now)
+    delta = torch.full_like(theta_g, 0.1)
+    learner.apply_merge(MergeResult(group=["p0", "p1"], pseudo_grad=delta, total_weight=1.0), at_submit)
+    new_g, _ = outer_step(theta_g, torch.zeros_like(theta_g), delta, 0.7, 0.9)
+    # θ ← θg' + (θ − θ_at_submit) = θg' + 0.25
+    torch.testing.assert_close(learner._local_params(), new_g + 0.25)
+    assert torch.equal(learner.global_params, new_g)
+
+
+def test_decoupled_learner_never_waits_for_a_slow_merge(tmp_path):
+    """With a merge partner that never comes, inner steps go on; the round extends instead of blocking."""
+    cfg = _cfg(**{"run.total_steps": 30})
+    hub = {"group_size": 2}  # nobody else ever submits: the merge stays in flight
+    learner = _learner(cfg, InMemoryMerger("p0", hub), tmp_path, 0)
+    learner.should_stop = lambda: learner.c.step >= 30
+    learner.run()
+    assert learner.c.step == 30 and learner.c.round == 0 and learner.c.merge_wait_s == 0.0
