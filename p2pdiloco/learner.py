@@ -27,6 +27,7 @@ from torch.nn.utils import parameters_to_vector
 from p2pdiloco.config import Config, ConfigError
 from p2pdiloco.merge import Contribution, Merger, MergeResult
 from p2pdiloco.outer import cosine_lr, outer_step, pseudo_gradient, rebase, state_digest
+from p2pdiloco.telemetry import RateMeter
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ class Counters:
     """Tokens whose effect reached this peer's global model (its weight when global models are averaged)."""
     last_group_size: int = 1
     last_merge_s: float = 0.0
+    last_merge_time: float = 0.0
+    """Wall-clock time (Unix seconds) when the last merge was applied; 0 before the first."""
 
 
 @dataclass
@@ -160,6 +163,8 @@ class Learner:
         self.last_loss = float("nan")
         self.eval_loss_initial = float("nan")
         self.eval_loss_final = float("nan")
+        self.last_eval_loss = float("nan")
+        self.throughput = RateMeter()
         self._loss_sum, self._loss_n, self._t_log, self._tokens_log = 0.0, 0, time.monotonic(), 0
         self.tag = merger.peer_id[-6:]
         self.in_flight: InFlight | None = None
@@ -174,8 +179,10 @@ class Learner:
         """Train until `run.total_steps`, the time limit, or a stop request; returns this peer's summary."""
         self.eval_loss_initial = self.evaluate()
         self.metrics.write(kind="eval", elapsed_s=self.elapsed(), step=0, tokens=0, eval_loss=self.eval_loss_initial)
+        self.last_eval_loss = self.eval_loss_initial
         logger.info("[%s] eval loss at start %.4f", self.tag, self.eval_loss_initial)
         self.t_train = time.monotonic()
+        self.throughput.add(self.c.tokens)
         self.start_round()
         while self.c.step < self.cfg.run.total_steps and not self.should_stop() and not self.out_of_time():
             self.inner_step()
@@ -186,7 +193,7 @@ class Learner:
                     self.wait_merge()
         self.train_s = time.monotonic() - self.t_train
         self.finish()
-        self.eval_loss_final = self.evaluate_global()
+        self.eval_loss_final = self.last_eval_loss = self.evaluate_global()
         self.metrics.write(
             kind="eval", elapsed_s=self.elapsed(), step=self.c.step, tokens=self.c.tokens, eval_loss=self.eval_loss_final
         )
@@ -215,6 +222,7 @@ class Learner:
         self.c.steps_in_round += 1
         self.c.tokens += x.numel()
         self.c.tokens_in_round += x.numel()
+        self.throughput.add(self.c.tokens)
         self.last_loss = loss_value
         self._loss_sum += loss_value
         self._loss_n += 1
@@ -349,6 +357,7 @@ class Learner:
         self.c.bytes_received += result.bytes_received
         self.c.last_group_size = len(result.group)
         self.c.last_merge_s = result.duration_s
+        self.c.last_merge_time = time.time()
 
     def out_of_time(self) -> bool:
         limit = self.cfg.run.time_limit_s
@@ -390,6 +399,8 @@ class Learner:
     def log_merge(self, result: MergeResult) -> None:
         every = self.cfg.run.eval_every_rounds
         eval_loss = self.evaluate_global() if every and self.c.round % every == 0 else None
+        if eval_loss is not None:
+            self.last_eval_loss = eval_loss
         self.metrics.write(
             kind="merge", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round, tokens=self.c.tokens,
             group_size=len(result.group), group_id=result.group_id, merges=self.c.merges, failure=result.failure,
@@ -409,13 +420,17 @@ class Learner:
         return state_digest(self.global_params, self.momentum)
 
     def record(self) -> dict:
-        """What this peer tells the swarm in its heartbeat."""
-        wall = max(self.elapsed(), 1e-9)
+        """What this peer tells the swarm in its heartbeat (called from the network thread).
+
+        Losses in nats per byte (None until known), `tokens_per_s` over the last 30 s, byte counts since the
+        start, `last_merge_s` the duration and `last_merge_time` the Unix time of the last applied merge.
+        """
         return {
             "step": self.c.step, "round": self.c.round, "tokens": self.c.tokens, "loss": _finite(self.last_loss),
-            "tokens_per_s": self.c.tokens / wall, "merges": self.c.merges,
-            "bytes_sent": self.c.bytes_sent, "bytes_received": self.c.bytes_received,
+            "eval_loss": _finite(self.last_eval_loss), "tokens_per_s": self.throughput.rate(),
+            "merges": self.c.merges, "bytes_sent": self.c.bytes_sent, "bytes_received": self.c.bytes_received,
             "last_group_size": self.c.last_group_size, "last_merge_s": self.c.last_merge_s,
+            "last_merge_time": self.c.last_merge_time,
         }
 
     def summary(self) -> dict:

@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import os
-import platform
 import signal
 import threading
 import time
@@ -86,7 +85,10 @@ def save_global_atomic(path: Path, learner: Learner) -> None:
 
 class Heartbeat:
     """This peer's record in the DHT: refreshed every `period` seconds, expiring after three missed beats,
-    and replaced by a 'left' record when the peer exits cleanly, so others stop counting on it at once."""
+    and replaced by a 'left' record when the peer exits cleanly, so others stop counting on it at once.
+
+    Each record carries `time`, the DHT time (Unix seconds) it was written, so that readers can tell how
+    fresh it is and place its values on a time axis."""
 
     def __init__(self, dht, run_id: str, peer_id: str, record, period: float):
         self.dht, self.key, self.peer_id, self.record, self.period = dht, peers_key(run_id), peer_id, record, period
@@ -99,11 +101,11 @@ class Heartbeat:
 
     async def run(self) -> None:
         while True:
-            await self._write(self.record())
+            await self._write({**self.record(), "time": get_dht_time()})
             await asyncio.sleep(self.period)
 
     async def leave(self) -> None:
-        await self._write({"left": True})
+        await self._write({"left": True, "time": get_dht_time()})
 
 
 def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, stop: StopFlag) -> int:
@@ -187,9 +189,10 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
         keep_previous(run_dir / "metrics.jsonl")
         metrics = MetricsLog(run_dir / "metrics.jsonl")
         learner = Learner(cfg, model, sampler.next_batch, val, merger, device, metrics, should_stop=stop)
+        # public: anyone who knows the run id reads it, so no host name or user (the name is opt-in)
         static = {
             "name": cfg.run.name, "device": str(device), "version": __version__, "maddrs": maddrs,
-            "fingerprint": fingerprint, "host": platform.node(),
+            "fingerprint": fingerprint, "started": time.time(),
         }
         heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer_id, lambda: {**static, **learner.record()},
                               cfg.swarm.heartbeat_s)
