@@ -109,6 +109,9 @@ def test_bootstrap_and_two_peers_by_hand_train_and_merge(tmp_path):
         for i in range(2):
             peers.append(_start(["peer", "--initial-peers", maddr, "--host", "127.0.0.1", "--run-dir",
                                  str(tmp_path / f"p{i}"), "--steps", "40", "--set", "swarm.round_steps=10",
+                                 # 40 tiny steps take about a second: without waiting for each other, each
+                                 # peer can be done before it sees the other's record, and never merge
+                                 "--set", "swarm.wait_for_peers=2",
                                  "--set", f"run.seed={i}", *TINY], tmp_path / f"p{i}.log"))
         for p in peers:
             assert p.wait(timeout=150) == 0
