@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from p2pdiloco import __version__
-from p2pdiloco.config import Config, ConfigError, load_config, parse_set
+from p2pdiloco.config import Config, ConfigError, SwarmConfig, load_config, parse_set
 
 logger = logging.getLogger("p2pdiloco")
 
@@ -141,6 +141,21 @@ def cmd_local(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from p2pdiloco.status import fetch_status, format_status, to_json
+
+    status = fetch_status(args.initial_peers, args.run_id, args.timeout)
+    if args.json:
+        print(to_json(status), flush=True)
+    if not status["peers"]:
+        print(f"p2pdiloco status: error: no live peers in swarm {args.run_id!r} seen within {args.timeout:.0f} s "
+              "(is --run-id the swarm's?)", file=sys.stderr)
+        return 1
+    if not args.json:
+        print(format_status(status), flush=True)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from p2pdiloco import bench
 
@@ -196,6 +211,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="make peer INDEX FACTOR times slower, emulating an older accelerator (repeatable)")
     add_config_args(lo)
     lo.set_defaults(func=cmd_local)
+
+    st = sub.add_parser("status", help="show the live peers of a swarm", epilog=EPILOG,
+                        description="Join the swarm as a read-only DHT client and print a table of its live peers "
+                        "(round, steps, tokens, tokens/s, loss, bytes, last merge) and the swarm's totals. Exits 1 "
+                        "if no live peer is found.")
+    st.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
+                    help="bootstrap node or live peer multiaddrs")
+    st.add_argument("--run-id", default=SwarmConfig.run_id, metavar="NAME",
+                    help=f"the swarm's run id (default {SwarmConfig.run_id})")
+    st.add_argument("--json", action="store_true", help="print JSON (peers and totals) for scripts")
+    st.add_argument("--timeout", type=float, default=15.0, metavar="S",
+                    help="give up joining, or waiting for a first peer record, after this many seconds (default 15)")
+    st.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    st.set_defaults(func=cmd_status)
 
     be = sub.add_parser("bench", help="measure a figure beside its baseline", epilog=EPILOG,
                         description="straggler: fast peers' inner steps/s with one 4x slower peer ÷ without it, "

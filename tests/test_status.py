@@ -1,0 +1,47 @@
+"""`p2pdiloco status` without a network: peer records in, table and totals out."""
+
+from __future__ import annotations
+
+import json
+
+from p2pdiloco.status import format_status, human, swarm_status
+
+
+def _record(name, step, loss, tps, **extra):
+    return {"name": name, "device": "cpu", "version": "0.1.0", "step": step, "round": step // 10, "tokens": step * 64,
+            "tokens_per_s": tps, "loss": loss, "eval_loss": None, "merges": 2, "bytes_sent": 2_500_000,
+            "bytes_received": 2_400_000, "last_group_size": 3, "last_merge_s": 0.25, "last_merge_time": 990.0,
+            "maddrs": ["/ip4/127.0.0.1/tcp/1/p2p/x"], "time": 999.0, **extra}
+
+
+def test_status_lists_live_peers_and_totals_and_tolerates_junk():
+    records = {
+        "12D3KooWbbbbbbbbbb": _record("bob", 40, 3.0, 100.0),
+        "12D3KooWaaaaaaaaaa": _record("alice", 60, 2.0, 300.0, eval_loss=2.5),
+        "12D3KooWgone": {"left": True, "time": 998.0},
+        # a stranger's record with nonsense in every field must not break the table
+        "12D3KooWjunk": {"name": ["x"], "step": "many", "loss": float("nan"), "tokens_per_s": True, "maddrs": "x",
+                         "time": 1e99, "round": float("inf")},
+    }
+    status = swarm_status(records, "run", now=1000.0)
+    assert [p["name"] for p in status["peers"]] == ["alice", "bob", ""]  # named first, the nameless last
+    junk = status["peers"][2]
+    assert junk["step"] == 0 and junk["loss"] is None and junk["maddrs"] == [] and junk["round"] == 0
+    t = status["totals"]
+    assert t["peers"] == 3 and t["tokens_per_s"] == 400.0 and t["round"] == 6 and t["tokens"] == 100 * 64
+    assert t["loss"] == 2.5 and t["eval_loss"] == 2.5
+    assert status["peers"][0]["age_s"] == 1.0
+    json.loads(json.dumps(status, allow_nan=False))  # what --json prints is strict JSON
+
+    table = format_status(status)
+    lines = table.splitlines()
+    assert lines[0].split()[:4] == ["peer", "id", "device", "version"]
+    assert lines[1].startswith("alice") and "aaaaaaaa" in lines[1] and "2.000" in lines[1] and "2.5 MB" in lines[1]
+    assert "10 s ago, 3 peers, 0.2 s" in lines[1]
+    assert lines[-1] == ("swarm 'run': 3 peers, 400 tokens/s, 6.4k tokens, latest round 6, loss 2.500, "
+                         "eval loss 2.500")
+
+
+def test_human_numbers():
+    assert [human(0), human(1.5), human(999), human(1234), human(2_500_000, "B"), human(512, "B")] == \
+        ["0", "1.5", "999", "1.2k", "2.5 MB", "512 B"]
