@@ -83,6 +83,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
         extra["run"]["name"] = args.name
     if args.steps is not None:
         extra["run"]["total_steps"] = args.steps
+    if args.metrics_port is not None:
+        extra["run"]["metrics_port"] = args.metrics_port
     cfg = config_from_args(args, extra)
     stop = StopFlag()
     stop.install()
@@ -198,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--announce", nargs="+", metavar="MADDR", help="public multiaddrs to advertise")
     p.add_argument("--name", help="public name of this peer")
     p.add_argument("--steps", type=int, help="inner steps to run (run.total_steps)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on this port at /metrics (run.metrics_port; default 0: off)")
     p.add_argument("--in-local", action="store_true", help=argparse.SUPPRESS)
     add_config_args(p)
     p.set_defaults(func=cmd_peer)

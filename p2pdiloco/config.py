@@ -161,6 +161,10 @@ class RunConfig:
     few cores do not compete for them); 0 disables."""
     cpu_affinity: str = ""
     """Comma-separated CPU ids to pin this peer to (Linux), e.g. "0"; empty leaves it to the OS."""
+    metrics_port: int = 0
+    """Serve Prometheus metrics at http://metrics_host:metrics_port/metrics; 0 serves none."""
+    metrics_host: str = "127.0.0.1"
+    """Interface for metrics_port; 0.0.0.0 lets a Prometheus on another machine scrape this peer."""
 
 
 @dataclass
@@ -317,6 +321,7 @@ def validate(config: Config) -> None:
         (config.run.log_every >= 1, "run.log_every must be >= 1"),
         (config.run.eval_batches >= 1, "run.eval_batches must be >= 1"),
         (config.data.max_bytes >= 1, "data.max_bytes must be >= 1"),
+        (0 <= config.run.metrics_port <= 65535, "run.metrics_port must be in [0, 65535]"),
         (config.swarm.heartbeat_s > 0, "swarm.heartbeat_s must be > 0"),
         (config.swarm.join_timeout_s > 0, "swarm.join_timeout_s must be > 0"),
         (config.swarm.wait_for_peers >= 0 and config.swarm.wait_for_peers_s >= 0, "swarm.wait_for_peers* must be >= 0"),

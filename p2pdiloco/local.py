@@ -82,6 +82,8 @@ def peer_command(i: int, n: int, cfg: Config, initial_peer: str, run_dir: Path, 
         cmd += ["--set", s]
     if slow_factor != 1.0:
         cmd += ["--set", f"run.slow_factor={slow_factor}"]
+    if cfg.run.metrics_port:  # one port each: peer i serves on metrics_port + i
+        cmd += ["--set", f"run.metrics_port={cfg.run.metrics_port + i}"]
     return cmd
 
 

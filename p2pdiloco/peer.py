@@ -31,6 +31,7 @@ from p2pdiloco.swarm import (
     visible_maddrs,
     write_subkey,
 )
+from p2pdiloco.telemetry import MetricsServer
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,13 @@ class Heartbeat:
         await self._write({"left": True, "time": get_dht_time()})
 
 
+def telemetry_snapshot(learner: Learner, static: dict) -> dict:
+    """What /metrics reports: the heartbeat record, plus counters too dull for the DHT record."""
+    c = learner.c
+    return {**static, **learner.record(), "merge_failures": c.merge_failures, "compute_s": c.compute_s,
+            "merge_wait_s": c.merge_wait_s}
+
+
 def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, stop: StopFlag) -> int:
     """Block until `swarm.wait_for_peers` peers are live (or the wait times out); returns how many are."""
     want, deadline = cfg.swarm.wait_for_peers, time.monotonic() + cfg.swarm.wait_for_peers_s
@@ -173,7 +181,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
 
     dht = start_dht(cfg.swarm)
     loop = BackgroundLoop()
-    merger = metrics = heartbeat = None
+    merger = metrics = heartbeat = metrics_server = None
     try:
         peer_id = dht.peer_id.to_base58()
         maddrs = visible_maddrs(dht)
@@ -197,6 +205,11 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
         heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer_id, lambda: {**static, **learner.record()},
                               cfg.swarm.heartbeat_s)
         loop.submit(heartbeat.run())
+        if cfg.run.metrics_port:
+            ids = {**static, "peer_id": peer_id, "run_id": cfg.swarm.run_id}
+            metrics_server = MetricsServer(lambda: telemetry_snapshot(learner, ids), cfg.run.metrics_host,
+                                           cfg.run.metrics_port)
+            announce(f"Prometheus metrics at {loop.run(metrics_server.start(), timeout=10)}")
         if cfg.swarm.wait_for_peers > 1:
             live = wait_for_peers(loop, dht, cfg, stop)
             logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)
@@ -211,6 +224,11 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
                 loop.run(heartbeat.leave(), timeout=5)
             except Exception as e:  # leaving: others will see the record expire instead
                 logger.debug("withdrawing the peer record failed: %r", e)
+        if metrics_server is not None:
+            try:
+                loop.run(metrics_server.stop(), timeout=5)
+            except Exception as e:  # shutting down: log, never raise
+                logger.debug("stopping the metrics server: %r", e)
         if merger is not None:
             merger.close()
         if metrics is not None:
