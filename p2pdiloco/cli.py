@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from p2pdiloco import __version__
@@ -134,7 +136,8 @@ def cmd_local(args: argparse.Namespace) -> int:
         sets.append("swarm.sync=true")
     slow = parse_slow(args.slow or [], args.peers)
     run_dir = Path(cfg.run.run_dir)
-    summary = run_local(args.peers, cfg, run_dir, args.config, sets, slow=slow)
+    summary = run_local(args.peers, cfg, run_dir, args.config, sets, slow=slow,
+                        dashboard_port=args.dashboard_port if args.dashboard else None)
     ok = summary["peers_finished"] == args.peers
     print(f"summary: {run_dir / 'summary.json'}")
     if summary["eval_loss_final"] is not None:
@@ -155,6 +158,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
     if not args.json:
         print(format_status(status), flush=True)
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from p2pdiloco.dashboard import run_dashboard
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    run_dashboard(args.initial_peers, args.run_id, args.host, args.port, args.refresh, stop,
+                  announce=lambda line: print(line, flush=True))
     return 0
 
 
@@ -213,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--steps", type=int, help="inner steps per peer (default: run.total_steps of the config)")
     lo.add_argument("--slow", action="append", metavar="INDEX:FACTOR",
                     help="make peer INDEX FACTOR times slower, emulating an older accelerator (repeatable)")
+    lo.add_argument("--dashboard", action="store_true",
+                    help="serve the live web dashboard of this swarm on 127.0.0.1 while it trains")
+    lo.add_argument("--dashboard-port", type=int, default=8080, metavar="PORT",
+                    help="port of --dashboard (default 8080; 0: any free one, printed at start)")
     add_config_args(lo)
     lo.set_defaults(func=cmd_local)
 
@@ -229,6 +247,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="give up joining, or waiting for a first peer record, after this many seconds (default 15)")
     st.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     st.set_defaults(func=cmd_status)
+
+    da = sub.add_parser("dashboard", help="serve a live web dashboard of a swarm", epilog=EPILOG,
+                        description="Join the swarm as a read-only DHT client and serve a web page with live charts "
+                        "(loss per peer, swarm tokens/s, peers joining and leaving, bytes per peer) and the JSON "
+                        "API it reads (/api/state, /api/status). Works offline: the page needs no CDN.")
+    da.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
+                    help="bootstrap node or live peer multiaddrs")
+    da.add_argument("--run-id", default=SwarmConfig.run_id, metavar="NAME",
+                    help=f"the swarm's run id (default {SwarmConfig.run_id})")
+    da.add_argument("--host", default="127.0.0.1",
+                    help="interface to serve on (default 127.0.0.1; 0.0.0.0 lets other machines see it)")
+    da.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080; 0: any free one)")
+    da.add_argument("--refresh", type=float, default=2.0, metavar="S",
+                    help="seconds between readings of the swarm (default 2)")
+    da.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    da.set_defaults(func=cmd_dashboard)
 
     be = sub.add_parser("bench", help="measure a figure beside its baseline", epilog=EPILOG,
                         description="straggler: fast peers' inner steps/s with one 4x slower peer ÷ without it, "

@@ -159,7 +159,7 @@ def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float)
 
 def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None, sets: list[str],
               console: Console | None = None, slow: dict[int, float] | None = None,
-              peer_sets: dict[int, list[str]] | None = None) -> dict:
+              peer_sets: dict[int, list[str]] | None = None, dashboard_port: int | None = None) -> dict:
     """Run a whole swarm on this machine and return the run's summary.
 
     Args:
@@ -171,6 +171,7 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
         console: where progress is drawn.
         slow: {peer index: factor} for peers that emulate a slower accelerator.
         peer_sets: extra overrides for single peers, {peer index: ["section.key=value", ...]}.
+        dashboard_port: serve the web dashboard on 127.0.0.1 at this port (0: any free one); None: no dashboard.
     """
     console = console or Console()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -178,10 +179,16 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
     dht = start_dht(SwarmConfig(host="127.0.0.1", port=0))
     peers: list[PeerProc] = []
     interrupted = False
+    dashboard = None
     try:
         maddr = visible_maddrs(dht)[0]
         (run_dir / "bootstrap.maddr").write_text(maddr + "\n")
         console.print(f"bootstrap node at {maddr}")
+        if dashboard_port is not None:  # in this process: it reads the peers' records through the bootstrap node
+            from p2pdiloco.dashboard import BackgroundDashboard
+
+            dashboard = BackgroundDashboard(dht, cfg.swarm.run_id, "127.0.0.1", dashboard_port)
+            console.print(f"dashboard at {dashboard.url}")
         for i in range(n_peers):
             pdir = run_dir / "peers" / f"peer{i}"
             pdir.mkdir(parents=True, exist_ok=True)
@@ -211,6 +218,8 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
             console.print("interrupted: stopping peers")
     finally:
         stop_peers(peers)
+        if dashboard is not None:
+            dashboard.close()
         dht.shutdown()
     for p in peers:
         if p.proc.returncode not in (0, None) and not interrupted:

@@ -1,0 +1,106 @@
+"""The dashboard without a swarm: its bounded history of joins, leaves and points, and its HTTP routes
+served from a fake DHT."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from types import SimpleNamespace
+
+from hivemind.utils.timed_storage import get_dht_time
+
+from p2pdiloco.dashboard import POINT_FIELDS, Dashboard, Series, SwarmHistory
+from tests.conftest import wait_for
+
+
+def _rec(step, t, loss=3.0, name="", **extra):
+    return {"name": name, "step": step, "tokens": step * 10, "tokens_per_s": 5.0, "loss": loss, "bytes_sent": step,
+            "bytes_received": 2 * step, "time": t, **extra}
+
+
+def test_history_records_points_joins_leaves_and_lost_peers():
+    h = SwarmHistory("r", lost_after_s=10.0)
+    h.observe({"a": _rec(1, 100.0, name="alice"), "b": _rec(1, 100.0)}, now=101.0)
+    h.observe({"a": _rec(2, 102.0, name="alice"), "b": _rec(1, 100.0)}, now=103.0)  # b: no new heartbeat
+    assert [e["event"] for e in h.events] == ["joined", "joined"]
+    state = h.state()
+    a, b = state["peers"]
+    assert a["points"] == [[101.0, 1, 10, 3.0, None, 5.0, 1, 2], [103.0, 2, 20, 3.0, None, 5.0, 2, 4]]
+    assert state["point_fields"] == list(POINT_FIELDS)
+    assert len(b["points"]) == 1
+    # a read that misses a record (a DHT timeout) is not a departure...
+    h.observe({"a": _rec(3, 104.0)}, now=105.0)
+    assert h.peers["b"].state == "live"
+    # ...but a "left" record is, and so is silence longer than lost_after_s
+    h.observe({"a": {"left": True, "time": 106.0}}, now=112.0)
+    assert h.peers["a"].state == "left" and h.peers["b"].state == "lost"
+    assert [(e["peer_id"], e["event"]) for e in h.events[2:]] == [("a", "left"), ("b", "lost")]
+    assert h.events[2]["name"] == ""  # the name of its last live record is kept... unless it had none
+    h.observe({"a": _rec(1, 120.0, name="alice")}, now=121.0)  # came back (same peer id)
+    assert h.peers["a"].state == "live" and h.events[-1] == {"time": 121.0, "peer_id": "a", "name": "alice",
+                                                             "event": "joined"}
+    assert [p[1] for p in h.swarm.points] == [2, 2, 2, 0, 1]  # live peers at each reading
+    json.dumps(h.state(), allow_nan=False)
+
+
+def test_history_is_bounded():
+    h = SwarmHistory("r", max_points=10, max_events=5, max_peers=3, lost_after_s=0.5)
+    for i in range(40):
+        h.observe({f"p{i}": _rec(i, float(i))}, now=float(i))  # a new peer every reading; the last one leaves
+    assert len(h.peers) <= 3 and len(h.events) == 5
+    assert len(h.swarm.points) <= 20
+
+
+def test_series_thins_but_keeps_the_whole_span():
+    s = Series(8)
+    for i in range(100):
+        s.add([i])
+    assert len(s.points) <= 8 and s.points[0] == [0] and s.points[-1] == [99]
+    assert [p[0] for p in s.points] == sorted(p[0] for p in s.points)
+
+
+class FakeDHT:
+    """Answers `get` as hivemind does: an object whose .value maps subkeys to items with .value and expiry."""
+
+    def __init__(self):
+        self.records: dict[str, dict] = {}
+
+    def get(self, key, latest=False, return_future=False):
+        async def found():
+            exp = get_dht_time() + 30
+            items = {k: SimpleNamespace(value=v, expiration_time=exp) for k, v in self.records.items()}
+            return SimpleNamespace(value=items, expiration_time=exp)
+
+        return found()
+
+
+def _get(url):
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.headers["Content-Type"], response.read().decode()
+
+
+def test_dashboard_serves_its_page_and_api_from_the_records(net_loop):
+    dht = FakeDHT()
+    dht.records["12D3KooWpeer1"] = _rec(5, time.time(), name="alice", device="cpu", version="0.1.0")
+    dashboard = Dashboard(dht, "r", "127.0.0.1", 0, refresh_s=0.2)
+    url = net_loop.run(dashboard.start(), timeout=10)
+    try:
+        ctype, page = _get(url)
+        assert ctype.startswith("text/html")
+        for needle in ('id="chart-loss"', 'id="chart-tps"', 'id="chart-peers"', 'id="chart-bytes"', "api/state"):
+            assert needle in page
+        assert "http://" not in page.replace('"http://www.w3.org/2000/svg"', "")  # nothing from elsewhere
+
+        def advanced():
+            dht.records["12D3KooWpeer1"] = _rec(6, time.time(), name="alice")
+            state = json.loads(_get(url + "api/state")[1])
+            return state if len(state["peers"]) == 1 and len(state["peers"][0]["points"]) >= 2 else None
+
+        state = wait_for(advanced, 20, what="two readings of the peer")
+        assert state["run_id"] == "r" and state["refresh_s"] == 0.2
+        assert state["status"]["totals"]["peers"] == 1 and state["events"][0]["event"] == "joined"
+        ctype, status = _get(url + "api/status")
+        assert ctype.startswith("application/json") and json.loads(status)["peers"][0]["name"] == "alice"
+    finally:
+        net_loop.run(dashboard.stop(), timeout=10)
