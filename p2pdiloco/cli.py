@@ -172,6 +172,24 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from p2pdiloco.plot import plot_run
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir} is not a folder (expected a run folder, e.g. runs/latest)")
+    if not args.verbose:  # the error line below says it; plot_run's own warning would say it twice
+        logging.getLogger("p2pdiloco.plot").setLevel(logging.ERROR)
+    written = plot_run(run_dir)
+    if not written:
+        print(f"p2pdiloco plot: error: nothing to plot in {run_dir}: no loss points in peers/*/metrics.jsonl "
+              "or metrics.jsonl", file=sys.stderr)
+        return 1
+    for path in written:
+        print(path)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from p2pdiloco import bench
 
@@ -263,6 +281,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds between readings of the swarm (default 2)")
     da.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     da.set_defaults(func=cmd_dashboard)
+
+    pl = sub.add_parser("plot", help="draw a run's loss, throughput and bytes into PNGs", epilog=EPILOG,
+                        description="Read RUN_DIR/peers/*/metrics.jsonl (a `local` run) or RUN_DIR/metrics.jsonl "
+                        "(one peer's folder) and write loss.png (loss vs time), loss_tokens.png (loss vs tokens), "
+                        "throughput.png and bytes.png into RUN_DIR, one colour per peer. `local` and `peer` "
+                        "draw them at the end of a run; this redraws them, e.g. while a run goes on.")
+    pl.add_argument("run_dir", metavar="RUN_DIR", help="the run folder")
+    pl.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    pl.set_defaults(func=cmd_plot)
 
     be = sub.add_parser("bench", help="measure a figure beside its baseline", epilog=EPILOG,
                         description="straggler: fast peers' inner steps/s with one 4x slower peer ÷ without it, "

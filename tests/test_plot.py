@@ -26,6 +26,9 @@ def _synthetic_lines(offset: float) -> list[str]:
             "step": step,
             "tokens": step * 2048,
             "loss": 5.5 - step / 100 + offset,
+            "tokens_per_s": 4096.0 + offset * 1000,
+            "bytes_sent": step * 30_000,
+            "bytes_received": step * 31_000,
         }
         if step % 50 == 0:
             record["eval_loss"] = 5.6 - step / 100 + offset  # a line may carry both
@@ -49,16 +52,29 @@ def test_read_metrics_keeps_only_well_formed_points(tmp_path: Path) -> None:
     assert curves.eval[-1] == (101.0, 3.7)
 
 
-def test_plot_run_writes_a_png(tmp_path: Path) -> None:
+def test_read_metrics_reads_tokens_throughput_and_bytes(tmp_path: Path) -> None:
+    curves = read_metrics(_write_peer(tmp_path, "alice", _synthetic_lines(0.0)))
+    assert curves.train_tokens[1] == (20480, pytest.approx(5.4))
+    assert curves.eval_tokens[-1] == (409600, 3.7)
+    assert len(curves.throughput) == 20 and curves.throughput[0] == (0.0, 4096.0)
+    assert curves.tokens[-1] == (101.0, 409600)
+    assert curves.sent[-1] == (95.0, 190 * 30_000) and curves.received[-1] == (95.0, 190 * 31_000)
+
+
+PNGS = ["bytes.png", "loss.png", "loss_tokens.png", "throughput.png"]
+
+
+def test_plot_run_writes_the_pngs(tmp_path: Path) -> None:
     _write_peer(tmp_path, "alice", _synthetic_lines(0.0))
     _write_peer(tmp_path, "bob-gpu", _synthetic_lines(0.2))
     _write_peer(tmp_path, "carol", ["garbage", ""])  # a peer with nothing to plot is left out
     written = plot_run(tmp_path)
-    assert written == [tmp_path / "loss.png"]
-    png = written[0].read_bytes()
-    assert png.startswith(b"\x89PNG\r\n\x1a\n")
-    assert len(png) > 10_000
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "peers"]  # no temp file left
+    assert sorted(p.name for p in written) == PNGS
+    for path in written:
+        png = path.read_bytes()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n")
+        assert len(png) > 10_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*PNGS, "peers"])  # no temp file left
 
 
 def test_plot_run_with_only_train_points(tmp_path: Path) -> None:
@@ -67,6 +83,7 @@ def test_plot_run_with_only_train_points(tmp_path: Path) -> None:
         "alice",
         [json.dumps({"elapsed_s": float(s), "step": s, "loss": 5.0 - s / 10}) for s in range(5)],
     )
+    # no tokens, throughput or bytes in these lines: only the figure that has points is written
     assert plot_run(tmp_path) == [tmp_path / "loss.png"]
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
