@@ -27,7 +27,7 @@ from torch.nn.utils import parameters_to_vector
 from p2pdiloco.config import Config, ConfigError
 from p2pdiloco.merge import Contribution, Merger, MergeResult
 from p2pdiloco.outer import cosine_lr, outer_step, pseudo_gradient, rebase, state_digest
-from p2pdiloco.telemetry import RateMeter
+from p2pdiloco.telemetry import Ema, RateMeter
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class Learner:
         self.momentum = torch.zeros_like(self.global_params)
         self.c = Counters()
         self.t_start = time.monotonic()
-        self.last_loss = float("nan")
+        self.loss_avg = Ema(span=20)
         self.eval_loss_initial = float("nan")
         self.eval_loss_final = float("nan")
         self.last_eval_loss = float("nan")
@@ -223,7 +223,7 @@ class Learner:
         self.c.tokens += x.numel()
         self.c.tokens_in_round += x.numel()
         self.throughput.add(self.c.tokens)
-        self.last_loss = loss_value
+        self.loss_avg.add(loss_value)
         self._loss_sum += loss_value
         self._loss_n += 1
         if self.c.step % self.cfg.run.log_every == 0:
@@ -422,11 +422,11 @@ class Learner:
     def record(self) -> dict:
         """What this peer tells the swarm in its heartbeat (called from the network thread).
 
-        Losses in nats per byte (None until known), `tokens_per_s` over the last 30 s, byte counts since the
-        start, `last_merge_s` the duration and `last_merge_time` the Unix time of the last applied merge.
+        Losses in nats per byte (None until known; `loss` a moving average over about 20 inner steps, since one
+        batch's loss is noisy), `tokens_per_s` over the last 30 s, byte counts since the start, `last_merge_s` the duration and `last_merge_time` the Unix time of the last applied merge.
         """
         return {
-            "step": self.c.step, "round": self.c.round, "tokens": self.c.tokens, "loss": _finite(self.last_loss),
+            "step": self.c.step, "round": self.c.round, "tokens": self.c.tokens, "loss": _finite(self.loss_avg.value),
             "eval_loss": _finite(self.last_eval_loss), "tokens_per_s": self.throughput.rate(),
             "merges": self.c.merges, "bytes_sent": self.c.bytes_sent, "bytes_received": self.c.bytes_received,
             "last_group_size": self.c.last_group_size, "last_merge_s": self.c.last_merge_s,

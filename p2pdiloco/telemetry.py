@@ -58,6 +58,28 @@ class RateMeter:
         return (n1 - n0) / (now - t0) if now > t0 else 0.0
 
 
+class Ema:
+    """Exponential moving average with Adam's bias correction: the training loss over roughly the last `span`
+    steps. One batch's loss is too noisy to tell at a glance whether a peer's loss is falling.
+
+    Args:
+        span: steps the average mostly covers (weight 2 / (span + 1) on the newest value).
+    """
+
+    def __init__(self, span: int = 20):
+        self.beta = 1.0 - 2.0 / (span + 1)
+        self._avg, self._n = 0.0, 0
+
+    def add(self, x: float) -> None:
+        self._avg = self.beta * self._avg + (1.0 - self.beta) * x
+        self._n += 1
+
+    @property
+    def value(self) -> float:
+        """The average; NaN before the first value."""
+        return self._avg / (1.0 - self.beta**self._n) if self._n else float("nan")
+
+
 # (name, type, help, snapshot key). Names and units follow Prometheus conventions: base units (seconds,
 # bytes), counters end in _total, Unix times in _timestamp_seconds. Losses are unitless (nats per byte).
 METRICS = [
@@ -73,8 +95,8 @@ METRICS = [
     ("p2pdiloco_merge_wait_seconds_total", "counter", "Seconds the learner waited for merges (sync mode).",
      "merge_wait_s"),
     ("p2pdiloco_tokens_per_second", "gauge", "Tokens per second over the last 30 seconds.", "tokens_per_s"),
-    ("p2pdiloco_loss", "gauge", "Training loss of the last inner step, in nats per byte (NaN before the first).",
-     "loss"),
+    ("p2pdiloco_loss", "gauge", "Training loss over about the last 20 inner steps (moving average), in nats per "
+     "byte (NaN before the first step).", "loss"),
     ("p2pdiloco_eval_loss", "gauge", "Validation loss of the global model at its last evaluation, in nats per byte.",
      "eval_loss"),
     ("p2pdiloco_last_merge_seconds", "gauge", "How long the last merge took.", "last_merge_s"),

@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 
 from p2pdiloco.config import ConfigError
-from p2pdiloco.telemetry import MetricsServer, RateMeter, render_prometheus
+from p2pdiloco.telemetry import Ema, MetricsServer, RateMeter, render_prometheus
 
 
 class FakeClock:
@@ -97,3 +97,13 @@ def test_metrics_server_serves_the_text_format(net_loop):
             net_loop.run(MetricsServer(lambda: snapshot, "127.0.0.1", server.server.port).start(), timeout=10)
     finally:
         net_loop.run(server.stop(), timeout=10)
+
+
+def test_ema_is_unbiased_from_the_first_value_and_follows_a_change():
+    ema = Ema(span=20)
+    assert math.isnan(ema.value)
+    ema.add(4.0)
+    assert ema.value == pytest.approx(4.0)  # bias-corrected: not pulled towards 0
+    for _ in range(200):
+        ema.add(2.0)
+    assert ema.value == pytest.approx(2.0)
