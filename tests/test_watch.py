@@ -1,0 +1,239 @@
+"""Watching a running swarm: `status`, the dashboard of `local --dashboard`, the peers' /metrics, and the
+dashboard rendered by a headless Chromium. One 3-peer `p2pdiloco local` swarm serves every test here."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import free_port, wait_for
+from tests.test_cli import CLI, TINY, UNREACHABLE, _one_line_error, run_cli
+from tests.test_telemetry import check_exposition, parse_families
+
+pytestmark = pytest.mark.integration
+
+RUN_ID = "watch"
+N_PEERS = 3
+CHROMIUM = next((p for p in ("/usr/bin/chromium", shutil.which("chromium") or "", shutil.which("chromium-browser") or "")
+                 if p and Path(p).exists()), None)
+
+
+class Swarm:
+    def __init__(self, proc: subprocess.Popen, run_dir: Path, maddr: str, dashboard: str, metrics_port: int):
+        self.proc, self.run_dir, self.maddr, self.dashboard, self.metrics_port = proc, run_dir, maddr, dashboard, metrics_port
+
+    def api(self, path: str = "api/state") -> dict:
+        with urllib.request.urlopen(self.dashboard + path, timeout=10) as response:
+            return json.loads(response.read())
+
+    def status(self, *extra: str) -> subprocess.CompletedProcess:
+        return run_cli("status", "--initial-peers", self.maddr, "--run-id", RUN_ID, "--timeout", "20", *extra,
+                       timeout=90)
+
+
+def _live_with_points(swarm: Swarm, n_points: int) -> dict | None:
+    state = swarm.api()
+    live = [p for p in state["peers"] if p["state"] == "live"]
+    with_loss = [p for p in live if sum(1 for pt in p["points"] if pt[state["point_fields"].index("loss")] is not None)
+                 >= n_points]
+    return state if len(with_loss) == N_PEERS else None
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    """`p2pdiloco local --dashboard` with 3 peers that train until the module is done, each serving /metrics.
+
+    Ready once the dashboard shows all 3 peers live: by then every peer has started its DHT and p2p daemon, so
+    the per-test `reap_children` fixture counts them as existing before each test and leaves them alone."""
+    run_dir = tmp_path_factory.mktemp("watch")
+    metrics_port = free_port()
+    log = (run_dir / "local.log").open("w")
+    proc = subprocess.Popen(
+        [*CLI, "local", "--peers", str(N_PEERS), "--steps", "1000000", "--run-dir", str(run_dir), "--run-id", RUN_ID,
+         "--dashboard", "--dashboard-port", "0", "--set", f"run.metrics_port={metrics_port}",
+         "--set", "swarm.round_steps=20", "--set", "run.min_step_s=0.02", *TINY],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    )
+    try:
+        url = wait_for(lambda: (m := re.search(r"dashboard at (http://\S+/)", (run_dir / "local.log").read_text()))
+                       and m.group(1), 60, what="the dashboard's address")
+        maddr = wait_for(lambda: (run_dir / "bootstrap.maddr").exists() and (run_dir / "bootstrap.maddr").read_text().strip(),
+                         30, what="bootstrap.maddr")
+        s = Swarm(proc, run_dir, maddr, url, metrics_port)
+        wait_for(lambda: _live_with_points(s, 1), 150, interval=1.0, what="3 live peers on the dashboard")
+        yield s
+    finally:
+        descendants = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        _, alive = psutil.wait_procs(descendants, timeout=10)
+        for p in alive:
+            p.kill()
+        log.close()
+
+
+def _steps(status: dict) -> dict[str, tuple[int, int]]:
+    return {p["name"]: (p["step"], p["tokens"]) for p in status["peers"]}
+
+
+def test_status_sees_all_three_peers_with_advancing_counters(swarm):
+    def three_peers():
+        out = swarm.status("--json")
+        assert out.returncode in (0, 1), out.stderr
+        status = json.loads(out.stdout)
+        return status if status["totals"]["peers"] == N_PEERS else None
+
+    first = wait_for(three_peers, 90, interval=1.0, what="status --json to list 3 peers")
+    assert sorted(_steps(first)) == [f"peer{i}" for i in range(N_PEERS)]
+    for p in first["peers"]:
+        assert p["device"] == "cpu" and p["version"] and p["maddrs"] and p["age_s"] is not None
+    assert first["totals"]["tokens_per_s"] > 0 and first["totals"]["loss"] is not None
+
+    def advanced():
+        later = three_peers()
+        if later is None:
+            return None
+        before, after = _steps(first), _steps(later)
+        return later if all(after[n][0] > before[n][0] and after[n][1] > before[n][1] for n in before) else None
+
+    later = wait_for(advanced, 90, interval=1.0, what="every peer's steps and tokens to advance")
+    assert later["totals"]["round"] >= first["totals"]["round"]
+
+    table = swarm.status()  # the human-readable table
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].startswith("peer ") and all(any(line.startswith(f"peer{i} ") for line in lines) for i in range(N_PEERS))
+    assert lines[-1].startswith(f"swarm '{RUN_ID}': {N_PEERS} peers,")
+
+
+def test_dashboard_serves_page_and_api_with_live_data(swarm):
+    with urllib.request.urlopen(swarm.dashboard, timeout=10) as response:
+        page = response.read().decode()
+    assert response.headers["Content-Type"].startswith("text/html") and 'id="chart-loss"' in page
+    state = wait_for(lambda: _live_with_points(swarm, 3), 90, interval=1.0, what="3 readings of every peer")
+    assert state["run_id"] == RUN_ID and state["status"]["totals"]["peers"] == N_PEERS
+    assert sorted(e["name"] for e in state["events"] if e["event"] == "joined") == [f"peer{i}" for i in range(N_PEERS)]
+    fields = state["point_fields"]
+    for peer in state["peers"]:
+        steps = [pt[fields.index("step")] for pt in peer["points"]]
+        assert steps == sorted(steps) and steps[-1] > steps[0]  # successive heartbeats, advancing
+    tps = [pt[state["swarm_fields"].index("tokens_per_s")] for pt in state["swarm"]]
+    assert max(tps) > 0
+    status = swarm.api("api/status")
+    assert sorted(p["name"] for p in status["peers"]) == [f"peer{i}" for i in range(N_PEERS)]
+
+
+def test_every_peer_serves_prometheus_metrics(swarm):
+    def scrape(i: int) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{swarm.metrics_port + i}/metrics", timeout=10) as response:
+            assert response.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+            text = response.read().decode()
+        info = parse_families(text)["p2pdiloco_peer_info"].samples[0].labels
+        return check_exposition(text, {"peer_id": info["peer_id"], "name": f"peer{i}"})
+
+    first = [scrape(i) for i in range(N_PEERS)]
+    for families in first:
+        assert families["p2pdiloco_peer_info"].samples[0].labels["run_id"] == RUN_ID
+        assert families["p2pdiloco_tokens"].samples[0].value > 0
+
+    def steps(families):
+        return families["p2pdiloco_inner_steps"].samples[0].value
+
+    wait_for(lambda: all(steps(scrape(i)) > steps(first[i]) for i in range(N_PEERS)), 60, what="counters to advance")
+    merged = wait_for(lambda: [f for i in range(N_PEERS) if (f := scrape(i))["p2pdiloco_merges"].samples[0].value > 0],
+                      90, interval=1.0, what="a group merge")
+    assert merged[0]["p2pdiloco_bytes_sent"].samples[0].value > 0
+    assert merged[0]["p2pdiloco_last_merge_group_size"].samples[0].value >= 1
+
+
+def _chromium(url: str, out_dir: Path, *mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-extensions",
+         "--disable-dev-shm-usage", f"--user-data-dir={out_dir / 'profile'}", "--window-size=1400,1500",
+         "--virtual-time-budget=8000", *mode, url],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium; .ci/run does)")
+def test_headless_chromium_renders_the_charts_with_data(swarm, tmp_path):
+    wait_for(lambda: _live_with_points(swarm, 3), 90, interval=1.0, what="3 readings of every peer")
+    out = _chromium(swarm.dashboard, tmp_path, "--dump-dom")
+    dom = out.stdout
+    assert 'data-renders="' in dom and 'data-renders="0"' not in dom, out.stderr[-2000:]
+
+    def chart(chart_id: str) -> str:
+        m = re.search(rf'<svg[^>]*id="{chart_id}"[^>]*>(.*?)</svg>', dom, re.S)
+        assert m, f"{chart_id} missing from the rendered page"
+        points = re.search(r'data-points="(\d+)"', m.group(0))
+        assert points and int(points.group(1)) > 0, f"{chart_id} drew no data points"
+        return m.group(1)
+
+    loss = chart("chart-loss")
+    peers_drawn = set(re.findall(r'<polyline[^>]*data-series="(12D3\w+)"', loss))
+    assert len(peers_drawn) == N_PEERS  # one training-loss line per peer
+    assert all(int(n) >= 2 for n in re.findall(r'<polyline[^>]*data-series="12D3\w+"[^>]*data-n="(\d+)"', loss))
+    assert re.search(r"<circle[^>]*data-v=", loss)
+    assert "<polyline" in chart("chart-tps")
+    assert 'data-series="event"' in chart("chart-peers")  # the joins
+    assert len(re.findall(r'<rect[^>]*data-what="sent"', chart("chart-bytes"))) == N_PEERS
+    rows = re.search(r'<table id="peers">.*?</table>', dom, re.S).group(0)
+    assert all(f"peer{i}" in rows for i in range(N_PEERS)) and rows.count("state-live") == N_PEERS
+
+    shot = _chromium(swarm.dashboard, tmp_path, f"--screenshot={tmp_path / 'dashboard.png'}")
+    assert (tmp_path / "dashboard.png").stat().st_size > 20_000, shot.stderr[-2000:]
+
+
+def test_status_errors_are_one_line():
+    _one_line_error(run_cli("status", "--initial-peers", UNREACHABLE, "--timeout", "8"), "could not join the swarm")
+    _one_line_error(run_cli("dashboard", "--initial-peers", UNREACHABLE, "--port", "0"), "could not join the swarm")
+
+
+def test_status_of_an_empty_swarm_and_a_busy_port(bootstrap_dht):
+    maddr = str(bootstrap_dht.get_visible_maddrs()[0])
+    out = run_cli("status", "--initial-peers", maddr, "--run-id", "nobody-here", "--timeout", "3")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("p2pdiloco")]
+    assert "no live peers in swarm 'nobody-here'" in line
+    with listening_port() as port:
+        _one_line_error(run_cli("dashboard", "--initial-peers", maddr, "--port", str(port)),
+                        f"cannot serve the dashboard on 127.0.0.1:{port}")
+
+
+@contextlib.contextmanager
+def listening_port():
+    """A port some other program is already listening on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_plot_command(tmp_path):
+    _one_line_error(run_cli("plot", str(tmp_path / "missing")), "is not a folder")
+    out = run_cli("plot", str(tmp_path))
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "nothing to plot" in out.stderr
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"kind": "train", "elapsed_s": i, "step": i * 10, "tokens": i * 640, "loss": 5 - i / 10,
+                            "tokens_per_s": 640.0, "bytes_sent": i * 100, "bytes_received": i * 90}) + "\n"
+                for i in range(1, 20)))
+    out = run_cli("plot", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert sorted(Path(p).name for p in out.stdout.split()) == ["bytes.png", "loss.png", "loss_tokens.png",
+                                                                "throughput.png"]
+
