@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from p2pdiloco.plot import plot_run, read_metrics
+from tests.test_cli import _one_line_error, run_cli
 
 
 def _write_peer(run_dir: Path, name: str, lines: list[str]) -> Path:
@@ -97,3 +98,17 @@ def test_plot_run_returns_nothing_for_an_empty_run(tmp_path: Path, caplog: pytes
     _write_peer(tmp_path, "alice", ["{broken", json.dumps({"step": 1, "loss": 2.0})])  # no elapsed_s
     assert plot_run(tmp_path) == []
     assert not (tmp_path / "loss.png").exists()
+
+
+def test_plot_command(tmp_path):
+    _one_line_error(run_cli("plot", str(tmp_path / "missing")), "is not a folder")
+    out = run_cli("plot", str(tmp_path))
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "nothing to plot" in out.stderr
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"kind": "train", "elapsed_s": i, "step": i * 10, "tokens": i * 640, "loss": 5 - i / 10,
+                            "tokens_per_s": 640.0, "bytes_sent": i * 100, "bytes_received": i * 90}) + "\n"
+                for i in range(1, 20)))
+    out = run_cli("plot", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert sorted(Path(p).name for p in out.stdout.split()) == ["bytes.png", "loss.png", "loss_tokens.png",
+                                                                "throughput.png"]

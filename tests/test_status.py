@@ -1,10 +1,17 @@
-"""`p2pdiloco status` without a network: peer records in, table and totals out."""
+"""`p2pdiloco status`: peer records in, table and totals out; and its one-line errors (the dashboard's too).
+
+A live swarm seen by `status` is in test_watch.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+
+import pytest
 
 from p2pdiloco.status import format_status, human, swarm_status
+from tests.test_cli import UNREACHABLE, _one_line_error, run_cli
 
 
 def _record(name, step, loss, tps, **extra):
@@ -45,3 +52,30 @@ def test_status_lists_live_peers_and_totals_and_tolerates_junk():
 def test_human_numbers():
     assert [human(0), human(1.5), human(999), human(1234), human(2_500_000, "B"), human(512, "B")] == \
         ["0", "1.5", "999", "1.2k", "2.5 MB", "512 B"]
+
+
+@pytest.mark.integration
+def test_status_errors_are_one_line():
+    _one_line_error(run_cli("status", "--initial-peers", UNREACHABLE, "--timeout", "8"), "could not join the swarm")
+    _one_line_error(run_cli("dashboard", "--initial-peers", UNREACHABLE, "--port", "0"), "could not join the swarm")
+
+
+@pytest.mark.integration
+def test_status_of_an_empty_swarm_and_a_busy_port(bootstrap_dht):
+    maddr = str(bootstrap_dht.get_visible_maddrs()[0])
+    out = run_cli("status", "--initial-peers", maddr, "--run-id", "nobody-here", "--timeout", "3")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("p2pdiloco")]
+    assert "no live peers in swarm 'nobody-here'" in line
+    with listening_port() as port:
+        _one_line_error(run_cli("dashboard", "--initial-peers", maddr, "--port", str(port)),
+                        f"cannot serve the dashboard on 127.0.0.1:{port}")
+
+
+@contextlib.contextmanager
+def listening_port():
+    """A port some other program is already listening on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]

@@ -3,12 +3,10 @@ dashboard rendered by a headless Chromium. One 3-peer `p2pdiloco local` swarm se
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -17,7 +15,7 @@ import psutil
 import pytest
 
 from tests.conftest import free_port, wait_for
-from tests.test_cli import CLI, TINY, UNREACHABLE, _one_line_error, run_cli
+from tests.test_cli import CLI, TINY, run_cli
 from tests.test_telemetry import check_exposition, parse_families
 
 pytestmark = pytest.mark.integration
@@ -160,6 +158,31 @@ def test_every_peer_serves_prometheus_metrics(swarm):
     assert merged[0]["p2pdiloco_last_merge_group_size"].samples[0].value >= 1
 
 
+def test_dashboard_command_follows_the_swarm_and_stops_on_ctrl_c(swarm, tmp_path):
+    log = tmp_path / "dashboard.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([*CLI, "dashboard", "--initial-peers", swarm.maddr, "--run-id", RUN_ID, "--port", "0",
+                                 "--refresh", "1"], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        url = wait_for(lambda: (m := re.search(r"(http://127\.0\.0\.1:\d+/)", log.read_text())) and m.group(1), 60,
+                       what="the dashboard's address")
+
+        def three_live():
+            with urllib.request.urlopen(url + "api/status", timeout=10) as response:
+                return json.loads(response.read())["totals"]["peers"] == N_PEERS
+
+        wait_for(three_live, 60, interval=0.5, what="the dashboard command to see 3 peers")
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0, log.read_text()[-2000:]
+        _, alive = psutil.wait_procs(descendants, timeout=10)
+        assert not alive, f"left running: {[p.name() for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _chromium(url: str, out_dir: Path, *mode: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -197,43 +220,3 @@ def test_headless_chromium_renders_the_charts_with_data(swarm, tmp_path):
 
     shot = _chromium(swarm.dashboard, tmp_path, f"--screenshot={tmp_path / 'dashboard.png'}")
     assert (tmp_path / "dashboard.png").stat().st_size > 20_000, shot.stderr[-2000:]
-
-
-def test_status_errors_are_one_line():
-    _one_line_error(run_cli("status", "--initial-peers", UNREACHABLE, "--timeout", "8"), "could not join the swarm")
-    _one_line_error(run_cli("dashboard", "--initial-peers", UNREACHABLE, "--port", "0"), "could not join the swarm")
-
-
-def test_status_of_an_empty_swarm_and_a_busy_port(bootstrap_dht):
-    maddr = str(bootstrap_dht.get_visible_maddrs()[0])
-    out = run_cli("status", "--initial-peers", maddr, "--run-id", "nobody-here", "--timeout", "3")
-    assert out.returncode == 1 and "Traceback" not in out.stderr
-    (line,) = [x for x in out.stderr.splitlines() if x.startswith("p2pdiloco")]
-    assert "no live peers in swarm 'nobody-here'" in line
-    with listening_port() as port:
-        _one_line_error(run_cli("dashboard", "--initial-peers", maddr, "--port", str(port)),
-                        f"cannot serve the dashboard on 127.0.0.1:{port}")
-
-
-@contextlib.contextmanager
-def listening_port():
-    """A port some other program is already listening on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
-
-
-def test_plot_command(tmp_path):
-    _one_line_error(run_cli("plot", str(tmp_path / "missing")), "is not a folder")
-    out = run_cli("plot", str(tmp_path))
-    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "nothing to plot" in out.stderr
-    (tmp_path / "metrics.jsonl").write_text(
-        "".join(json.dumps({"kind": "train", "elapsed_s": i, "step": i * 10, "tokens": i * 640, "loss": 5 - i / 10,
-                            "tokens_per_s": 640.0, "bytes_sent": i * 100, "bytes_received": i * 90}) + "\n"
-                for i in range(1, 20)))
-    out = run_cli("plot", str(tmp_path))
-    assert out.returncode == 0, out.stderr
-    assert sorted(Path(p).name for p in out.stdout.split()) == ["bytes.png", "loss.png", "loss_tokens.png",
-                                                                "throughput.png"]
-
