@@ -423,7 +423,8 @@ class Learner:
         """What this peer tells the swarm in its heartbeat (called from the network thread).
 
         Losses in nats per byte (None until known; `loss` a moving average over about 20 inner steps, since one
-        batch's loss is noisy), `tokens_per_s` over the last 30 s, byte counts since the start, `last_merge_s` the duration and `last_merge_time` the Unix time of the last applied merge.
+        batch's loss is noisy), `tokens_per_s` over the last 30 s, byte counts since the start, `last_merge_s`
+        the duration and `last_merge_time` the Unix time of the last applied merge.
         """
         return {
             "step": self.c.step, "round": self.c.round, "tokens": self.c.tokens, "loss": _finite(self.loss_avg.value),
