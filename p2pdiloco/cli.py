@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -165,8 +166,19 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     from p2pdiloco.dashboard import run_dashboard
 
     stop = threading.Event()
+    owner = os.getpid()
+
+    def on_signal(signum, _frame):
+        if os.getpid() != owner:
+            # the DHT process is forked from this one and inherits this handler; there, a SIGTERM (hivemind's
+            # "terminate it the hard way" after a slow shutdown) must end the process, not set a copied flag
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     run_dashboard(args.initial_peers, args.run_id, args.host, args.port, args.refresh, stop,
                   announce=lambda line: print(line, flush=True))
     return 0
