@@ -81,6 +81,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
         extra["swarm"]["announce"] = args.announce
     if args.name:
         extra["run"]["name"] = args.name
+    if args.resume:
+        extra["run"]["resume"] = True
     if args.steps is not None:
         extra["run"]["total_steps"] = args.steps
     cfg = config_from_args(args, extra)
@@ -117,7 +119,7 @@ def parse_slow(items: list[str], n_peers: int) -> dict[int, float]:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    from p2pdiloco.local import run_local
+    from p2pdiloco.local import Chaos, run_local
 
     if args.peers < 1:
         raise ConfigError("--peers must be >= 1")
@@ -132,7 +134,13 @@ def cmd_local(args: argparse.Namespace) -> int:
         sets.append("swarm.sync=true")
     slow = parse_slow(args.slow or [], args.peers)
     run_dir = Path(cfg.run.run_dir)
-    summary = run_local(args.peers, cfg, run_dir, args.config, sets, slow=slow)
+    chaos = None
+    if args.chaos:
+        if args.kill_every <= 0 or args.restart_delay < 0:
+            raise ConfigError("--kill-every must be > 0 and --restart-delay >= 0")
+        chaos = Chaos(args.kill_every, args.restart_delay, log=run_dir / "chaos.jsonl")
+        (run_dir / "chaos.jsonl").unlink(missing_ok=True)
+    summary = run_local(args.peers, cfg, run_dir, args.config, sets, slow=slow, chaos=chaos)
     ok = summary["peers_finished"] == args.peers
     print(f"summary: {run_dir / 'summary.json'}")
     if summary["eval_loss_final"] is not None:
@@ -183,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--announce", nargs="+", metavar="MADDR", help="public multiaddrs to advertise")
     p.add_argument("--name", help="public name of this peer")
     p.add_argument("--steps", type=int, help="inner steps to run (run.total_steps)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest good checkpoint in --run-dir (the swarm's state wins if it is ahead)")
     p.add_argument("--in-local", action="store_true", help=argparse.SUPPRESS)
     add_config_args(p)
     p.set_defaults(func=cmd_peer)
@@ -192,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "and write summary.json and loss.png to the run folder.")
     lo.add_argument("--peers", type=int, default=4, help="number of peers (default 4)")
     lo.add_argument("--steps", type=int, help="inner steps per peer (default: run.total_steps of the config)")
+    lo.add_argument("--chaos", action="store_true",
+                    help="kill a random peer (SIGKILL) every --kill-every seconds and restart it with --resume")
+    lo.add_argument("--kill-every", type=float, default=60.0, metavar="SECONDS", help="chaos: seconds between kills (default 60)")
+    lo.add_argument("--restart-delay", type=float, default=5.0, metavar="SECONDS",
+                    help="chaos: seconds before a killed peer is restarted (default 5)")
     lo.add_argument("--slow", action="append", metavar="INDEX:FACTOR",
                     help="make peer INDEX FACTOR times slower, emulating an older accelerator (repeatable)")
     add_config_args(lo)
