@@ -155,6 +155,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/bench-{args.which}")
     if args.which == "straggler":
         bench.bench_straggler(out, seconds=args.seconds)
+    elif args.which == "churn":
+        bench.bench_churn(out, minutes=args.minutes, kill_every=args.kill_every)
     else:
         bench.bench_overhead(out, steps=args.steps)
     return 0
@@ -214,12 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     be = sub.add_parser("bench", help="measure a figure beside its baseline", epilog=EPILOG,
                         description="straggler: fast peers' inner steps/s with one 4x slower peer ÷ without it, "
-                        "decoupled vs --sync, and eval loss at equal wall time (about 5 minutes). overhead: a "
-                        "peer's inner-step throughput in a swarm ÷ a plain torch loop (about 2 minutes).")
-    be.add_argument("which", choices=["straggler", "overhead"], help="which benchmark")
+                        "decoupled vs --sync, and eval loss at equal wall time (about 7 minutes). overhead: a "
+                        "peer's inner-step throughput in a swarm ÷ a plain torch loop (about 3 minutes). churn: "
+                        "goodput with a peer killed every minute, decoupled vs --sync, and eval loss ÷ a run "
+                        "without churn (3 runs of --minutes each, about 17 minutes by default).")
+    be.add_argument("which", choices=["straggler", "overhead", "churn"], help="which benchmark")
     be.add_argument("--out", metavar="DIR", help="output folder (default runs/bench-<which>)")
     be.add_argument("--seconds", type=float, default=60.0, help="straggler: wall time of each of its 4 runs")
     be.add_argument("--steps", type=int, default=600, help="overhead: inner steps measured")
+    be.add_argument("--minutes", type=float, default=5.0, help="churn: length of each of its 3 runs")
+    be.add_argument("--kill-every", type=float, default=60.0, help="churn: seconds between kills")
     be.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     be.set_defaults(func=cmd_bench)
     return parser

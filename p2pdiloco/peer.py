@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 from hivemind.utils.timed_storage import get_dht_time
 from safetensors.torch import save_file
@@ -189,7 +190,8 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
         stop: polled between steps.
         announce: where to print the lines a user needs (addresses); `print` for the CLI.
     """
-    t_process_start = time.monotonic()
+    # from the real start of this process (interpreter and imports included), as a monotonic time
+    t_process_start = time.monotonic() - max(0.0, time.time() - psutil.Process().create_time())
     if cfg.run.cpu_affinity:  # before anything starts, so the DHT and p2p daemon inherit it too
         os.sched_setaffinity(0, {int(c) for c in cfg.run.cpu_affinity.split(",")})
     if cfg.run.threads > 0:
@@ -241,7 +243,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
         heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer_id, lambda: {**static, **learner.record()},
                               cfg.swarm.heartbeat_s)
         loop.submit(heartbeat.run())
-        if cfg.swarm.wait_for_peers > 1:
+        if cfg.swarm.wait_for_peers > 1 and not cfg.run.resume:  # a restarted peer joins a running swarm
             live = wait_for_peers(loop, dht, cfg, stop)
             logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)
         summary = learner.run()
