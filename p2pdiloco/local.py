@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+import torch
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -203,6 +204,27 @@ def reap_descendants(peers: list[PeerProc]) -> None:
         p.log.close()
 
 
+def consensus_distance(peer_dirs: list[Path]) -> float | None:
+    """Largest relative L2 distance ‖θa − θb‖ / mean(‖θa‖, ‖θb‖) between two peers' final global models
+    (their model.safetensors); 0.0 means every peer ended with the same model, None if fewer than two."""
+    from safetensors.torch import load_file
+
+    flats = []
+    for d in peer_dirs:
+        path = d / "model.safetensors"
+        if path.exists():
+            tensors = load_file(str(path))
+            flats.append(torch.cat([tensors[k].flatten().double() for k in sorted(tensors)]))
+    if len(flats) < 2:
+        return None
+    worst = 0.0
+    for i in range(len(flats)):
+        for j in range(i + 1, len(flats)):
+            scale = (flats[i].norm() + flats[j].norm()) / 2
+            worst = max(worst, float((flats[i] - flats[j]).norm() / scale) if scale > 0 else 0.0)
+    return worst
+
+
 def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float, extra: dict | None = None) -> dict:
     """Collect the peers' summaries into the run's summary.json."""
     peers = []
@@ -219,6 +241,7 @@ def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float,
         "eval_loss_initial": sum(initial) / len(initial) if initial else None,
         "eval_loss_final": sum(final) / len(final) if final else None,
         "global_models_identical": len({p["global_digest"] for p in peers}) == 1 if peers else None,
+        "consensus_distance": consensus_distance(peer_dirs),
         **(extra or {}),
         "peers": peers,
         "config": config,
