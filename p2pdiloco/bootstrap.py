@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 from p2pdiloco.config import SwarmConfig
-from p2pdiloco.swarm import start_dht, visible_maddrs
+from p2pdiloco.swarm import Reaper, start_dht, visible_maddrs
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ def run_bootstrap(
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     dht = start_dht(cfg, identity_path=str(identity))
+    reaper = Reaper(dht)
     try:
         maddrs = visible_maddrs(dht)
         print_fn(f"bootstrap node {dht.peer_id.to_base58()} ({'new' if created else 'reused'} identity {identity})")
@@ -49,3 +50,4 @@ def run_bootstrap(
                 raise RuntimeError("the DHT process died")
     finally:
         dht.shutdown()
+        reaper.close()

@@ -84,6 +84,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
         extra["swarm"]["announce"] = args.announce
     if args.name:
         extra["run"]["name"] = args.name
+    if args.resume:
+        extra["run"]["resume"] = True
     if args.steps is not None:
         extra["run"]["total_steps"] = args.steps
     if args.metrics_port is not None:
@@ -122,7 +124,7 @@ def parse_slow(items: list[str], n_peers: int) -> dict[int, float]:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    from p2pdiloco.local import run_local
+    from p2pdiloco.local import Chaos, run_local
 
     if args.peers < 1:
         raise ConfigError("--peers must be >= 1")
@@ -137,7 +139,13 @@ def cmd_local(args: argparse.Namespace) -> int:
         sets.append("swarm.sync=true")
     slow = parse_slow(args.slow or [], args.peers)
     run_dir = Path(cfg.run.run_dir)
-    summary = run_local(args.peers, cfg, run_dir, args.config, sets, slow=slow,
+    chaos = None
+    if args.chaos:
+        if args.kill_every <= 0 or args.restart_delay < 0:
+            raise ConfigError("--kill-every must be > 0 and --restart-delay >= 0")
+        chaos = Chaos(args.kill_every, args.restart_delay, log=run_dir / "chaos.jsonl")
+        (run_dir / "chaos.jsonl").unlink(missing_ok=True)
+    summary = run_local(args.peers, cfg, run_dir, args.config, sets, slow=slow, chaos=chaos,
                         dashboard_port=args.dashboard_port if args.dashboard else None)
     ok = summary["peers_finished"] == args.peers
     print(f"summary: {run_dir / 'summary.json'}")
@@ -208,6 +216,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/bench-{args.which}")
     if args.which == "straggler":
         bench.bench_straggler(out, seconds=args.seconds)
+    elif args.which == "churn":
+        bench.bench_churn(out, minutes=args.minutes, kill_every=args.kill_every)
     else:
         bench.bench_overhead(out, steps=args.steps)
     return 0
@@ -246,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="inner steps to run (run.total_steps)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on this port at /metrics (run.metrics_port; default 0: off)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest good checkpoint in --run-dir (the swarm's state wins if it is ahead)")
     p.add_argument("--in-local", action="store_true", help=argparse.SUPPRESS)
     add_config_args(p)
     p.set_defaults(func=cmd_peer)
@@ -255,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "and write summary.json and loss.png to the run folder.")
     lo.add_argument("--peers", type=int, default=4, help="number of peers (default 4)")
     lo.add_argument("--steps", type=int, help="inner steps per peer (default: run.total_steps of the config)")
+    lo.add_argument("--chaos", action="store_true",
+                    help="kill a random peer (SIGKILL) every --kill-every seconds and restart it with --resume")
+    lo.add_argument("--kill-every", type=float, default=60.0, metavar="SECONDS", help="chaos: seconds between kills (default 60)")
+    lo.add_argument("--restart-delay", type=float, default=5.0, metavar="SECONDS",
+                    help="chaos: seconds before a killed peer is restarted (default 5)")
     lo.add_argument("--slow", action="append", metavar="INDEX:FACTOR",
                     help="make peer INDEX FACTOR times slower, emulating an older accelerator (repeatable)")
     lo.add_argument("--dashboard", action="store_true",
@@ -305,12 +322,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     be = sub.add_parser("bench", help="measure a figure beside its baseline", epilog=EPILOG,
                         description="straggler: fast peers' inner steps/s with one 4x slower peer ÷ without it, "
-                        "decoupled vs --sync, and eval loss at equal wall time (about 5 minutes). overhead: a "
-                        "peer's inner-step throughput in a swarm ÷ a plain torch loop (about 2 minutes).")
-    be.add_argument("which", choices=["straggler", "overhead"], help="which benchmark")
+                        "decoupled vs --sync, and eval loss at equal wall time (about 7 minutes). overhead: a "
+                        "peer's inner-step throughput in a swarm ÷ a plain torch loop (about 3 minutes). churn: "
+                        "goodput with a peer killed every minute, decoupled vs --sync, and eval loss ÷ a run "
+                        "without churn (3 runs of --minutes each, about 17 minutes by default).")
+    be.add_argument("which", choices=["straggler", "overhead", "churn"], help="which benchmark")
     be.add_argument("--out", metavar="DIR", help="output folder (default runs/bench-<which>)")
     be.add_argument("--seconds", type=float, default=60.0, help="straggler: wall time of each of its 4 runs")
     be.add_argument("--steps", type=int, default=600, help="overhead: inner steps measured")
+    be.add_argument("--minutes", type=float, default=5.0, help="churn: length of each of its 3 runs")
+    be.add_argument("--kill-every", type=float, default=60.0, help="churn: seconds between kills")
     be.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     be.set_defaults(func=cmd_bench)
     return parser

@@ -159,6 +159,10 @@ class RunConfig:
     min_step_s: float = 0.0
     """Pad each inner step to at least this long (emulated accelerator time, so that benchmark peers sharing
     few cores do not compete for them); 0 disables."""
+    checkpoint_every: int = 5
+    """Save a checkpoint every this many merges (0: only at the end)."""
+    resume: bool = False
+    """Continue from the newest good checkpoint in run_dir (and take the swarm's state if it is ahead)."""
     cpu_affinity: str = ""
     """Comma-separated CPU ids to pin this peer to (Linux), e.g. "0"; empty leaves it to the OS."""
     metrics_port: int = 0
@@ -319,6 +323,7 @@ def validate(config: Config) -> None:
         (config.run.min_step_s >= 0 and config.run.time_limit_s >= 0, "run.min_step_s and run.time_limit_s must be >= 0"),
         (config.run.eval_every_rounds >= 0, "run.eval_every_rounds must be >= 0"),
         (config.run.log_every >= 1, "run.log_every must be >= 1"),
+        (config.run.checkpoint_every >= 0, "run.checkpoint_every must be >= 0"),
         (config.run.eval_batches >= 1, "run.eval_batches must be >= 1"),
         (config.data.max_bytes >= 1, "data.max_bytes must be >= 1"),
         (0 <= config.run.metrics_port <= 65535, "run.metrics_port must be in [0, 65535]"),

@@ -24,9 +24,11 @@ import torch
 from hivemind.utils.timed_storage import get_dht_time
 from torch.nn.utils import parameters_to_vector
 
+from p2pdiloco.checkpoint import save_checkpoint
 from p2pdiloco.config import Config, ConfigError
 from p2pdiloco.merge import Contribution, Merger, MergeResult
 from p2pdiloco.outer import cosine_lr, outer_step, pseudo_gradient, rebase, state_digest
+from p2pdiloco.state_sync import GlobalState
 from p2pdiloco.telemetry import Ema, RateMeter
 
 logger = logging.getLogger(__name__)
@@ -88,7 +90,7 @@ class MetricsLog:
         self._file = path.open("a", buffering=1)
 
     def write(self, **fields) -> None:
-        self._file.write(json.dumps(fields) + "\n")
+        self._file.write(json.dumps({"t": time.time(), **fields}) + "\n")
 
     def close(self) -> None:
         self._file.close()
@@ -113,6 +115,11 @@ class Counters:
     last_merge_s: float = 0.0
     last_merge_time: float = 0.0
     """Wall-clock time (Unix seconds) when the last merge was applied; 0 before the first."""
+    steps_run: int = 0
+    """Inner steps this process ran (`step` is the position in the schedule, which a joiner adopts)."""
+    compute_in_round: float = 0.0
+    join_s: float | None = None
+    """Seconds from process start to the first merge with other peers."""
 
 
 @dataclass
@@ -123,6 +130,8 @@ class InFlight:
     local_at_submit: torch.Tensor
     contribution: Contribution
     submitted_at: float
+    compute_s: float
+    """Inner-step time that produced this contribution (what is lost if it never reaches a global model)."""
 
 
 class Learner:
@@ -137,6 +146,9 @@ class Learner:
         device: where inner steps run.
         metrics: where metrics lines go.
         should_stop: polled between steps; True ends the run early (Ctrl+C, SIGTERM).
+        checkpoint_dir: where to save checkpoints every `run.checkpoint_every` rounds (None: never).
+        faults: test hook, {(stage, round): action}; stage 'checkpoint' with action 'kill' dies mid-write.
+        t_process_start: time.monotonic() when the peer process started (for join_s); default now.
     """
 
     def __init__(
@@ -149,6 +161,9 @@ class Learner:
         device: torch.device,
         metrics: MetricsLog,
         should_stop: Callable[[], bool] = lambda: False,
+        checkpoint_dir: Path | None = None,
+        faults: dict | None = None,
+        t_process_start: float | None = None,
     ):
         self.cfg, self.model, self.next_batch, self.val_batches = cfg, model, next_batch, val_batches
         self.merger, self.device, self.metrics, self.should_stop = merger, device, metrics, should_stop
@@ -161,6 +176,11 @@ class Learner:
         self.c = Counters()
         self.t_start = time.monotonic()
         self.loss_avg = Ema(span=20)
+        self.t_process_start = t_process_start if t_process_start is not None else self.t_start
+        self.checkpoint_dir, self.faults = checkpoint_dir, faults or {}
+        self.shared = self.snapshot()
+        self.byte_counter = None
+        """The merger's counter of all protocol bytes (merges and state transfers), if it has one."""
         self.eval_loss_initial = float("nan")
         self.eval_loss_final = float("nan")
         self.last_eval_loss = float("nan")
@@ -177,8 +197,11 @@ class Learner:
 
     def run(self) -> dict:
         """Train until `run.total_steps`, the time limit, or a stop request; returns this peer's summary."""
-        self.eval_loss_initial = self.evaluate()
-        self.metrics.write(kind="eval", elapsed_s=self.elapsed(), step=0, tokens=0, eval_loss=self.eval_loss_initial)
+        self.metrics.write(kind="start", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round,
+                           process_s=time.monotonic() - self.t_process_start, peer_id=self.merger.peer_id)
+        self.eval_loss_initial = self.evaluate_global()
+        self.metrics.write(kind="eval", elapsed_s=self.elapsed(), step=self.c.step, tokens=self.c.tokens,
+                           eval_loss=self.eval_loss_initial)
         self.last_eval_loss = self.eval_loss_initial
         logger.info("[%s] eval loss at start %.4f", self.tag, self.eval_loss_initial)
         self.t_train = time.monotonic()
@@ -195,7 +218,8 @@ class Learner:
         self.finish()
         self.eval_loss_final = self.last_eval_loss = self.evaluate_global()
         self.metrics.write(
-            kind="eval", elapsed_s=self.elapsed(), step=self.c.step, tokens=self.c.tokens, eval_loss=self.eval_loss_final
+            kind="eval", elapsed_s=self.elapsed(), step=self.c.step, tokens=self.c.tokens, eval_loss=self.eval_loss_final,
+            final=True,
         )
         return self.summary()
 
@@ -218,6 +242,8 @@ class Learner:
         loss_value = float(loss.detach())
         self.pace(time.monotonic() - t0)
         self.c.compute_s += time.monotonic() - t0
+        self.c.compute_in_round += time.monotonic() - t0
+        self.c.steps_run += 1
         self.c.step += 1
         self.c.steps_in_round += 1
         self.c.tokens += x.numel()
@@ -265,8 +291,10 @@ class Learner:
             round=self.c.round,
             round_s=time.monotonic() - self._round_started,
         )
-        self.in_flight = InFlight(self.merger.submit(contribution), local, contribution, time.monotonic())
+        self.in_flight = InFlight(self.merger.submit(contribution), local, contribution, time.monotonic(),
+                                  self.c.compute_in_round)
         self.c.tokens_in_round = 0
+        self.c.compute_in_round = 0.0
         self.start_round()
 
     def poll_merge(self) -> None:
@@ -325,7 +353,12 @@ class Learner:
     def _apply_in_flight(self, result: MergeResult) -> None:
         flight, self.in_flight = self.in_flight, None
         self.apply_merge(result, flight.local_at_submit)
-        self.log_merge(result)
+        if not result.alone and self.c.join_s is None:
+            self.c.join_s = time.monotonic() - self.t_process_start
+        self.log_merge(result, flight.compute_s)
+        every = self.cfg.run.checkpoint_every
+        if self.checkpoint_dir is not None and every and self.c.round % every == 0:
+            self.checkpoint()
 
     def apply_merge(self, result: MergeResult, local_at_submit: torch.Tensor | None = None) -> None:
         """Outer Nesterov step on the merged Δ̄, then move the local model onto the new θg.
@@ -358,6 +391,55 @@ class Learner:
         self.c.last_group_size = len(result.group)
         self.c.last_merge_s = result.duration_s
         self.c.last_merge_time = time.time()
+        self.shared = self.snapshot()
+
+    # ---- state: sharing with joiners, adopting the swarm's, checkpoints ----
+
+    def snapshot(self) -> GlobalState:
+        """This peer's global state as of its last merge (tensors are replaced, never mutated, so the
+        network thread may read the returned object while training goes on)."""
+        return GlobalState(self.global_params, self.momentum, self.c.round, self.c.step, self.c.global_tokens)
+
+    def adopt_state(self, state: GlobalState) -> None:
+        """Continue from the swarm's state (a joiner, or a resumed peer that finds the swarm ahead)."""
+        if state.global_params.numel() != self.global_params.numel():
+            raise ValueError("state does not fit this model")
+        self.global_params, self.momentum = state.global_params.clone(), state.momentum.clone()
+        load_flat_(self.model, self.global_params)
+        self.c.round, self.c.step, self.c.global_tokens = state.round, state.step, state.global_tokens
+        self.shared = self.snapshot()
+
+    def checkpoint(self) -> Path:
+        """Save θg, outer momentum, inner AdamW state and counters (see checkpoint.py)."""
+        tensors = {"global_params": self.global_params, "momentum": self.momentum, **self._inner_state()}
+        meta = {"round": self.c.round, "step": self.c.step, "tokens": self.c.tokens,
+                "global_tokens": self.c.global_tokens, "config": self.cfg.to_dict()}
+        kill = self.faults.get(("checkpoint", self.c.round)) == "kill"
+        return save_checkpoint(self.checkpoint_dir, self.c.round, tensors, meta, kill_midway=kill)
+
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Continue from a checkpoint: the local model restarts from its global model."""
+        self.adopt_state(GlobalState(tensors["global_params"], tensors["momentum"], int(meta["round"]),
+                                     int(meta["step"]), float(meta["global_tokens"])))
+        self.c.tokens = int(meta.get("tokens", 0))
+        params = list(self.model.parameters())
+        if "adam_exp_avg" in tensors:
+            sizes = [p.numel() for p in params]
+            for p, m, v in zip(params, tensors["adam_exp_avg"].split(sizes), tensors["adam_exp_avg_sq"].split(sizes),
+                               strict=True):
+                self.opt.state[p] = {"step": tensors["adam_step"].clone().reshape(()), "exp_avg": m.view_as(p).to(p.device).clone(),
+                                     "exp_avg_sq": v.view_as(p).to(p.device).clone()}
+
+    def _inner_state(self) -> dict[str, torch.Tensor]:
+        params = list(self.model.parameters())
+        if not all(p in self.opt.state for p in params):
+            return {}
+        st = [self.opt.state[p] for p in params]
+        return {
+            "adam_exp_avg": torch.cat([s["exp_avg"].flatten().float().cpu() for s in st]),
+            "adam_exp_avg_sq": torch.cat([s["exp_avg_sq"].flatten().float().cpu() for s in st]),
+            "adam_step": torch.as_tensor(st[0]["step"], dtype=torch.float32).reshape(1).cpu(),
+        }
 
     def out_of_time(self) -> bool:
         limit = self.cfg.run.time_limit_s
@@ -392,11 +474,11 @@ class Learner:
         self.metrics.write(
             kind="train", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round, tokens=self.c.tokens,
             loss=self._loss_sum / max(self._loss_n, 1), lr=lr, tokens_per_s=tps,
-            bytes_sent=self.c.bytes_sent, bytes_received=self.c.bytes_received, merges=self.c.merges,
+            bytes_sent=self.bytes_io()[0], bytes_received=self.bytes_io()[1], merges=self.c.merges,
         )
         self._loss_sum, self._loss_n, self._t_log, self._tokens_log = 0.0, 0, now, self.c.tokens
 
-    def log_merge(self, result: MergeResult) -> None:
+    def log_merge(self, result: MergeResult, round_compute_s: float = 0.0) -> None:
         every = self.cfg.run.eval_every_rounds
         eval_loss = self.evaluate_global() if every and self.c.round % every == 0 else None
         if eval_loss is not None:
@@ -404,14 +486,21 @@ class Learner:
         self.metrics.write(
             kind="merge", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round, tokens=self.c.tokens,
             group_size=len(result.group), group_id=result.group_id, merges=self.c.merges, failure=result.failure,
-            merge_s=result.duration_s, bytes_sent=self.c.bytes_sent, bytes_received=self.c.bytes_received,
+            merge_s=result.duration_s, bytes_sent=self.bytes_io()[0], bytes_received=self.bytes_io()[1],
             global_digest=self.global_digest(), adopted_state=result.global_state is not None, eval_loss=eval_loss,
+            round_compute_s=round_compute_s,
         )
         logger.info(
             "[%s] round %d: merged with %d peer(s) in %.2f s%s%s", self.tag, self.c.round,
             len(result.group), result.duration_s, f" (failed: {result.failure})" if result.failure else "",
             f", eval loss {eval_loss:.4f}" if eval_loss is not None else "",
         )
+
+    def bytes_io(self) -> tuple[int, int]:
+        """(sent, received) on all of p2pdiloco's protocols, or on merges alone without a counter."""
+        if self.byte_counter is not None:
+            return self.byte_counter.sent, self.byte_counter.received
+        return self.c.bytes_sent, self.c.bytes_received
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t_start
@@ -429,18 +518,20 @@ class Learner:
         return {
             "step": self.c.step, "round": self.c.round, "tokens": self.c.tokens, "loss": _finite(self.loss_avg.value),
             "eval_loss": _finite(self.last_eval_loss), "tokens_per_s": self.throughput.rate(),
-            "merges": self.c.merges, "bytes_sent": self.c.bytes_sent, "bytes_received": self.c.bytes_received,
+            "global_tokens": self.c.global_tokens, "merges": self.c.merges,
+            "bytes_sent": self.bytes_io()[0], "bytes_received": self.bytes_io()[1],
             "last_group_size": self.c.last_group_size, "last_merge_s": self.c.last_merge_s,
             "last_merge_time": self.c.last_merge_time,
         }
 
     def summary(self) -> dict:
         return {
-            "peer_id": self.merger.peer_id, "inner_steps": self.c.step, "tokens": self.c.tokens,
+            "peer_id": self.merger.peer_id, "inner_steps": self.c.steps_run, "step": self.c.step, "tokens": self.c.tokens,
+            "join_s": self.c.join_s,
             "rounds": self.c.round, "merges": self.c.merges, "merge_failures": self.c.merge_failures,
-            "bytes_sent": self.c.bytes_sent, "bytes_received": self.c.bytes_received,
+            "bytes_sent": self.bytes_io()[0], "bytes_received": self.bytes_io()[1],
             "wall_s": self.elapsed(), "compute_s": self.c.compute_s, "merge_wait_s": self.c.merge_wait_s,
-            "train_s": self.train_s, "steps_per_s": self.c.step / self.train_s if self.train_s > 0 else 0.0,
+            "train_s": self.train_s, "steps_per_s": self.c.steps_run / self.train_s if self.train_s > 0 else 0.0,
             "mode": "sync" if self.cfg.swarm.sync else "decoupled",
             "eval_loss_initial": self.eval_loss_initial, "eval_loss_final": self.eval_loss_final,
             "global_digest": self.global_digest(), "device": str(self.device),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -13,13 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+import torch
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from p2pdiloco.config import Config, SwarmConfig
 from p2pdiloco.peer import write_json_atomic
-from p2pdiloco.swarm import start_dht, visible_maddrs
+from p2pdiloco.swarm import Reaper, start_dht, visible_maddrs
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,30 @@ class PeerProc:
     last: dict = field(default_factory=dict)
     eval_loss: float | None = None
     descendants: set[int] = field(default_factory=set)
+    cmd: list[str] = field(default_factory=list)
+    env: dict = field(default_factory=dict)
+    kills: int = 0
+    restart_at: float | None = None
+    """While killed by chaos: when to start it again."""
+
+    def start(self, resume: bool = False) -> None:
+        cmd = self.cmd + (["--resume"] if resume else [])
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=self.env)
+
+    def kill_tree(self) -> None:
+        """SIGKILL the peer and everything it started, as a machine that loses power would vanish."""
+        self.remember_descendants()
+        victims = [self.proc.pid, *self.descendants]
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        psutil.wait_procs([p for p in map(_process, self.descendants) if p is not None], timeout=5)
+        self.descendants.clear()
+        self.kills += 1
 
     def poll_metrics(self) -> None:
         path = self.run_dir / "metrics.jsonl"
@@ -64,6 +90,52 @@ class PeerProc:
             self.descendants |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
         except psutil.Error:
             pass
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
+
+
+@dataclass
+class Chaos:
+    """Kill a random running peer every `kill_every` seconds and restart it `restart_delay` seconds later
+    with --resume (`p2pdiloco local --chaos`)."""
+
+    kill_every: float
+    restart_delay: float = 5.0
+    seed: int = 0
+    log: Path | None = None
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+        self._next = time.monotonic() + self.kill_every
+
+    def tick(self, peers: list[PeerProc]) -> None:
+        now = time.monotonic()
+        for p in peers:
+            if p.restart_at is not None and now >= p.restart_at:
+                p.restart_at = None
+                p.start(resume=True)
+                self._event("restart", p)
+        if now < self._next:
+            return
+        self._next = now + self.kill_every
+        running = [p for p in peers if p.restart_at is None and p.proc.poll() is None]
+        if len(running) < 2:  # never kill the last peer standing: nobody would hold the model
+            return
+        victim = self._rng.choice(running)
+        victim.kill_tree()
+        victim.restart_at = now + self.restart_delay
+        self._event("kill", victim)
+
+    def _event(self, kind: str, p: PeerProc) -> None:
+        logger.info("chaos: %s %s", kind, p.name)
+        if self.log is not None:
+            with self.log.open("a") as f:
+                f.write(json.dumps({"t": time.time(), "event": kind, "peer": p.name}) + "\n")
 
 
 def peer_command(i: int, n: int, cfg: Config, initial_peer: str, run_dir: Path, config_path: str | None,
@@ -134,7 +206,28 @@ def reap_descendants(peers: list[PeerProc]) -> None:
         p.log.close()
 
 
-def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float) -> dict:
+def consensus_distance(peer_dirs: list[Path]) -> float | None:
+    """Largest relative L2 distance ‖θa − θb‖ / mean(‖θa‖, ‖θb‖) between two peers' final global models
+    (their model.safetensors); 0.0 means every peer ended with the same model, None if fewer than two."""
+    from safetensors.torch import load_file
+
+    flats = []
+    for d in peer_dirs:
+        path = d / "model.safetensors"
+        if path.exists():
+            tensors = load_file(str(path))
+            flats.append(torch.cat([tensors[k].flatten().double() for k in sorted(tensors)]))
+    if len(flats) < 2:
+        return None
+    worst = 0.0
+    for i in range(len(flats)):
+        for j in range(i + 1, len(flats)):
+            scale = (flats[i].norm() + flats[j].norm()) / 2
+            worst = max(worst, float((flats[i] - flats[j]).norm() / scale) if scale > 0 else 0.0)
+    return worst
+
+
+def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float, extra: dict | None = None) -> dict:
     """Collect the peers' summaries into the run's summary.json."""
     peers = []
     for d in peer_dirs:
@@ -150,6 +243,8 @@ def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float)
         "eval_loss_initial": sum(initial) / len(initial) if initial else None,
         "eval_loss_final": sum(final) / len(final) if final else None,
         "global_models_identical": len({p["global_digest"] for p in peers}) == 1 if peers else None,
+        "consensus_distance": consensus_distance(peer_dirs),
+        **(extra or {}),
         "peers": peers,
         "config": config,
     }
@@ -159,7 +254,8 @@ def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float)
 
 def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None, sets: list[str],
               console: Console | None = None, slow: dict[int, float] | None = None,
-              peer_sets: dict[int, list[str]] | None = None, dashboard_port: int | None = None) -> dict:
+              peer_sets: dict[int, list[str]] | None = None, chaos: Chaos | None = None,
+              dashboard_port: int | None = None) -> dict:
     """Run a whole swarm on this machine and return the run's summary.
 
     Args:
@@ -171,12 +267,14 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
         console: where progress is drawn.
         slow: {peer index: factor} for peers that emulate a slower accelerator.
         peer_sets: extra overrides for single peers, {peer index: ["section.key=value", ...]}.
+        chaos: kill and restart peers on a schedule.
         dashboard_port: serve the web dashboard on 127.0.0.1 at this port (0: any free one); None: no dashboard.
     """
     console = console or Console()
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     dht = start_dht(SwarmConfig(host="127.0.0.1", port=0))
+    reaper = Reaper(dht)
     peers: list[PeerProc] = []
     interrupted = False
     dashboard = None
@@ -194,16 +292,20 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
             pdir.mkdir(parents=True, exist_ok=True)
             for stale in ("metrics.jsonl", "peer_summary.json"):
                 (pdir / stale).unlink(missing_ok=True)
+            for stale in (pdir / "checkpoints").glob("ckpt-*"):  # a chaos restart must not resume an old run
+                stale.unlink()
             log = (pdir / "peer.log").open("w")
             cmd = peer_command(i, n_peers, cfg, maddr, pdir, config_path, sets + (peer_sets or {}).get(i, []),
                                (slow or {}).get(i, 1.0))
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-            peers.append(PeerProc(f"peer{i}", pdir, proc, log))
+            peer = PeerProc(f"peer{i}", pdir, None, log, cmd=cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            peer.start()
+            peers.append(peer)
         console.print(f"{n_peers} peers started; logs in {run_dir}/peers/*/peer.log")
         try:
             with Live(progress_table(peers, cfg.run.total_steps, started), console=console, refresh_per_second=2) as live:
-                while any(p.proc.poll() is None for p in peers):
+                while any(p.proc.poll() is None or p.restart_at is not None for p in peers):
+                    if chaos is not None:
+                        chaos.tick(peers)
                     for p in peers:
                         p.poll_metrics()
                         if p.proc.poll() is None:
@@ -221,11 +323,13 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
         if dashboard is not None:
             dashboard.close()
         dht.shutdown()
+        reaper.close()
     for p in peers:
-        if p.proc.returncode not in (0, None) and not interrupted:
+        if p.proc.returncode not in (0, None) and not interrupted and p.restart_at is None:
             tail = (p.run_dir / "peer.log").read_text().strip().splitlines()[-1:] or ["(empty log)"]
             console.print(f"[red]{p.name} exited with {p.proc.returncode}[/red]: {tail[0]}")
-    summary = summarize(run_dir, [p.run_dir for p in peers], cfg.to_dict(), time.monotonic() - started)
+    extra = {"chaos_kills": sum(p.kills for p in peers)} if chaos is not None else {}
+    summary = summarize(run_dir, [p.run_dir for p in peers], cfg.to_dict(), time.monotonic() - started, extra)
     try:
         from p2pdiloco.plot import plot_run
 

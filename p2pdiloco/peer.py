@@ -11,17 +11,22 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 from hivemind.utils.timed_storage import get_dht_time
+from safetensors.torch import save_file
 
 from p2pdiloco import __version__
+from p2pdiloco.checkpoint import load_latest
 from p2pdiloco.config import Config
 from p2pdiloco.data import BatchSampler, eval_batches, load_text
-from p2pdiloco.learner import Learner, MetricsLog, pick_device
+from p2pdiloco.learner import Learner, MetricsLog, load_flat_, pick_device
 from p2pdiloco.model import build_model, count_params
 from p2pdiloco.p2p_merger import P2PMerger
+from p2pdiloco.state_sync import StateSync
 from p2pdiloco.swarm import (
     BackgroundLoop,
+    Reaper,
     check_fingerprint,
     check_maddrs,
     live_records,
@@ -72,16 +77,48 @@ def write_json_atomic(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def save_global_atomic(path: Path, learner: Learner) -> None:
+def save_model(path: Path, learner: Learner) -> None:
+    """The global model θg as a named safetensors state dict (what a user loads with `build_model`)."""
+    model = build_model(learner.cfg.model)
+    load_flat_(model, learner.global_params)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(
-        {"global_params": learner.global_params, "momentum": learner.momentum, "step": learner.c.step,
-         "round": learner.c.round, "tokens": learner.c.tokens, "config": learner.cfg.to_dict()},
-        tmp,
-    )
-    with tmp.open("rb") as f:
-        os.fsync(f.fileno())
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, str(tmp),
+              metadata={"round": str(learner.c.round), "step": str(learner.c.step)})
     os.replace(tmp, path)
+
+
+def resume_from_checkpoint(learner: Learner, folder: Path, announce) -> None:
+    found = load_latest(folder)
+    if found is None:
+        announce(f"--resume: no usable checkpoint in {folder}; starting fresh")
+        return
+    tensors, meta, path = found
+    learner.restore(tensors, meta)
+    announce(f"resumed from {path.name}: round {meta['round']}, step {meta['step']}")
+
+
+def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dht, cfg: Config, peer_id: str,
+                     metrics: MetricsLog) -> None:
+    """If live peers' global models have absorbed more tokens than ours, download the freshest one first,
+    so that a joiner (or a resumed peer that fell behind) continues the swarm's run instead of pulling it back."""
+    records = live_records(loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30))
+    ahead = {p: r for p, r in records.items()
+             if p != peer_id and float(r.get("global_tokens") or 0) > learner.c.global_tokens}
+    if not ahead:
+        return
+    t0 = time.monotonic()
+    got = loop.run(sync.fetch(ahead, peer_id, timeout=cfg.swarm.merge_timeout_s),
+                   timeout=cfg.swarm.merge_timeout_s * (len(ahead) + 1) + 10)
+    if got is None:
+        logger.warning("[%s] no live peer could give its state; the first merge will bring this peer in line",
+                       peer_id[-6:])
+        return
+    state, donor = got
+    learner.adopt_state(state)
+    metrics.write(kind="join", donor=donor, round=state.round, step=state.step,
+                  download_s=time.monotonic() - t0, global_digest=learner.global_digest())
+    logger.info("[%s] downloaded the swarm's state (round %d, step %d) from %s in %.2f s", peer_id[-6:],
+                state.round, state.step, donor[-6:], time.monotonic() - t0)
 
 
 class Heartbeat:
@@ -163,6 +200,8 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
         stop: polled between steps.
         announce: where to print the lines a user needs (addresses); `print` for the CLI.
     """
+    # from the real start of this process (interpreter and imports included), as a monotonic time
+    t_process_start = time.monotonic() - max(0.0, time.time() - psutil.Process().create_time())
     if cfg.run.cpu_affinity:  # before anything starts, so the DHT and p2p daemon inherit it too
         os.sched_setaffinity(0, {int(c) for c in cfg.run.cpu_affinity.split(",")})
     if cfg.run.threads > 0:
@@ -180,6 +219,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
                 data.n_bytes, data.source)
 
     dht = start_dht(cfg.swarm)
+    reaper = Reaper(dht)
     loop = BackgroundLoop()
     merger = metrics = heartbeat = metrics_server = None
     try:
@@ -194,9 +234,18 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
 
         merger = P2PMerger(dht, cfg.swarm, loop, n_params)
         merger.faults = faults_from_env(cfg.run.name)
-        keep_previous(run_dir / "metrics.jsonl")
+        if not cfg.run.resume:
+            keep_previous(run_dir / "metrics.jsonl")
         metrics = MetricsLog(run_dir / "metrics.jsonl")
-        learner = Learner(cfg, model, sampler.next_batch, val, merger, device, metrics, should_stop=stop)
+        learner = Learner(cfg, model, sampler.next_batch, val, merger, device, metrics, should_stop=stop,
+                          checkpoint_dir=run_dir / "checkpoints", faults=merger.faults,
+                          t_process_start=t_process_start)
+        learner.byte_counter = merger.counter
+        state_sync = StateSync(dht, cfg.swarm.run_id, n_params, lambda: learner.shared, merger.counter)
+        loop.run(state_sync.start(), timeout=30)
+        if cfg.run.resume:
+            resume_from_checkpoint(learner, run_dir / "checkpoints", announce)
+        join_swarm_state(learner, state_sync, loop, dht, cfg, peer_id, metrics)
         # public: anyone who knows the run id reads it, so no host name or user (the name is opt-in)
         static = {
             "name": cfg.run.name, "device": str(device), "version": __version__, "maddrs": maddrs,
@@ -210,13 +259,15 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
             metrics_server = MetricsServer(lambda: telemetry_snapshot(learner, ids), cfg.run.metrics_host,
                                            cfg.run.metrics_port)
             announce(f"Prometheus metrics at {loop.run(metrics_server.start(), timeout=10)}")
-        if cfg.swarm.wait_for_peers > 1:
+        if cfg.swarm.wait_for_peers > 1 and not cfg.run.resume:  # a restarted peer joins a running swarm
             live = wait_for_peers(loop, dht, cfg, stop)
             logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)
         summary = learner.run()
         summary.update(name=cfg.run.name, n_params=n_params)
         write_json_atomic(run_dir / "peer_summary.json", summary)
-        save_global_atomic(run_dir / "global.pt", learner)
+        if not stop():  # a peer told to stop mid-round still has its last merged state in the checkpoints
+            learner.checkpoint()
+        save_model(run_dir / "model.safetensors", learner)
         return summary
     finally:
         if heartbeat is not None:
@@ -235,3 +286,4 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
             metrics.close()
         loop.close()
         dht.shutdown()
+        reaper.close()

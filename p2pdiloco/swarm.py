@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Coroutine
@@ -16,6 +18,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import hivemind
+import psutil
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
@@ -76,6 +79,36 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
         raise SwarmError(f"could not start the p2p daemon on {cfg.host}:{cfg.port} ({reason})") from None
     except TimeoutError:
         raise SwarmError(f"the DHT did not start within {cfg.join_timeout_s:.0f} s") from None
+
+
+class Reaper:
+    """Ends the DHT process and p2p daemon of this process if it dies without closing them (see reaper.py).
+
+    Args:
+        dht: a started DHT; its process and the processes it started are watched.
+    """
+
+    def __init__(self, dht: hivemind.DHT):
+        targets = []
+        try:
+            root = psutil.Process(dht.pid)
+            for p in [root, *root.children(recursive=True)]:
+                targets.append(f"{p.pid}:{p.create_time()}")
+        except psutil.Error as e:
+            logger.warning("cannot watch the DHT's processes: %r", e)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "p2pdiloco.reaper", *targets],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Call after shutting the DHT down: the watchdog kills what is left and exits."""
+        try:
+            self._proc.stdin.close()
+            self._proc.wait(timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            self._proc.kill()
+            self._proc.wait()
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

@@ -10,6 +10,7 @@ from collections import defaultdict
 
 import psutil
 import pytest
+import torch
 
 from tests.conftest import wait_for
 from tests.test_cli import TINY
@@ -29,6 +30,7 @@ def test_three_peer_swarm_merges_agrees_and_learns(tmp_path):
     assert summary["peers_finished"] == 3
     assert summary["eval_loss_final"] < summary["eval_loss_initial"] - 0.3
     assert summary["global_models_identical"] is True
+    assert summary["consensus_distance"] == 0.0
     for peer in summary["peers"]:
         for key in ("peer_id", "inner_steps", "tokens", "rounds", "merges", "bytes_sent", "bytes_received",
                     "wall_s", "compute_s"):
@@ -64,3 +66,17 @@ def test_ctrl_c_on_local_leaves_no_process(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_consensus_distance_is_the_largest_relative_gap(tmp_path):
+    from safetensors.torch import save_file
+
+    from p2pdiloco.local import consensus_distance
+
+    for name, values in (("a", [3.0, 4.0]), ("b", [3.0, 4.0]), ("c", [0.0, 4.0])):
+        (tmp_path / name).mkdir()
+        save_file({"w": torch.tensor(values)}, str(tmp_path / name / "model.safetensors"))
+    # ‖a − c‖ = 3, mean norm (5 + 4) / 2 = 4.5
+    assert abs(consensus_distance([tmp_path / n for n in "abc"]) - 3 / 4.5) < 1e-9
+    assert consensus_distance([tmp_path / "a", tmp_path / "b"]) == 0.0
+    assert consensus_distance([tmp_path / "a"]) is None

@@ -1,0 +1,140 @@
+"""Joining mid-run: state download from live peers, verified; and a swarm that outlives its bootstrap node."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+
+import psutil
+import pytest
+import torch
+
+from p2pdiloco.state_sync import GlobalState, StateError, StateSync, donor_order, pack_state, unpack_state
+from p2pdiloco.wire import ByteCounter
+from tests.conftest import start_local_dht, wait_for
+from tests.test_cli import CLI
+from tests.test_decoupled import PACED, merges
+
+pytestmark = pytest.mark.integration
+
+
+def _state(seed: int, round_: int, n: int = 1000) -> GlobalState:
+    g = torch.Generator().manual_seed(seed)
+    return GlobalState(torch.randn(n, generator=g), torch.randn(n, generator=g), round_, round_ * 10, round_ * 100.0)
+
+
+def test_pack_unpack_verifies_everything():
+    header, payload = pack_state(_state(0, 3))
+    got = unpack_state(header, payload, 1000)
+    assert torch.equal(got.global_params, _state(0, 3).global_params) and got.round == 3 and got.step == 30
+    with pytest.raises(StateError, match="checksum"):
+        unpack_state(header, payload[:-4] + b"\x00\x00\x80\x7f", 1000)
+    with pytest.raises(StateError, match="expected 999"):
+        unpack_state(header, payload, 999)
+    nan = pack_state(GlobalState(torch.full((1000,), float("nan")), torch.zeros(1000), 1, 1, 1.0))
+    with pytest.raises(StateError, match="non-finite"):
+        unpack_state(*nan, 1000)
+
+
+def test_donor_order_freshest_first_and_spread():
+    records = {"a": {"round": 10, "global_tokens": 5}, "b": {"round": 9, "global_tokens": 5},
+               "c": {"round": 3, "global_tokens": 5}, "d": {"round": 12, "global_tokens": 0}, "me": {"round": 10}}
+    orders = {tuple(donor_order(records, "me", random.Random(s))) for s in range(20)}
+    assert all(o[-1] == "c" and set(o[:2]) == {"a", "b"} and "d" not in o for o in orders)
+    assert len(orders) == 2  # joiners arriving together do not all pick the same first donor
+
+
+def test_joiner_downloads_bit_identical_state_and_skips_a_bad_donor(bootstrap_dht, net_loop):
+    maddrs = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
+    dhts = [start_local_dht(maddrs) for _ in range(3)]
+    try:
+        good, broken = _state(1, 7), None
+        donor = StateSync(dhts[0], "j", 1000, lambda: good, ByteCounter())
+        liar = StateSync(dhts[1], "j", 1000, lambda: broken, ByteCounter())  # has no state to give
+        counter = ByteCounter()
+        joiner = StateSync(dhts[2], "j", 1000, lambda: None, counter)
+        for s in (donor, liar, joiner):
+            net_loop.run(s.start(), 10)
+        ids = [d.peer_id.to_base58() for d in dhts]
+        records = {ids[0]: {"round": 7, "global_tokens": 700.0}, ids[1]: {"round": 8, "global_tokens": 800.0}}
+        state, source = net_loop.run(joiner.fetch(records, ids[2], timeout=10), 30)
+        assert source == ids[0]  # the fresher one was tried first and refused
+        assert torch.equal(state.global_params, good.global_params) and torch.equal(state.momentum, good.momentum)
+        assert (state.round, state.step, state.global_tokens) == (7, 70, 700.0)
+        assert counter.received > 2 * 1000 * 4
+    finally:
+        for d in dhts:
+            d.shutdown()
+
+
+def test_peer_joining_mid_run_takes_the_swarm_state_and_merges(tmp_path):
+    local = subprocess.Popen([*CLI, "local", "--peers", "2", "--steps", "100000", "--run-dir", str(tmp_path / "swarm"),
+                              *PACED], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    joiner = None
+    try:
+        wait_for(lambda: len(merges(tmp_path / "swarm", "peer0")) >= 3, 90, what="the swarm's first merges")
+        maddr = (tmp_path / "swarm" / "bootstrap.maddr").read_text().strip()
+        jdir = tmp_path / "joiner"
+        joiner = subprocess.Popen([*CLI, "peer", "--initial-peers", maddr, "--host", "127.0.0.1", "--run-dir", str(jdir),
+                                   "--steps", "100000", *PACED], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  stdin=subprocess.DEVNULL)
+
+        def joined_and_merged():
+            path = jdir / "metrics.jsonl"
+            rows = [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")] if path.exists() else []
+            return [r for r in rows if r["kind"] == "join"] and [r for r in rows if r["kind"] == "merge" and r["group_size"] > 1]
+
+        wait_for(joined_and_merged, 90, what="the joiner to download the state and merge")
+        rows = [json.loads(x) for x in (jdir / "metrics.jsonl").read_text().splitlines() if x.endswith("}")]
+        (join,) = [r for r in rows if r["kind"] == "join"]
+        assert join["round"] >= 3 and join["step"] > 0
+        donor_digests = {m["global_digest"] for p in ("peer0", "peer1") for m in merges(tmp_path / "swarm", p)}
+        assert join["global_digest"] in donor_digests  # bit-identical to a state the donor held
+    finally:
+        for proc in (joiner, local):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=40)
+
+
+def test_swarm_outlives_its_bootstrap_node(tmp_path):
+    maddr_file = tmp_path / "boot.maddr"
+    boot = subprocess.Popen([*CLI, "bootstrap", "--host", "127.0.0.1", "--port", "0", "--identity", str(tmp_path / "b.key"),
+                             "--maddr-file", str(maddr_file)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL)
+    procs = []
+    try:
+        wait_for(maddr_file.exists, 30, what="bootstrap address")
+        maddr = maddr_file.read_text().split()[0]
+
+        def peer(name: str, initial: str) -> subprocess.Popen:
+            return subprocess.Popen([*CLI, "peer", "--initial-peers", initial, "--host", "127.0.0.1", "--name", name,
+                                     "--run-dir", str(tmp_path / name), "--steps", "100000", *PACED],
+                                    stdout=(tmp_path / f"{name}.log").open("w"), stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+
+        def merged(name: str, after: int = 0) -> bool:
+            path = tmp_path / name / "metrics.jsonl"
+            rows = [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")] if path.exists() else []
+            return sum(1 for r in rows if r["kind"] == "merge" and r["group_size"] > 1) > after
+
+        procs = [peer("a", maddr), peer("b", maddr)]
+        wait_for(lambda: merged("a") and merged("b"), 90, what="a and b merging")
+        tree = [psutil.Process(boot.pid), *psutil.Process(boot.pid).children(recursive=True)]
+        for p in tree:
+            p.kill()  # the bootstrap host loses power
+        psutil.wait_procs(tree, timeout=10)
+        # a newcomer joins through a live peer's address, which every peer prints at start
+        line = next(x for x in (tmp_path / "a.log").read_text().splitlines() if "others can join with" in x)
+        procs.append(peer("c", line.split()[-1]))
+        wait_for(lambda: merged("c"), 90, what="the newcomer merging without the bootstrap node")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+                p.wait(timeout=40)
+        if boot.poll() is None:
+            boot.kill()
+        boot.wait()
