@@ -123,6 +123,20 @@ def parse_slow(items: list[str], n_peers: int) -> dict[int, float]:
     return slow
 
 
+def _sigterm_as_interrupt() -> None:
+    """SIGTERM stops `local` as Ctrl+C does (peers stopped and reaped); forked children keep the default."""
+    owner = os.getpid()
+
+    def on_term(signum, _frame):
+        if os.getpid() != owner:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def cmd_local(args: argparse.Namespace) -> int:
     from p2pdiloco.local import Chaos, run_local
 
@@ -139,6 +153,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         sets.append("swarm.sync=true")
     slow = parse_slow(args.slow or [], args.peers)
     run_dir = Path(cfg.run.run_dir)
+    _sigterm_as_interrupt()
     chaos = None
     if args.chaos:
         if args.kill_every <= 0 or args.restart_delay < 0:

@@ -281,7 +281,7 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
     try:
         maddr = visible_maddrs(dht)[0]
         (run_dir / "bootstrap.maddr").write_text(maddr + "\n")
-        console.print(f"bootstrap node at {maddr}")
+        console.print(f"bootstrap node at {maddr}", soft_wrap=True)  # one line, so it can be copied
         if dashboard_port is not None:  # in this process: it reads the peers' records through the bootstrap node
             from p2pdiloco.dashboard import BackgroundDashboard
 

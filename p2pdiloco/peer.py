@@ -57,7 +57,13 @@ class StopFlag:
         self._event.set()
 
     def install(self) -> None:
+        owner = os.getpid()
+
         def on_signal(signum, _frame):
+            if os.getpid() != owner:  # a forked child (the DHT process) inherited us: behave as default
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
             if self._event.is_set() and signum == signal.SIGINT:
                 raise KeyboardInterrupt
             logger.warning("%s received: stopping after the current step", signal.Signals(signum).name)
