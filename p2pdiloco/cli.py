@@ -238,6 +238,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_watch_args(p: argparse.ArgumentParser) -> None:
+    """The swarm a read-only client (status, dashboard) watches."""
+    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
+                   help="bootstrap node or live peer multiaddrs")
+    p.add_argument("--run-id", default=SwarmConfig.run_id, metavar="NAME",
+                   help=f"the swarm's run id (default {SwarmConfig.run_id})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="p2pdiloco",
@@ -300,10 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Join the swarm as a read-only DHT client and print a table of its live peers "
                         "(round, steps, tokens, tokens/s, loss, bytes, last merge) and the swarm's totals. Exits 1 "
                         "if no live peer is found.")
-    st.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
-                    help="bootstrap node or live peer multiaddrs")
-    st.add_argument("--run-id", default=SwarmConfig.run_id, metavar="NAME",
-                    help=f"the swarm's run id (default {SwarmConfig.run_id})")
+    add_watch_args(st)
     st.add_argument("--json", action="store_true", help="print JSON (peers and totals) for scripts")
     st.add_argument("--timeout", type=float, default=15.0, metavar="S",
                     help="give up joining, or waiting for a first peer record, after this many seconds (default 15)")
@@ -314,10 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Join the swarm as a read-only DHT client and serve a web page with live charts "
                         "(loss per peer, swarm tokens/s, peers joining and leaving, bytes per peer) and the JSON "
                         "API it reads (/api/state, /api/status). Works offline: the page needs no CDN.")
-    da.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
-                    help="bootstrap node or live peer multiaddrs")
-    da.add_argument("--run-id", default=SwarmConfig.run_id, metavar="NAME",
-                    help=f"the swarm's run id (default {SwarmConfig.run_id})")
+    add_watch_args(da)
     da.add_argument("--host", default="127.0.0.1",
                     help="interface to serve on (default 127.0.0.1; 0.0.0.0 lets other machines see it)")
     da.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080; 0: any free one)")
