@@ -135,6 +135,7 @@ class P2PMerger:
         self._ready_expiration = 0.0
         self._last_submit = time.monotonic()
         self._round_ema: float | None = None
+        self._alone_streak = 0
         self._round = -1
         self._tasks: set[asyncio.Task] = set()
         self.faults: dict[tuple[str, int], str] = {}
@@ -180,6 +181,7 @@ class P2PMerger:
         self._round = c.round
 
         def finish(result: MergeResult) -> MergeResult:
+            self._alone_streak = self._alone_streak + 1 if result.alone else 0
             result.bytes_sent = self.counter.sent - sent0
             result.bytes_received = self.counter.received - recv0
             result.duration_s = time.monotonic() - t0
@@ -283,7 +285,10 @@ class P2PMerger:
         self._round_ema = interval if self._round_ema is None else 0.5 * self._round_ema + 0.5 * interval
         if self.cfg.sync:
             return self.cfg.merge_window_s
-        return min(self.cfg.merge_window_s, max(self.cfg.min_window_s, self.cfg.window_fraction * self._round_ema))
+        # Peers whose rounds drifted apart by more than the window would never meet again: after each
+        # merge alone the window doubles (up to merge_window_s) until a group forms, then it resets.
+        base = max(self.cfg.min_window_s, self.cfg.window_fraction * self._round_ema)
+        return min(self.cfg.merge_window_s, base * 2 ** min(self._alone_streak, 8))
 
     async def _lead(self, search: _Search, candidates: list[str]) -> _Group | None:
         search.leading = True  # from here on, invites from others are declined

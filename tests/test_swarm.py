@@ -119,3 +119,18 @@ def test_member_frozen_mid_merge_fails_the_merge_for_everyone(three_mergers):
         assert r.failure, "a merge with a frozen member must be reported as failed"
         assert r.alone and torch.equal(r.pseudo_grad, v)  # own update kept, no partial average applied
     futures[2].cancel()
+
+
+def test_window_grows_after_merges_alone_and_resets_after_a_group():
+    m = P2PMerger.__new__(P2PMerger)  # only the window logic, no network
+    m.cfg = SwarmConfig(merge_window_s=10.0, min_window_s=1.0, window_fraction=0.25)
+    m._last_submit, m._round_ema, m._alone_streak = 0.0, None, 0
+    assert m._window(8.0) == 2.0  # a quarter of the round
+    m._alone_streak = 1
+    assert m._window(8.0) == 4.0  # peers drifted apart: wait longer until they meet again
+    m._alone_streak = 5
+    assert m._window(8.0) == 10.0  # never beyond merge_window_s
+    m._alone_streak = 0
+    assert m._window(8.0) == 2.0
+    m.cfg.sync = True
+    assert m._window(8.0) == 10.0
