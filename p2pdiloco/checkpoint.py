@@ -86,3 +86,29 @@ def load_latest(folder: Path) -> tuple[dict[str, torch.Tensor], dict, Path] | No
         except (OSError, SafetensorError, ValueError, KeyError, json.JSONDecodeError) as e:
             logger.warning("skipping damaged checkpoint %s: %s", path.name, e)
     return None
+
+
+def adam_state_flat(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """AdamW's moments as two flat fp32 CPU tensors (in `params` order) and its step; {} before the first step."""
+    if not all(p in opt.state for p in params):
+        return {}
+    st = [opt.state[p] for p in params]
+    return {
+        "adam_exp_avg": torch.cat([s["exp_avg"].flatten().float().cpu() for s in st]),
+        "adam_exp_avg_sq": torch.cat([s["exp_avg_sq"].flatten().float().cpu() for s in st]),
+        "adam_step": torch.as_tensor(st[0]["step"], dtype=torch.float32).reshape(1).cpu(),
+    }
+
+
+def load_adam_state_flat(opt: torch.optim.Optimizer, params: list[torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """Inverse of `adam_state_flat`; does nothing if the checkpoint has no optimizer state."""
+    if "adam_exp_avg" not in tensors:
+        return
+    sizes = [p.numel() for p in params]
+    moments = zip(params, tensors["adam_exp_avg"].split(sizes), tensors["adam_exp_avg_sq"].split(sizes), strict=True)
+    for p, m, v in moments:
+        opt.state[p] = {
+            "step": tensors["adam_step"].clone().reshape(()),
+            "exp_avg": m.view_as(p).to(p.device, p.dtype).clone(),
+            "exp_avg_sq": v.view_as(p).to(p.device, p.dtype).clone(),
+        }

@@ -24,7 +24,7 @@ import torch
 from hivemind.utils.timed_storage import get_dht_time
 from torch.nn.utils import parameters_to_vector
 
-from p2pdiloco.checkpoint import save_checkpoint
+from p2pdiloco.checkpoint import adam_state_flat, load_adam_state_flat, save_checkpoint
 from p2pdiloco.config import Config, ConfigError
 from p2pdiloco.merge import Contribution, Merger, MergeResult
 from p2pdiloco.outer import cosine_lr, outer_step, pseudo_gradient, rebase, state_digest
@@ -411,7 +411,8 @@ class Learner:
 
     def checkpoint(self) -> Path:
         """Save θg, outer momentum, inner AdamW state and counters (see checkpoint.py)."""
-        tensors = {"global_params": self.global_params, "momentum": self.momentum, **self._inner_state()}
+        tensors = {"global_params": self.global_params, "momentum": self.momentum,
+                   **adam_state_flat(self.opt, list(self.model.parameters()))}
         meta = {"round": self.c.round, "step": self.c.step, "tokens": self.c.tokens,
                 "global_tokens": self.c.global_tokens, "config": self.cfg.to_dict()}
         kill = self.faults.get(("checkpoint", self.c.round)) == "kill"
@@ -422,24 +423,7 @@ class Learner:
         self.adopt_state(GlobalState(tensors["global_params"], tensors["momentum"], int(meta["round"]),
                                      int(meta["step"]), float(meta["global_tokens"])))
         self.c.tokens = int(meta.get("tokens", 0))
-        params = list(self.model.parameters())
-        if "adam_exp_avg" in tensors:
-            sizes = [p.numel() for p in params]
-            for p, m, v in zip(params, tensors["adam_exp_avg"].split(sizes), tensors["adam_exp_avg_sq"].split(sizes),
-                               strict=True):
-                self.opt.state[p] = {"step": tensors["adam_step"].clone().reshape(()), "exp_avg": m.view_as(p).to(p.device).clone(),
-                                     "exp_avg_sq": v.view_as(p).to(p.device).clone()}
-
-    def _inner_state(self) -> dict[str, torch.Tensor]:
-        params = list(self.model.parameters())
-        if not all(p in self.opt.state for p in params):
-            return {}
-        st = [self.opt.state[p] for p in params]
-        return {
-            "adam_exp_avg": torch.cat([s["exp_avg"].flatten().float().cpu() for s in st]),
-            "adam_exp_avg_sq": torch.cat([s["exp_avg_sq"].flatten().float().cpu() for s in st]),
-            "adam_step": torch.as_tensor(st[0]["step"], dtype=torch.float32).reshape(1).cpu(),
-        }
+        load_adam_state_flat(self.opt, list(self.model.parameters()), tensors)
 
     def out_of_time(self) -> bool:
         limit = self.cfg.run.time_limit_s

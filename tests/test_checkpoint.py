@@ -52,3 +52,24 @@ def test_sigkill_during_checkpoint_write_then_resume_loads_previous_good(tmp_pat
     assert "resumed from ckpt-00000002.safetensors: round 2, step 10" in out.stdout
     summary = (tmp_path / "peer_summary.json").read_text()
     assert '"step": 15' in summary and '"inner_steps": 5' in summary  # continued at step 10, ran 5 more
+
+
+def test_adam_state_round_trips_through_a_checkpoint(tmp_path):
+    from p2pdiloco.checkpoint import adam_state_flat, load_adam_state_flat
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert adam_state_flat(opt, list(model.parameters())) == {}
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).pow(2).sum().backward()
+        opt.step()
+    save_checkpoint(tmp_path, 1, adam_state_flat(opt, list(model.parameters())), {"round": 1})
+    tensors, _, _ = load_latest(tmp_path)
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    load_adam_state_flat(fresh, list(model.parameters()), tensors)
+    for p in model.parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(fresh.state[p][key], opt.state[p][key])
+        assert float(fresh.state[p]["step"]) == 3.0
