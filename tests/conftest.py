@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 import time
 
 import hivemind
@@ -23,6 +25,29 @@ def wait_for(condition, timeout: float, interval: float = 0.1, what: str = "cond
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
+
+
+def interrupt_and_reap(proc: subprocess.Popen, timeout: float = 40) -> None:
+    """Cleanup for a p2pdiloco process a test started: Ctrl+C it, kill it if it does not exit in `timeout`
+    seconds, and kill whatever it started that outlived it."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    _, alive = psutil.wait_procs(descendants, timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def free_port() -> int:

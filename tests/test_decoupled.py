@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import interrupt_and_reap, wait_for
 from tests.test_cli import TINY
 
 pytestmark = pytest.mark.integration
@@ -60,16 +59,6 @@ def peer_tree(local: subprocess.Popen, name: str) -> list[psutil.Process]:
     raise AssertionError(f"no process for {name}")
 
 
-def stop_local(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def test_frozen_peer_does_not_stall_the_others(tmp_path):
     local = start_local(tmp_path, 3, 100000)
     frozen: list[psutil.Process] = []
@@ -102,7 +91,7 @@ def test_frozen_peer_does_not_stall_the_others(tmp_path):
     finally:
         for p in frozen:
             p.resume()
-        stop_local(local)
+        interrupt_and_reap(local)
 
 
 def test_peer_killed_mid_merge_leaves_no_partial_average(tmp_path):
@@ -113,7 +102,7 @@ def test_peer_killed_mid_merge_leaves_no_partial_average(tmp_path):
     try:
         assert local.wait(timeout=150) == 1  # one peer did not finish
     finally:
-        stop_local(local)
+        interrupt_and_reap(local)
     survivors = [merges(tmp_path, f"peer{i}") for i in range(2)]
     for rows in survivors:
         (failed,) = [m for m in rows if m["failure"]]

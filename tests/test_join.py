@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import signal
 import subprocess
 
 import psutil
@@ -13,7 +12,7 @@ import torch
 
 from p2pdiloco.state_sync import GlobalState, StateError, StateSync, donor_order, pack_state, unpack_state
 from p2pdiloco.wire import ByteCounter
-from tests.conftest import start_local_dht, wait_for
+from tests.conftest import interrupt_and_reap, start_local_dht, wait_for
 from tests.test_cli import CLI
 from tests.test_decoupled import PACED, merges
 
@@ -94,9 +93,7 @@ def test_peer_joining_mid_run_takes_the_swarm_state_and_merges(tmp_path):
         assert join["global_digest"] in donor_digests  # bit-identical to a state the donor held
     finally:
         for proc in (joiner, local):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                proc.wait(timeout=40)
+            interrupt_and_reap(proc)
 
 
 def test_swarm_outlives_its_bootstrap_node(tmp_path):
@@ -132,9 +129,7 @@ def test_swarm_outlives_its_bootstrap_node(tmp_path):
         wait_for(lambda: merged("c"), 90, what="the newcomer merging without the bootstrap node")
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-                p.wait(timeout=40)
+            interrupt_and_reap(p)
         if boot.poll() is None:
             boot.kill()
         boot.wait()

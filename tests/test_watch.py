@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import free_port, wait_for
+from tests.conftest import free_port, interrupt_and_reap, wait_for
 from tests.test_cli import CLI, TINY, run_cli
 from tests.test_telemetry import check_exposition, parse_families
 
@@ -71,16 +71,7 @@ def swarm(tmp_path_factory):
         wait_for(lambda: _live_with_points(s, 1), 150, interval=1.0, what="3 live peers on the dashboard")
         yield s
     finally:
-        descendants = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        _, alive = psutil.wait_procs(descendants, timeout=10)
-        for p in alive:
-            p.kill()
+        interrupt_and_reap(proc, timeout=60)
         log.close()
 
 
