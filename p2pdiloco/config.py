@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import Any
 
 
+CODECS = ("none", "fp16", "bf16", "int8", "int4")
+"""Names of the merge payload codecs (see codecs.py)."""
+
+
 class ConfigError(ValueError):
     """Bad user input in a config file or a flag; the CLI prints it as one line."""
 
@@ -128,6 +132,10 @@ class SwarmConfig:
     """Before the first inner step, wait until this many peers (this one included) are live; 0 does not wait."""
     wait_for_peers_s: float = 120.0
     """Longest wait for `wait_for_peers`; after it the peer starts with whoever is there."""
+    codec: str = "none"
+    """How merge payloads travel: none (fp32), fp16, bf16, int8 (8-bit blockwise), int4 (4-bit blockwise)."""
+    error_feedback: bool = True
+    """Add each round's quantization residual to the next round's pseudo-gradient (lossy codecs only)."""
 
 
 @dataclass
@@ -330,6 +338,7 @@ def validate(config: Config) -> None:
         (config.swarm.heartbeat_s > 0, "swarm.heartbeat_s must be > 0"),
         (config.swarm.join_timeout_s > 0, "swarm.join_timeout_s must be > 0"),
         (config.swarm.wait_for_peers >= 0 and config.swarm.wait_for_peers_s >= 0, "swarm.wait_for_peers* must be >= 0"),
+        (config.swarm.codec in CODECS, f"swarm.codec must be one of {', '.join(CODECS)}, got {config.swarm.codec!r}"),
     ]
     for ok, message in checks:
         if not ok:
