@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 CODECS = ("none", "fp16", "bf16", "int8", "int4")
 """Names of the merge payload codecs (see codecs.py)."""
 

@@ -30,6 +30,7 @@ from p2pdiloco.merge import Contribution, Merger, MergeResult
 from p2pdiloco.outer import cosine_lr, outer_step, pseudo_gradient, rebase, state_digest
 from p2pdiloco.state_sync import GlobalState
 from p2pdiloco.telemetry import Ema, RateMeter
+from p2pdiloco.traffic import Traffic, bandwidth_report
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ class Counters:
     global_tokens: float = 0.0
     """Tokens whose effect reached this peer's global model (its weight when global models are averaged)."""
     last_group_size: int = 1
+    max_group_size: int = 1
+    """Largest merge group this peer was part of: N of the data-parallel baseline in the bandwidth ratio."""
     last_merge_s: float = 0.0
     last_merge_time: float = 0.0
     """Wall-clock time (Unix seconds) when the last merge was applied; 0 before the first."""
@@ -179,8 +182,8 @@ class Learner:
         self.t_process_start = t_process_start if t_process_start is not None else self.t_start
         self.checkpoint_dir, self.faults = checkpoint_dir, faults or {}
         self.shared = self.snapshot()
-        self.byte_counter = None
-        """The merger's counter of all protocol bytes (merges and state transfers), if it has one."""
+        self.traffic: Traffic | None = None
+        """This peer's byte counters by kind (merges, state transfers, DHT), when it has a real network."""
         self.eval_loss_initial = float("nan")
         self.eval_loss_final = float("nan")
         self.last_eval_loss = float("nan")
@@ -389,6 +392,7 @@ class Learner:
         self.c.bytes_sent += result.bytes_sent
         self.c.bytes_received += result.bytes_received
         self.c.last_group_size = len(result.group)
+        self.c.max_group_size = max(self.c.max_group_size, len(result.group))
         self.c.last_merge_s = result.duration_s
         self.c.last_merge_time = time.time()
         self.shared = self.snapshot()
@@ -472,7 +476,7 @@ class Learner:
             group_size=len(result.group), group_id=result.group_id, merges=self.c.merges, failure=result.failure,
             merge_s=result.duration_s, bytes_sent=self.bytes_io()[0], bytes_received=self.bytes_io()[1],
             global_digest=self.global_digest(), adopted_state=result.global_state is not None, eval_loss=eval_loss,
-            round_compute_s=round_compute_s,
+            round_compute_s=round_compute_s, **({"traffic": self.traffic.snapshot()} if self.traffic else {}),
         )
         logger.info(
             "[%s] round %d: merged with %d peer(s) in %.2f s%s%s", self.tag, self.c.round,
@@ -481,9 +485,9 @@ class Learner:
         )
 
     def bytes_io(self) -> tuple[int, int]:
-        """(sent, received) on all of p2pdiloco's protocols, or on merges alone without a counter."""
-        if self.byte_counter is not None:
-            return self.byte_counter.sent, self.byte_counter.received
+        """(sent, received) on p2pdiloco's protocols (merges and state transfers; merges alone without counters)."""
+        if self.traffic is not None:
+            return self.traffic.sent(), self.traffic.received()
         return self.c.bytes_sent, self.c.bytes_received
 
     def elapsed(self) -> float:
@@ -519,7 +523,18 @@ class Learner:
             "mode": "sync" if self.cfg.swarm.sync else "decoupled",
             "eval_loss_initial": self.eval_loss_initial, "eval_loss_final": self.eval_loss_final,
             "global_digest": self.global_digest(), "device": str(self.device),
+            "codec": self.cfg.swarm.codec, **self.bandwidth(),
         }
+
+    def bandwidth(self) -> dict:
+        """Traffic by kind and the ratio against data-parallel (see traffic.py); merges only without counters."""
+        traffic = self.traffic
+        if traffic is None:
+            traffic = Traffic()
+            traffic.merge.sent, traffic.merge.received = self.c.bytes_sent, self.c.bytes_received
+        n_params = self.global_params.numel()
+        return {"traffic": traffic.snapshot(),
+                **bandwidth_report(traffic, self.c.steps_run, n_params, self.c.max_group_size)}
 
     def _local_params(self) -> torch.Tensor:
         return parameters_to_vector(self.model.parameters()).detach().float().cpu().clone()

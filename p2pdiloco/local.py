@@ -22,6 +22,7 @@ from rich.table import Table
 from p2pdiloco.config import Config, SwarmConfig
 from p2pdiloco.peer import write_json_atomic
 from p2pdiloco.swarm import Reaper, start_dht, visible_maddrs
+from p2pdiloco.traffic import swarm_bandwidth
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +245,7 @@ def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float,
         "eval_loss_final": sum(final) / len(final) if final else None,
         "global_models_identical": len({p["global_digest"] for p in peers}) == 1 if peers else None,
         "consensus_distance": consensus_distance(peer_dirs),
+        **swarm_bandwidth(peers),
         **(extra or {}),
         "peers": peers,
         "config": config,

@@ -38,6 +38,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
+from p2pdiloco.codecs import Codec, CodecError, ErrorFeedback, get_codec
 from p2pdiloco.config import SwarmConfig
 from p2pdiloco.merge import Contribution, MergeResult, alone_result
 from p2pdiloco.outer import weighted_average
@@ -69,18 +70,25 @@ def slice_bounds(length: int, parts: int) -> list[tuple[int, int]]:
 
 @dataclass
 class _Slot:
-    """The slice of one vector that this peer reduces for its group."""
+    """The slice of one vector that this peer reduces for its group.
+
+    `result` resolves to (averaged slice as every member will decode it, its encoded bytes): the owner keeps
+    the decoded copy, not its exact average, so that all members hold the same bits.
+    """
 
     weights: list[float]
     parts: list[torch.Tensor | None]
     result: asyncio.Future
+    codec: Codec
 
     def add(self, index: int, part: torch.Tensor) -> None:
         if self.parts[index] is not None:
             raise MergeFailed(f"duplicate part from member {index}")
         self.parts[index] = part
         if all(p is not None for p in self.parts) and not self.result.done():
-            self.result.set_result(weighted_average(self.parts, self.weights))
+            average = weighted_average(self.parts, self.weights)
+            data = self.codec.encode(average)
+            self.result.set_result((self.codec.decode(data, average.numel()), data))
 
 
 @dataclass
@@ -94,10 +102,10 @@ class _Group:
     """Vector length per tag: 'd' for the pseudo-gradient, 's' for (θg, momentum)."""
     slots: dict[str, _Slot] = field(default_factory=dict)
 
-    def slot(self, tag: str, my_index: int) -> _Slot:
+    def slot(self, tag: str, codec: Codec) -> _Slot:
         if tag not in self.slots:
             weights = self.weights if tag == "d" else self.state_weights
-            self.slots[tag] = _Slot(list(weights), [None] * len(self.members), asyncio.get_running_loop().create_future())
+            self.slots[tag] = _Slot(list(weights), [None] * len(self.members), asyncio.get_running_loop().create_future(), codec)
         return self.slots[tag]
 
 
@@ -128,6 +136,10 @@ class P2PMerger:
         self.dht, self.cfg, self._loop, self.n_params = dht, cfg, loop, n_params
         self.peer_id = dht.peer_id.to_base58()
         self.counter = ByteCounter()
+        self.codec = get_codec(cfg.codec)
+        """Codec of pseudo-gradient slices and their averages; (θg, momentum) always travel as fp32, because
+        quantizing the model itself would have no error feedback to undo it."""
+        self.feedback = ErrorFeedback(cfg.error_feedback and self.codec.lossy)
         self._search: _Search | None = None
         self._groups: dict[str, asyncio.Future] = {}
         self._p2p = None
@@ -195,12 +207,14 @@ class P2PMerger:
             me = group.members.index(self.peer_id)
             await self._inject("exchange", c.round)
             timeout = self.cfg.merge_timeout_s  # per exchange phase: Δ, then (θg, m) if they disagree
-            avg = await asyncio.wait_for(self._allreduce(group, me, "d", c.pseudo_grad), timeout)
+            target = self.feedback.compensate(c.pseudo_grad)
+            avg, sent = await asyncio.wait_for(self._allreduce(group, me, "d", target), timeout)
             state = None
             if group.need_state:
-                state = await asyncio.wait_for(
+                state, _ = await asyncio.wait_for(
                     self._allreduce(group, me, "s", torch.cat([c.global_params, c.momentum])), timeout
                 )
+            self.feedback.commit(target, sent)  # only now: a failed merge sent nothing that counts
             return finish(
                 MergeResult(
                     group=list(group.members), pseudo_grad=avg, total_weight=float(sum(group.weights)),
@@ -332,29 +346,47 @@ class P2PMerger:
             self._groups[gid] = asyncio.get_running_loop().create_future()
         return self._groups[gid]
 
-    async def _allreduce(self, group: _Group, me: int, tag: str, vector: torch.Tensor) -> torch.Tensor:
+    def _codec_for(self, tag: str) -> Codec:
+        return self.codec if tag == "d" else Codec()
+
+    async def _allreduce(self, group: _Group, me: int, tag: str, vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Average `vector` over the group.
+
+        Returns:
+            (the average, as every member holds it; `vector` as the others received it: each slice sent
+            through the codec, this peer's own slice exact), the second for error feedback.
+        """
         vector = vector.detach().float().contiguous().cpu()
         if vector.numel() != group.lengths[tag]:
             raise MergeFailed(f"vector of {vector.numel()} values, group expects {group.lengths[tag]}")
+        codec = self._codec_for(tag)
         bounds = slice_bounds(vector.numel(), len(group.members))
-        slot = group.slot(tag, me)
+        slot = group.slot(tag, codec)
         lo, hi = bounds[me]
         slot.add(me, vector[lo:hi].clone())
+        sent = [vector[a:b] for a, b in bounds]
 
         async def exchange(j: int) -> torch.Tensor:
             if j == me:
-                return await asyncio.shield(slot.result)
+                averaged, _ = await asyncio.shield(slot.result)
+                return averaged
             lo, hi = bounds[j]
-            header = {"group_id": group.group_id, "tag": tag, "index": me}
-            reply, payload = await self._call(group.members[j], "part", header, vector[lo:hi].numpy().tobytes(), (hi - lo) * 4)
+            data = codec.encode(vector[lo:hi])
+            sent[j] = codec.decode(data, hi - lo)
+            header = {"group_id": group.group_id, "tag": tag, "index": me, "codec": codec.name}
+            reply, payload = await self._call(group.members[j], "part", header, data, codec.encoded_size(hi - lo))
             if not reply.get("ok"):
                 raise MergeFailed(f"member {group.members[j][-6:]} could not reduce its slice: {reply.get('error')}")
-            if len(payload) != (hi - lo) * 4:
-                raise MergeFailed(f"member {group.members[j][-6:]} returned {len(payload)} bytes, expected {(hi - lo) * 4}")
-            return torch.frombuffer(bytearray(payload), dtype=torch.float32)
+            try:
+                averaged = codec.decode(payload, hi - lo)
+            except CodecError as e:
+                raise MergeFailed(f"member {group.members[j][-6:]} returned an undecodable slice: {e}") from None
+            if not torch.isfinite(averaged).all():
+                raise MergeFailed(f"member {group.members[j][-6:]} returned non-finite values")
+            return averaged
 
         parts = await asyncio.gather(*(exchange(j) for j in range(len(group.members))))
-        return torch.cat(parts)
+        return torch.cat(parts), torch.cat(sent)
 
     # ---- requests ----
 
@@ -430,8 +462,8 @@ class P2PMerger:
             max_part = 2 * self.n_params * 4
             header, payload = await asyncio.wait_for(recv_msg(reader, max_part, self.counter), self.cfg.merge_timeout_s)
             try:
-                result = await self._reduce_part(info.peer_id.to_base58(), header, payload)
-                await send_msg(writer, {"ok": True}, result.numpy().tobytes(), self.counter)
+                data = await self._reduce_part(info.peer_id.to_base58(), header, payload)
+                await send_msg(writer, {"ok": True}, data, self.counter)
             except (MergeFailed, TimeoutError) as e:
                 await send_msg(writer, {"ok": False, "error": f"{type(e).__name__}: {e}"}, counter=self.counter)
         except Exception as e:
@@ -439,10 +471,14 @@ class P2PMerger:
         finally:
             writer.close()
 
-    async def _reduce_part(self, sender: str, header: dict, payload: bytes) -> torch.Tensor:
+    async def _reduce_part(self, sender: str, header: dict, payload: bytes) -> bytes:
+        """Add a member's slice to the slot this peer reduces; return the encoded average once all arrived."""
         gid, tag, index = header.get("group_id"), header.get("tag"), header.get("index")
         if not isinstance(gid, str) or tag not in ("d", "s") or not isinstance(index, int):
             raise MergeFailed("malformed part header")
+        codec = self._codec_for(tag)
+        if header.get("codec", "none") != codec.name:
+            raise MergeFailed(f"part encoded with {header.get('codec')!r}, this peer merges with {codec.name!r}")
         search = self._search
         if gid not in self._groups and (search is None or search.accepted_gid != gid):
             raise MergeFailed("unknown group")  # checked first so that strangers cannot make us hold state
@@ -452,12 +488,14 @@ class P2PMerger:
             raise MergeFailed("sender is not that member of the group")
         me = group.members.index(self.peer_id)
         lo, hi = slice_bounds(group.lengths[tag], len(group.members))[me]
-        if len(payload) != (hi - lo) * 4:
-            raise MergeFailed(f"part of {len(payload)} bytes, expected {(hi - lo) * 4}")
-        part = torch.frombuffer(bytearray(payload), dtype=torch.float32)
+        try:
+            part = codec.decode(payload, hi - lo)
+        except CodecError as e:
+            raise MergeFailed(f"bad part from {sender[-6:]}: {e}") from None
         if not torch.isfinite(part).all():
             raise MergeFailed(f"non-finite values from {sender[-6:]}")
         await self._inject("serve_part", self._round)
-        slot = group.slot(tag, me)
+        slot = group.slot(tag, codec)
         slot.add(index, part)
-        return await asyncio.wait_for(asyncio.shield(slot.result), self.cfg.merge_timeout_s)
+        _, data = await asyncio.wait_for(asyncio.shield(slot.result), self.cfg.merge_timeout_s)
+        return data

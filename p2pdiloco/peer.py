@@ -37,6 +37,7 @@ from p2pdiloco.swarm import (
     write_subkey,
 )
 from p2pdiloco.telemetry import MetricsServer
+from p2pdiloco.traffic import Traffic
 
 logger = logging.getLogger(__name__)
 
@@ -246,9 +247,10 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
         learner = Learner(cfg, model, sampler.next_batch, val, merger, device, metrics, should_stop=stop,
                           checkpoint_dir=run_dir / "checkpoints", faults=merger.faults,
                           t_process_start=t_process_start)
-        learner.byte_counter = merger.counter
-        state_sync = StateSync(dht, cfg.swarm.run_id, n_params, lambda: learner.shared, merger.counter)
+        learner.traffic = Traffic(merge=merger.counter)
+        state_sync = StateSync(dht, cfg.swarm.run_id, n_params, lambda: learner.shared, learner.traffic.state)
         loop.run(state_sync.start(), timeout=30)
+        loop.submit(learner.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
         if cfg.run.resume:
             resume_from_checkpoint(learner, run_dir / "checkpoints", announce)
         join_swarm_state(learner, state_sync, loop, dht, cfg, peer_id, metrics)
@@ -269,7 +271,8 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
             live = wait_for_peers(loop, dht, cfg, stop)
             logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)
         summary = learner.run()
-        summary.update(name=cfg.run.name, n_params=n_params)
+        loop.run(learner.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's
+        summary.update(name=cfg.run.name, n_params=n_params, **learner.bandwidth())
         write_json_atomic(run_dir / "peer_summary.json", summary)
         if not stop():  # a peer told to stop mid-round still has its last merged state in the checkpoints
             learner.checkpoint()

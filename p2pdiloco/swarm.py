@@ -24,6 +24,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig, fingerprint_diff
+from p2pdiloco.traffic import install_dht_counter
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
     check_maddrs(cfg.initial_peers, "initial peer")
     check_maddrs(cfg.announce, "announce address")
     t0 = time.monotonic()
+    install_dht_counter()  # before the DHT process forks, so that it counts its own traffic
     try:
         return hivemind.DHT(
             start=True,

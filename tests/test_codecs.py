@@ -1,0 +1,92 @@
+"""Codecs: round trips within their stated bounds, exact sizes, determinism, and error feedback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2pdiloco.codecs import CodecError, ErrorFeedback, get_codec, roundtrip
+from p2pdiloco.config import CODECS
+
+LOSSY = [c for c in CODECS if c != "none"]
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("n", [0, 1, 7, 128, 129, 4097, 50_001])
+def test_roundtrip_within_stated_bound_and_exact_size(name, n):
+    codec = get_codec(name)
+    g = torch.Generator().manual_seed(n)
+    # pseudo-gradient-like scales, plus a few large and tiny outliers that stress per-block scaling
+    x = torch.randn(n, generator=g) * 1e-3
+    if n > 10:
+        x[::97] *= 1000
+        x[5] = 0.0
+    data, y = roundtrip(codec, x)
+    assert len(data) == codec.encoded_size(n)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    err, bound = (x - y).abs(), codec.error_bound(x)
+    assert (err <= bound).all(), f"{name}: worst error {(err - bound).max():.3g} beyond the bound"
+    if name == "none":
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("name", LOSSY)
+def test_codecs_compress_and_are_deterministic(name):
+    codec = get_codec(name)
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(1))
+    a, b = codec.encode(x), codec.encode(x.clone())
+    assert a == b  # members decoding one averaged slice must hold the same bits
+    expected_ratio = {"fp16": 2, "bf16": 2, "int8": 3.99, "int4": 7.5}[name]
+    assert 4 * x.numel() / len(a) >= expected_ratio
+    assert torch.equal(codec.decode(a, x.numel()), codec.decode(bytes(a), x.numel()))
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_wrong_length_is_refused_not_misread(name):
+    codec = get_codec(name)
+    data = codec.encode(torch.ones(1000))
+    for bad in (data[:-1], data + b"\x00", b""):
+        with pytest.raises(CodecError):
+            codec.decode(bad, 1000)
+
+
+def test_int8_non_finite_block_scale_is_refused():
+    codec = get_codec("int8")
+    data = bytearray(codec.encode(torch.ones(10)))
+    data[:4] = torch.tensor([float("inf")]).numpy().tobytes()
+    with pytest.raises(CodecError, match="non-finite"):
+        codec.decode(bytes(data), 10)
+
+
+@pytest.mark.parametrize("name", ["bf16", "int8", "int4"])
+def test_error_feedback_drives_accumulated_error_of_a_constant_signal_to_zero(name):
+    """Send the same pseudo-gradient every round: without feedback the sum of what was sent drifts from the
+    true sum by the same quantization error each round; with it, the drift stays one round's error."""
+    codec = get_codec(name)
+    signal = torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 1e-2
+    rounds = 200
+    results = {}
+    for enabled in (False, True):
+        ef, total = ErrorFeedback(enabled), torch.zeros_like(signal)
+        for _ in range(rounds):
+            target = ef.compensate(signal)
+            _, sent = roundtrip(codec, target)
+            ef.commit(target, sent)
+            total += sent
+        results[enabled] = float((total / rounds - signal).norm() / signal.norm())
+    one_round = float((roundtrip(codec, signal)[1] - signal).norm() / signal.norm())
+    assert results[False] == pytest.approx(one_round, rel=1e-3)  # the same error, every round, never undone
+    assert results[True] < one_round / 50  # mean error per round shrinks like 1/rounds
+    ef = ErrorFeedback(True)
+    ef.commit(signal, torch.zeros_like(signal))
+    assert ef.norm() == pytest.approx(float(signal.norm()))  # a failed send (nothing arrived) is all residual
+
+
+def test_error_feedback_disabled_or_mismatched_shape_passes_through():
+    ef = ErrorFeedback(False)
+    x = torch.ones(4)
+    ef.commit(x, torch.zeros(4))
+    assert ef.residual is None and torch.equal(ef.compensate(x), x)
+    ef = ErrorFeedback(True)
+    ef.commit(torch.ones(3), torch.zeros(3))
+    assert torch.equal(ef.compensate(x), x)  # a residual of another model's shape is never added
