@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from p2pdiloco import __version__
-from p2pdiloco.config import Config, ConfigError, SwarmConfig, load_config, parse_set
+from p2pdiloco.config import CODECS, Config, ConfigError, SwarmConfig, load_config, parse_set
 
 logger = logging.getLogger("p2pdiloco")
 
@@ -233,8 +233,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench.bench_straggler(out, seconds=args.seconds)
     elif args.which == "churn":
         bench.bench_churn(out, minutes=args.minutes, kill_every=args.kill_every)
+    elif args.which == "bandwidth":
+        from p2pdiloco.bench_bandwidth import HS, bench_bandwidth
+
+        hs = tuple(int(h) for h in args.h.split(",")) if args.h else HS
+        codecs = tuple(args.codecs.split(",")) if args.codecs else CODECS
+        unknown = [c for c in codecs if c not in CODECS]
+        if unknown or any(h < 1 for h in hs):
+            raise ConfigError(f"--codecs takes {', '.join(CODECS)}; --h takes positive integers")
+        bench_bandwidth(out, steps=args.steps or 1000, hs=hs, codecs=codecs)
     else:
-        bench.bench_overhead(out, steps=args.steps)
+        bench.bench_overhead(out, steps=args.steps or 600)
     return 0
 
 
@@ -342,11 +351,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "decoupled vs --sync, and eval loss at equal wall time (about 7 minutes). overhead: a "
                         "peer's inner-step throughput in a swarm ÷ a plain torch loop (about 3 minutes). churn: "
                         "goodput with a peer killed every minute, decoupled vs --sync, and eval loss ÷ a run "
-                        "without churn (3 runs of --minutes each, about 17 minutes by default).")
-    be.add_argument("which", choices=["straggler", "overhead", "churn"], help="which benchmark")
+                        "without churn (3 runs of --minutes each, about 17 minutes by default). bandwidth: bytes per "
+                        "inner step ÷ data-parallel for each codec and H, with eval loss at equal tokens (20 runs of "
+                        "2 peers, about 15 minutes).")
+    be.add_argument("which", choices=["straggler", "overhead", "churn", "bandwidth"], help="which benchmark")
     be.add_argument("--out", metavar="DIR", help="output folder (default runs/bench-<which>)")
     be.add_argument("--seconds", type=float, default=60.0, help="straggler: wall time of each of its 4 runs")
-    be.add_argument("--steps", type=int, default=600, help="overhead: inner steps measured")
+    be.add_argument("--steps", type=int, default=None,
+                    help="overhead: inner steps measured (600); bandwidth: inner steps per peer per run (1000)")
+    be.add_argument("--h", metavar="H,H,...", help="bandwidth: round lengths to try (default 50,100,250,500)")
+    be.add_argument("--codecs", metavar="C,C,...", help="bandwidth: codecs to try (default all)")
     be.add_argument("--minutes", type=float, default=5.0, help="churn: length of each of its 3 runs")
     be.add_argument("--kill-every", type=float, default=60.0, help="churn: seconds between kills")
     be.add_argument("-v", "--verbose", action="store_true", help="debug logging")
