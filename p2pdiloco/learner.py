@@ -195,6 +195,10 @@ class Learner:
         self.train_s = 0.0
         self._round_deadline = 0.0
         self._round_started = time.monotonic()
+        self._moments_fresh = True
+        """The inner optimizer has no moments from earlier training (a new process, not a checkpoint)."""
+        self._rewarm_from: int | None = None
+        """The step at which this peer adopted the swarm's state with fresh moments (see `inner_lr`)."""
 
     # ---- the loop ----
 
@@ -230,7 +234,7 @@ class Learner:
         """One AdamW step on a local batch, with the run-wide warmup + cosine schedule."""
         t0 = time.monotonic()
         inner = self.cfg.inner
-        lr = cosine_lr(self.c.step, inner.lr, inner.warmup_steps, self.cfg.run.total_steps, inner.min_lr_ratio)
+        lr = self.inner_lr()
         for group in self.opt.param_groups:
             group["lr"] = lr
         x, y = self.next_batch()
@@ -258,6 +262,22 @@ class Learner:
         if self.c.step % self.cfg.run.log_every == 0:
             self.log_train(lr)
         return loss_value
+
+    def inner_lr(self) -> float:
+        """The run-wide schedule's lr at this step, re-warmed after joining a swarm with empty AdamW moments.
+
+        A joiner adopts the swarm's step (deep into the schedule) but starts with zero moments; Adam's first
+        bias-corrected updates are then ±lr on every coordinate, a shock to the model it just downloaded.
+        It ramps the lr up linearly again over `inner.warmup_steps` from where it joined.
+        """
+        inner = self.cfg.inner
+        lr = cosine_lr(self.c.step, inner.lr, inner.warmup_steps, self.cfg.run.total_steps, inner.min_lr_ratio)
+        if self._rewarm_from is not None and inner.warmup_steps > 0:
+            since = self.c.step - self._rewarm_from
+            if since < inner.warmup_steps:
+                return lr * (since + 1) / inner.warmup_steps
+            self._rewarm_from = None
+        return lr
 
     def pace(self, compute_s: float) -> None:
         """Emulate a slower accelerator (run.slow_factor) or a fixed step time (run.min_step_s) by sleeping."""
@@ -412,6 +432,8 @@ class Learner:
         load_flat_(self.model, self.global_params)
         self.c.round, self.c.step, self.c.global_tokens = state.round, state.step, state.global_tokens
         self.shared = self.snapshot()
+        if self._moments_fresh and state.step > 0:
+            self._rewarm_from = state.step
 
     def checkpoint(self) -> Path:
         """Save θg, outer momentum, inner AdamW state and counters (see checkpoint.py)."""
@@ -428,6 +450,8 @@ class Learner:
                                      int(meta["step"]), float(meta["global_tokens"])))
         self.c.tokens = int(meta.get("tokens", 0))
         load_adam_state_flat(self.opt, list(self.model.parameters()), tensors)
+        if "adam_exp_avg" in tensors:
+            self._moments_fresh, self._rewarm_from = False, None
 
     def out_of_time(self) -> bool:
         limit = self.cfg.run.time_limit_s

@@ -120,3 +120,38 @@ def test_decoupled_learner_never_waits_for_a_slow_merge(tmp_path):
     learner.should_stop = lambda: learner.c.step >= 30
     learner.run()
     assert learner.c.step == 30 and learner.c.round == 0 and learner.c.merge_wait_s == 0.0
+
+
+def test_joiner_with_fresh_moments_rewarms_its_lr_and_a_resumed_peer_does_not(tmp_path):
+    from p2pdiloco.outer import cosine_lr
+    from p2pdiloco.state_sync import GlobalState
+
+    cfg = _cfg(**{"run.total_steps": 100, "inner.warmup_steps": 4})
+    donor = _learner(cfg, InMemoryMerger("donor", {"group_size": 1}), tmp_path, 0)
+    state = GlobalState(donor.global_params.clone(), donor.momentum.clone(), round=6, step=30, global_tokens=1e4)
+
+    def schedule(step):
+        return cosine_lr(step, 3e-3, 4, 100, cfg.inner.min_lr_ratio)
+
+    joiner = _learner(cfg, InMemoryMerger("joiner", {"group_size": 1}), tmp_path, 1)
+    joiner.adopt_state(state)
+    lrs = []
+    for _ in range(6):
+        lrs.append(joiner.inner_lr())
+        joiner.inner_step()
+    assert lrs[:4] == [schedule(30 + i) * (i + 1) / 4 for i in range(4)]  # ramps up again from where it joined
+    assert lrs[4:] == [schedule(34), schedule(35)]  # then follows the run's schedule
+
+    resumed = _learner(cfg, InMemoryMerger("resumed", {"group_size": 1}), tmp_path, 2)
+    resumed.inner_step()  # has moments of its own, as a checkpoint would hold them
+    from p2pdiloco.checkpoint import adam_state_flat
+
+    tensors = {"global_params": state.global_params, "momentum": state.momentum,
+               **adam_state_flat(resumed.opt, list(resumed.model.parameters()))}
+    fresh = _learner(cfg, InMemoryMerger("fresh", {"group_size": 1}), tmp_path, 3)
+    fresh.restore(tensors, {"round": 6, "step": 30, "global_tokens": 1e4})
+    fresh.adopt_state(state)  # a resumed peer that finds the swarm ahead keeps its moments: no re-warm
+    assert fresh.inner_lr() == schedule(30)
+    starter = _learner(cfg, InMemoryMerger("starter", {"group_size": 1}), tmp_path, 4)
+    starter.adopt_state(GlobalState(state.global_params, state.momentum, 0, 0, 0.0))
+    assert starter.inner_lr() == schedule(0)  # at the start the run's own warmup applies, once
