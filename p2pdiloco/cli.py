@@ -233,8 +233,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench.bench_straggler(out, seconds=args.seconds)
     elif args.which == "churn":
         bench.bench_churn(out, minutes=args.minutes, kill_every=args.kill_every)
+    elif args.which == "parity":
+        from p2pdiloco.bench_parity import bench_parity
+
+        bench_parity(out, steps=args.steps or 3000, h=args.h or 50, peers=args.peers or 4)
+    elif args.which == "slowlink":
+        from p2pdiloco.bench_slowlink import bench_slowlink
+
+        _sigterm_as_interrupt()  # SIGTERM also deletes the namespaces on the way out
+        bench_slowlink(out, steps=args.steps or 250, h=args.h or 25, peers=args.peers or 2, rate_mbit=args.rate_mbit)
     else:
-        bench.bench_overhead(out, steps=args.steps)
+        bench.bench_overhead(out, steps=args.steps or 600)
     return 0
 
 
@@ -342,11 +351,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "decoupled vs --sync, and eval loss at equal wall time (about 7 minutes). overhead: a "
                         "peer's inner-step throughput in a swarm ÷ a plain torch loop (about 3 minutes). churn: "
                         "goodput with a peer killed every minute, decoupled vs --sync, and eval loss ÷ a run "
-                        "without churn (3 runs of --minutes each, about 17 minutes by default).")
-    be.add_argument("which", choices=["straggler", "overhead", "churn"], help="which benchmark")
+                        "without churn (3 runs of --minutes each, about 17 minutes by default). parity: eval loss at "
+                        "equal tokens, decoupled and --sync DiLoCo ÷ data-parallel (gloo). slowlink (root): compute "
+                        "utilization of peers in network namespaces over tbf-limited links, decoupled vs --sync.")
+    be.add_argument("which", choices=["straggler", "overhead", "churn", "parity", "slowlink"], help="which benchmark")
     be.add_argument("--out", metavar="DIR", help="output folder (default runs/bench-<which>)")
     be.add_argument("--seconds", type=float, default=60.0, help="straggler: wall time of each of its 4 runs")
-    be.add_argument("--steps", type=int, default=600, help="overhead: inner steps measured")
+    be.add_argument("--steps", type=int, help="overhead: inner steps measured (default 600); parity: inner steps "
+                    "per worker (default 3000); slowlink: inner steps per peer (default 250)")
+    be.add_argument("--h", type=int, metavar="H", help="parity, slowlink: inner steps per round (default 50, 25)")
+    be.add_argument("--peers", type=int, help="parity: workers (default 4); slowlink: peers (default 2)")
+    be.add_argument("--rate-mbit", type=float, default=10.0, help="slowlink: link rate each way (default 10)")
     be.add_argument("--minutes", type=float, default=5.0, help="churn: length of each of its 3 runs")
     be.add_argument("--kill-every", type=float, default=60.0, help="churn: seconds between kills")
     be.add_argument("-v", "--verbose", action="store_true", help="debug logging")
