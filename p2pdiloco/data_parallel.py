@@ -98,7 +98,8 @@ def _rank_main(rank: int, world: int, init_file: str, sets: list[str], result_di
     """Entry point of one spawned rank: join the group through `init_file`, train, write rank{r}.json."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     torch.set_num_threads(1)  # N ranks on a few cores, as `local` gives each peer one thread
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, filename=str(Path(result_dir) / f"rank{rank}.log"), filemode="w",
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     cfg = load_config(None, [parse_set(sets)])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
