@@ -262,6 +262,7 @@ def bench_slowlink(out: Path, peers: int = 2, steps: int = 250, h: int = 25, ste
                 "merges": statistics.mean(x["merges"] for x in p), "rounds": statistics.mean(x["rounds"] for x in p),
                 "bytes_sent": statistics.mean(x["bytes_sent"] for x in p), "merge_s_mean": summary["merge_s_mean"],
                 "eval_loss": summary["eval_loss_final"],
+                "round_compute_s": statistics.mean(x["compute_s"] for x in p) * h / steps,
             }
     r = results["runs"]
     results["decoupled_vs_sync"] = r["decoupled"]["utilization"] / r["sync"]["utilization"]
@@ -276,8 +277,9 @@ def _print(results: dict, console: Console) -> None:
     console.print(f"machine: {results['machine']}")
     console.print(f"{results['peers']} peers, {results['n_params']:,} parameters, links {results['rate_mbit']:g} Mbit/s "
                   f"each way; a merge moves {results['payload_bytes_per_merge'] / 1e6:.2f} MB each way per peer = "
-                  f"{results['transfer_s_per_merge']:.2f} s at line rate; a round is {results['round_s']:.1f} s of "
-                  "inner steps")
+                  f"{results['transfer_s_per_merge']:.2f} s at line rate; a round of {results['h']} steps is "
+                  f"{results['round_s']:.1f} s of emulated compute (measured: decoupled {r['decoupled']['round_compute_s']:.1f} s, "
+                  f"sync {r['sync']['round_compute_s']:.1f} s, the shared cores being slower than the emulation)")
     console.print("compute utilization (time in inner steps ÷ wall time of the training loop):")
     for mode in ("decoupled", "sync"):
         v = r[mode]
