@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +102,22 @@ def test_namespaces_are_deleted_when_the_body_fails():
         assert _ours() == {links.hub, links.peers[0]}
         raise RuntimeError("boom")
     assert _ours() == set()
+
+
+@needs_root
+def test_only_leftovers_of_dead_runs_are_removed():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid names a run that no longer exists
+    leftover, live = f"p2pdsl{dead.pid}-hub", f"p2pdsl{os.getppid()}-hub"  # our parent: alive
+    if Path(f"/proc/{dead.pid}").exists():
+        pytest.skip("the dead process's pid was reused at once")
+    try:
+        for ns in (leftover, live):
+            subprocess.run(["ip", "netns", "add", ns], check=True, timeout=10)
+        removed = bench_slowlink.remove_stale_namespaces()
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+        assert leftover in removed and leftover not in listed
+        assert live not in removed and live in listed
+    finally:
+        for ns in (leftover, live):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
