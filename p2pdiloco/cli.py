@@ -225,6 +225,26 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _round_lengths(text: str | None) -> tuple[int, ...]:
+    """--h "50,100" -> (50, 100); ConfigError on anything but positive integers."""
+    if not text:
+        return ()
+    try:
+        hs = tuple(int(h) for h in text.split(","))
+    except ValueError:
+        hs = ()
+    if not hs or any(h < 1 for h in hs):
+        raise ConfigError(f"--h takes positive integers separated by commas, got {text!r}")
+    return hs
+
+
+def _one_round_length(text: str | None) -> int | None:
+    hs = _round_lengths(text)
+    if len(hs) > 1:
+        raise ConfigError("this benchmark takes one --h")
+    return hs[0] if hs else None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from p2pdiloco import bench
 
@@ -236,12 +256,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.which == "bandwidth":
         from p2pdiloco.bench_bandwidth import HS, bench_bandwidth
 
-        hs = tuple(int(h) for h in args.h.split(",")) if args.h else HS
         codecs = tuple(args.codecs.split(",")) if args.codecs else CODECS
-        unknown = [c for c in codecs if c not in CODECS]
-        if unknown or any(h < 1 for h in hs):
-            raise ConfigError(f"--codecs takes {', '.join(CODECS)}; --h takes positive integers")
-        bench_bandwidth(out, steps=args.steps or 1000, hs=hs, codecs=codecs)
+        if any(c not in CODECS for c in codecs):
+            raise ConfigError(f"--codecs takes a comma-separated list of {', '.join(CODECS)}")
+        bench_bandwidth(out, steps=args.steps or 1000, hs=_round_lengths(args.h) or HS, codecs=codecs)
+    elif args.which == "parity":
+        from p2pdiloco.bench_parity import bench_parity
+
+        bench_parity(out, steps=args.steps or 3000, h=_one_round_length(args.h) or 50, peers=args.peers or 4)
+    elif args.which == "slowlink":
+        from p2pdiloco.bench_slowlink import bench_slowlink
+
+        _sigterm_as_interrupt()  # SIGTERM also deletes the namespaces on the way out
+        bench_slowlink(out, steps=args.steps or 250, h=_one_round_length(args.h) or 25, peers=args.peers or 2,
+                       rate_mbit=args.rate_mbit)
     else:
         bench.bench_overhead(out, steps=args.steps or 600)
     return 0
@@ -353,14 +381,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "goodput with a peer killed every minute, decoupled vs --sync, and eval loss ÷ a run "
                         "without churn (3 runs of --minutes each, about 17 minutes by default). bandwidth: bytes per "
                         "inner step ÷ data-parallel for each codec and H, with eval loss at equal tokens (20 runs of "
-                        "2 peers, about 15 minutes).")
-    be.add_argument("which", choices=["straggler", "overhead", "churn", "bandwidth"], help="which benchmark")
+                        "2 peers). parity: eval loss at equal tokens, decoupled and --sync DiLoCo ÷ data-parallel "
+                        "(gloo). slowlink (root): compute utilization of peers in network namespaces over "
+                        "tbf-limited links, decoupled vs --sync.")
+    be.add_argument("which", choices=["straggler", "overhead", "churn", "bandwidth", "parity", "slowlink"],
+                    help="which benchmark")
     be.add_argument("--out", metavar="DIR", help="output folder (default runs/bench-<which>)")
     be.add_argument("--seconds", type=float, default=60.0, help="straggler: wall time of each of its 4 runs")
-    be.add_argument("--steps", type=int, default=None,
-                    help="overhead: inner steps measured (600); bandwidth: inner steps per peer per run (1000)")
-    be.add_argument("--h", metavar="H,H,...", help="bandwidth: round lengths to try (default 50,100,250,500)")
+    be.add_argument("--steps", type=int, help="overhead: inner steps measured (default 600); bandwidth: inner "
+                    "steps per peer per run (1000); parity: inner steps per worker (3000); slowlink: inner "
+                    "steps per peer (250)")
+    be.add_argument("--h", metavar="H[,H...]", help="inner steps per round: bandwidth tries each (default "
+                    "50,100,250,500); parity and slowlink take one (default 50, 25)")
     be.add_argument("--codecs", metavar="C,C,...", help="bandwidth: codecs to try (default all)")
+    be.add_argument("--peers", type=int, help="parity: workers (default 4); slowlink: peers (default 2)")
+    be.add_argument("--rate-mbit", type=float, default=10.0, help="slowlink: link rate each way (default 10)")
     be.add_argument("--minutes", type=float, default=5.0, help="churn: length of each of its 3 runs")
     be.add_argument("--kill-every", type=float, default=60.0, help="churn: seconds between kills")
     be.add_argument("-v", "--verbose", action="store_true", help="debug logging")

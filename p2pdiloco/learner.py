@@ -83,6 +83,24 @@ def autocast_for(device: torch.device):
     return contextlib.nullcontext()
 
 
+@torch.no_grad()
+def evaluate_model(model: torch.nn.Module, val_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                   device: torch.device) -> float:
+    """Mean validation loss (nats per byte) of `model` over `val_batches`; NaN if there are none.
+
+    The one definition of eval loss, shared by the learner and the data-parallel baseline of `bench parity`,
+    so that their figures are comparable.
+    """
+    model.eval()
+    losses = []
+    for x, y in val_batches:
+        with autocast_for(device):
+            _, loss = model(x.to(device), y.to(device))
+        losses.append(float(loss))
+    model.train()
+    return sum(losses) / len(losses) if losses else float("nan")
+
+
 class MetricsLog:
     """Append-only JSON lines, flushed per line so that a crash loses at most the line being written."""
 
@@ -459,17 +477,9 @@ class Learner:
 
     # ---- measurements ----
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss of the model as it is now."""
-        self.model.eval()
-        losses = []
-        for x, y in self.val_batches:
-            with autocast_for(self.device):
-                _, loss = self.model(x.to(self.device), y.to(self.device))
-            losses.append(float(loss))
-        self.model.train()
-        return sum(losses) / len(losses) if losses else float("nan")
+        return evaluate_model(self.model, self.val_batches, self.device)
 
     def evaluate_global(self) -> float:
         """Validation loss of the global model θg (the local model may have moved on since the last merge)."""
