@@ -60,7 +60,7 @@ def _contribution(vec, weight, digest="same", state_weight=1.0):
 @pytest.fixture
 def three_mergers(bootstrap_dht, net_loop):
     maddrs = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
-    cfg = SwarmConfig(run_id="t", merge_window_s=8, merge_timeout_s=4)
+    cfg = SwarmConfig(run_id="t", merge_window_s=8, merge_timeout_s=4, codec="none")  # exact averages
     dhts = [start_local_dht(maddrs) for _ in range(3)]
     mergers = [P2PMerger(d, cfg, net_loop, n_params=1001) for d in dhts]
     for m, d in zip(mergers, dhts, strict=True):  # heartbeats, so the leader knows how many peers are live
