@@ -17,10 +17,11 @@ from hivemind.utils.timed_storage import get_dht_time
 from safetensors.torch import save_file
 
 from p2pdiloco import __version__
+from p2pdiloco.accel import pick_device
 from p2pdiloco.checkpoint import load_latest
 from p2pdiloco.config import Config
 from p2pdiloco.data import BatchSampler, eval_batches, load_text
-from p2pdiloco.learner import Learner, MetricsLog, load_flat_, pick_device
+from p2pdiloco.learner import Learner, MetricsLog, load_flat_
 from p2pdiloco.model import build_model, count_params
 from p2pdiloco.p2p_merger import P2PMerger
 from p2pdiloco.state_sync import StateSync
