@@ -73,6 +73,10 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from p2pdiloco.local import summarize
     from p2pdiloco.peer import StopFlag, run_peer
 
+    if args.nproc > 1 and "RANK" not in os.environ:  # under torchrun, RANK is set and this process is one rank
+        from p2pdiloco.distributed import launch_unit, strip_nproc
+
+        return launch_unit(args.nproc, strip_nproc(args.argv))
     extra: dict[str, dict] = {"swarm": {}, "run": {}}
     if args.initial_peers:
         extra["swarm"]["initial_peers"] = args.initial_peers
@@ -94,6 +98,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
     stop = StopFlag()
     stop.install()
     summary = run_peer(cfg, stop, announce=lambda line: print(line, flush=True))
+    if summary is None:  # a follower rank of a learner unit: rank 0 writes the results
+        return 0
     run_dir = Path(cfg.run.run_dir)
     if not args.in_local:  # a peer of `local` leaves the run's summary and plot to it
         summarize(run_dir, [run_dir], cfg.to_dict(), summary["wall_s"])
@@ -281,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics on this port at /metrics (run.metrics_port; default 0: off)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest good checkpoint in --run-dir (the swarm's state wins if it is ahead)")
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="run this peer as N processes (one per GPU, or CPU processes) training data-parallel; "
+                   "only the first talks to the swarm. Under torchrun, leave it out")
     p.add_argument("--in-local", action="store_true", help=argparse.SUPPRESS)
     add_config_args(p)
     p.set_defaults(func=cmd_peer)
@@ -356,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `peer --nproc` starts its ranks with these
     setup_logging(args.verbose)
     from p2pdiloco.swarm import SwarmError
 
