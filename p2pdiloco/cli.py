@@ -33,6 +33,8 @@ def setup_logging(verbose: bool) -> None:
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML config (see peers/tiny.toml); flags override it")
+    p.add_argument("--preset", metavar="NAME",
+                   help="a shipped config instead of --config: tiny (CPU), small (~125M, one GPU), medium (~1B, 24 GB GPU)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set model.n_layer=4 (repeatable)")
     p.add_argument("--run-dir", metavar="DIR", help="folder for metrics, summary, checkpoint and plots")
@@ -42,6 +44,17 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync", action="store_true",
                    help="synchronous DiLoCo baseline: wait for every merge and for every live peer")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def config_path(args: argparse.Namespace) -> str | None:
+    """The TOML file that --config or --preset names, if any."""
+    if args.preset:
+        from p2pdiloco.presets import preset_path
+
+        if args.config:
+            raise ConfigError("give --config or --preset, not both")
+        return str(preset_path(args.preset))
+    return args.config
 
 
 def config_from_args(args: argparse.Namespace, extra: dict | None = None) -> Config:
@@ -58,7 +71,7 @@ def config_from_args(args: argparse.Namespace, extra: dict | None = None) -> Con
         flags.setdefault("swarm", {})["sync"] = True
     for section, values in (extra or {}).items():
         flags.setdefault(section, {}).update(values)
-    return load_config(args.config, [flags, parse_set(args.sets)])
+    return load_config(config_path(args), [flags, parse_set(args.sets)])
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
@@ -166,7 +179,7 @@ def cmd_local(args: argparse.Namespace) -> int:
             raise ConfigError("--kill-every must be > 0 and --restart-delay >= 0")
         chaos = Chaos(args.kill_every, args.restart_delay, log=run_dir / "chaos.jsonl")
         (run_dir / "chaos.jsonl").unlink(missing_ok=True)
-    summary = run_local(args.peers, cfg, run_dir, args.config, sets, slow=slow, chaos=chaos,
+    summary = run_local(args.peers, cfg, run_dir, config_path(args), sets, slow=slow, chaos=chaos,
                         dashboard_port=args.dashboard_port if args.dashboard else None)
     ok = summary["peers_finished"] == args.peers
     print(f"summary: {run_dir / 'summary.json'}")
