@@ -239,8 +239,9 @@ def launch_unit(nproc: int, argv: list[str], grace_s: float = 60.0) -> int:
     """Run `p2pdiloco ARGV` (a `peer` command line) as `nproc` ranks on this machine (as torchrun would) and reap them.
 
     Ctrl+C or SIGTERM here is passed to rank 0 as one SIGINT (a second one, as a second SIGINT: stop at
-    once); rank 0 then stops the unit. If any rank fails, or rank 0 exits while others run, the others get
-    `grace_s` seconds to exit and are then killed. Returns the first non-zero exit status, else 0.
+    once); rank 0 then stops the unit. If a follower fails, rank 0 is told to stop and the ranks get `grace_s`
+    seconds to exit; followers left after rank 0 has exited get 10 s. Then they are killed. Returns the first
+    non-zero exit status, else 0.
     """
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
@@ -262,7 +263,9 @@ def launch_unit(nproc: int, argv: list[str], grace_s: float = 60.0) -> int:
                 ending_since = time.monotonic()
                 if procs[0].poll() is None:
                     procs[0].send_signal(signal.SIGINT)  # a follower failed: rank 0 stops the unit cleanly
-            if ending_since is not None and time.monotonic() - ending_since > grace_s:
+            # followers outlive a finished rank 0 only when stuck (they stop before rank 0 writes its results)
+            limit = min(grace_s, 10.0) if procs[0].poll() is not None else grace_s
+            if ending_since is not None and time.monotonic() - ending_since > limit:
                 break
             time.sleep(0.2)  # polling children, with the deadline above
     finally:
