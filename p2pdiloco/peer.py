@@ -267,7 +267,8 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         join_swarm_state(learner, state_sync, loop, dht, cfg, peer_id, metrics)
         # public: anyone who knows the run id reads it, so no host name or user (the name is opt-in)
         static = {
-            "name": cfg.run.name, "device": str(device), "version": __version__, "maddrs": maddrs,
+            "name": cfg.run.name, "version": __version__, "maddrs": maddrs,
+            "device": str(device) if unit.world_size == 1 else f"{device} x{unit.world_size}",
             "fingerprint": fingerprint, "started": time.time(),
         }
         heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer_id, lambda: {**static, **learner.record()},

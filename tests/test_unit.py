@@ -86,3 +86,23 @@ def test_ctrl_c_stops_every_rank_with_identical_parameters(tmp_path):
 def test_each_rank_reads_its_own_slice_of_the_peers_shard():
     assert rank_shard("", 1, 2) == "1/2" and rank_shard("2/3", 1, 2) == "5/6" and rank_shard("2/3", 0, 1) == "2/3"
     assert strip_nproc(["peer", "--nproc", "2", "--steps", "5", "--nproc=3"]) == ["peer", "--steps", "5"]
+
+
+def test_each_rank_takes_its_own_gpu_and_nccl(monkeypatch):
+    """The CUDA path of `init_unit`, as far as a machine without a GPU can check it."""
+    import torch
+
+    from p2pdiloco import distributed
+    from p2pdiloco.distributed import UnitContext, init_unit
+
+    calls = {}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("device", d))
+    monkeypatch.setattr(distributed.dist, "init_process_group",
+                        lambda backend, **kw: calls.update(backend=backend, **kw))
+    assert init_unit(UnitContext(rank=3, world_size=4, local_rank=1), torch.device("cuda")) == torch.device("cuda", 1)
+    assert calls["device"] == torch.device("cuda", 1) and calls["backend"] == "nccl" and calls["rank"] == 3
+    calls.clear()
+    assert init_unit(UnitContext(rank=1, world_size=2, local_rank=1), torch.device("cpu")) == torch.device("cpu")
+    assert calls["backend"] == "gloo" and calls["world_size"] == 2
+    calls.clear()
+    assert init_unit(UnitContext(), torch.device("cpu")) == torch.device("cpu") and not calls  # one process
