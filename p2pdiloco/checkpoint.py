@@ -133,7 +133,9 @@ def optimizer_state_tensors(opt: torch.optim.Optimizer, params: list[torch.Tenso
     for i, p in enumerate(params):
         for key, value in opt.state[p].items():
             if isinstance(value, torch.Tensor):
-                out[f"{OPT_PREFIX}{i}.{key}"] = value.detach().cpu()
+                # a copy: bitsandbytes shares one code book (qmap) among parameters, and safetensors refuses
+                # tensors that share memory
+                out[f"{OPT_PREFIX}{i}.{key}"] = value.detach().cpu().clone()
             elif isinstance(value, int | float) and not isinstance(value, bool):
                 # a scalar tensor of the value's kind, so that load gives back an int where it was one
                 out[f"{OPT_PREFIX}{i}.{key}"] = torch.tensor(value, dtype=torch.int64 if isinstance(value, int)

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from p2pdiloco.checkpoint import load_optimizer_state, optimizer_state_tensors
+from p2pdiloco.checkpoint import load_latest, load_optimizer_state, optimizer_state_tensors, save_checkpoint
 from p2pdiloco.config import load_config, parse_set
 from p2pdiloco.learner import Learner, MetricsLog
 from p2pdiloco.merge import InMemoryMerger
@@ -98,7 +98,8 @@ def test_8bit_adamw_state_checkpoints_and_resumes_bit_for_bit(tmp_path):
     for _ in range(3):
         a.inner_step()
     params = list(a.model.parameters())
-    tensors = optimizer_state_tensors(a.opt, params)
+    save_checkpoint(tmp_path / "ckpt", 1, optimizer_state_tensors(a.opt, params), {"round": 1})
+    tensors, _, _ = load_latest(tmp_path / "ckpt")
     assert any(v.dtype == torch.uint8 for v in tensors.values()), "no 8-bit state was saved"
     b = _learner(cfg, InMemoryMerger("b", {"group_size": 1}), tmp_path, 0)
     with torch.no_grad():
