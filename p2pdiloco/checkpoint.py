@@ -112,3 +112,66 @@ def load_adam_state_flat(opt: torch.optim.Optimizer, params: list[torch.Tensor],
             "exp_avg": m.view_as(p).to(p.device, p.dtype).clone(),
             "exp_avg_sq": v.view_as(p).to(p.device, p.dtype).clone(),
         }
+
+
+OPT_PREFIX = "inner_opt."
+"""Tensor names of an optimizer's state other than torch's AdamW: `inner_opt.{param index}.{state key}`."""
+
+
+def optimizer_state_tensors(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inner optimizer's state as named CPU tensors; {} before the first step.
+
+    torch's AdamW keeps `adam_state_flat`'s flat fp32 layout. Any other optimizer (bitsandbytes' AdamW8bit:
+    uint8 moments `state1`/`state2`, their block scales `absmax1`/`absmax2` and code books `qmap1`/`qmap2`, an
+    int `step`) is saved entry by entry as it is, so a resumed 8-bit optimizer continues bit for bit.
+    """
+    if isinstance(opt, torch.optim.AdamW):
+        return adam_state_flat(opt, params)
+    if not all(p in opt.state for p in params):
+        return {}
+    out = {}
+    for i, p in enumerate(params):
+        for key, value in opt.state[p].items():
+            if isinstance(value, torch.Tensor):
+                # a copy: bitsandbytes shares one code book (qmap) among parameters, and safetensors refuses
+                # tensors that share memory
+                out[f"{OPT_PREFIX}{i}.{key}"] = value.detach().cpu().clone()
+            elif isinstance(value, int | float) and not isinstance(value, bool):
+                # a scalar tensor of the value's kind, so that load gives back an int where it was one
+                out[f"{OPT_PREFIX}{i}.{key}"] = torch.tensor(value, dtype=torch.int64 if isinstance(value, int)
+                                                             else torch.float64)
+    return out
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, params: list[torch.Tensor],
+                         tensors: dict[str, torch.Tensor]) -> bool:
+    """Inverse of `optimizer_state_tensors`. A checkpoint with no optimizer state, or with state of another
+    optimizer (inner.optimizer changed between runs), leaves `opt` fresh, with a warning in the second case.
+
+    Returns:
+        True if `opt` now holds the checkpoint's moments, False if it was left fresh.
+    """
+    has_adam = "adam_exp_avg" in tensors
+    has_other = any(k.startswith(OPT_PREFIX) for k in tensors)
+    if isinstance(opt, torch.optim.AdamW):
+        if has_other:
+            logger.warning("checkpoint holds another optimizer's state; the inner AdamW starts fresh")
+        load_adam_state_flat(opt, params, tensors)
+        return has_adam
+    if has_adam or not has_other:
+        if has_adam:
+            logger.warning("checkpoint holds torch AdamW state, not %s's; the inner optimizer starts fresh",
+                           type(opt).__name__)
+        return False
+    for i, p in enumerate(params):
+        prefix = f"{OPT_PREFIX}{i}."
+        state = {}
+        for name, value in tensors.items():
+            if name.startswith(prefix):
+                key = name[len(prefix):]
+                # scalars were saved as 0-dim tensors: give back python numbers (bitsandbytes' step is an int)
+                state[key] = value.item() if value.dim() == 0 else value.to(p.device).clone()
+        if not state:
+            raise ValueError(f"checkpoint has no optimizer state for parameter {i}")
+        opt.state[p] = state
+    return True

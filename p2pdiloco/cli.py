@@ -33,6 +33,8 @@ def setup_logging(verbose: bool) -> None:
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML config (see peers/tiny.toml); flags override it")
+    p.add_argument("--preset", metavar="NAME",
+                   help="a shipped config instead of --config: tiny (CPU), small (~125M, one GPU), medium (~1B, 24 GB GPU)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set model.n_layer=4 (repeatable)")
     p.add_argument("--run-dir", metavar="DIR", help="folder for metrics, summary, checkpoint and plots")
@@ -42,6 +44,17 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync", action="store_true",
                    help="synchronous DiLoCo baseline: wait for every merge and for every live peer")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def config_path(args: argparse.Namespace) -> str | None:
+    """The TOML file that --config or --preset names, if any."""
+    if args.preset:
+        from p2pdiloco.presets import preset_path
+
+        if args.config:
+            raise ConfigError("give --config or --preset, not both")
+        return str(preset_path(args.preset))
+    return args.config
 
 
 def config_from_args(args: argparse.Namespace, extra: dict | None = None) -> Config:
@@ -58,7 +71,7 @@ def config_from_args(args: argparse.Namespace, extra: dict | None = None) -> Con
         flags.setdefault("swarm", {})["sync"] = True
     for section, values in (extra or {}).items():
         flags.setdefault(section, {}).update(values)
-    return load_config(args.config, [flags, parse_set(args.sets)])
+    return load_config(config_path(args), [flags, parse_set(args.sets)])
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
@@ -73,6 +86,10 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from p2pdiloco.local import summarize
     from p2pdiloco.peer import StopFlag, run_peer
 
+    if args.nproc > 1 and "RANK" not in os.environ:  # under torchrun, RANK is set and this process is one rank
+        from p2pdiloco.distributed import launch_unit, strip_nproc
+
+        return launch_unit(args.nproc, strip_nproc(args.argv))
     extra: dict[str, dict] = {"swarm": {}, "run": {}}
     if args.initial_peers:
         extra["swarm"]["initial_peers"] = args.initial_peers
@@ -94,6 +111,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
     stop = StopFlag()
     stop.install()
     summary = run_peer(cfg, stop, announce=lambda line: print(line, flush=True))
+    if summary is None:  # a follower rank of a learner unit: rank 0 writes the results
+        return 0
     run_dir = Path(cfg.run.run_dir)
     if not args.in_local:  # a peer of `local` leaves the run's summary and plot to it
         summarize(run_dir, [run_dir], cfg.to_dict(), summary["wall_s"])
@@ -160,7 +179,7 @@ def cmd_local(args: argparse.Namespace) -> int:
             raise ConfigError("--kill-every must be > 0 and --restart-delay >= 0")
         chaos = Chaos(args.kill_every, args.restart_delay, log=run_dir / "chaos.jsonl")
         (run_dir / "chaos.jsonl").unlink(missing_ok=True)
-    summary = run_local(args.peers, cfg, run_dir, args.config, sets, slow=slow, chaos=chaos,
+    summary = run_local(args.peers, cfg, run_dir, config_path(args), sets, slow=slow, chaos=chaos,
                         dashboard_port=args.dashboard_port if args.dashboard else None)
     ok = summary["peers_finished"] == args.peers
     print(f"summary: {run_dir / 'summary.json'}")
@@ -318,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics on this port at /metrics (run.metrics_port; default 0: off)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest good checkpoint in --run-dir (the swarm's state wins if it is ahead)")
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="run this peer as N processes (one per GPU, or CPU processes) training data-parallel; "
+                   "only the first talks to the swarm. Under torchrun, leave it out")
     p.add_argument("--in-local", action="store_true", help=argparse.SUPPRESS)
     add_config_args(p)
     p.set_defaults(func=cmd_peer)
@@ -405,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `peer --nproc` starts its ranks with these
     setup_logging(args.verbose)
     from p2pdiloco.swarm import SwarmError
 

@@ -18,6 +18,10 @@ from typing import Any
 
 CODECS = ("none", "fp16", "bf16", "int8", "int4")
 """Names of the merge payload codecs (see codecs.py)."""
+OPTIMIZERS = ("adamw", "adamw8bit")
+"""Inner optimizers (see optim.py)."""
+PRECISIONS = ("auto", "fp32", "bf16")
+"""Inner-step compute precisions (see accel.py)."""
 
 
 class ConfigError(ValueError):
@@ -78,6 +82,8 @@ class InnerOptConfig:
     """Learning rate at the end of the cosine, as a fraction of the peak."""
     grad_clip: float = 1.0
     """Clip the gradient's global L2 norm to this (0 disables)."""
+    optimizer: str = "adamw"
+    """adamw (torch, fp32 state) or adamw8bit (bitsandbytes' 8-bit state: 2 bytes per parameter instead of 8)."""
 
 
 @dataclass
@@ -148,6 +154,10 @@ class RunConfig:
     """Folder for metrics, checkpoints and plots."""
     device: str = "auto"
     """auto (cuda > mps > xpu > cpu), or a torch device string."""
+    precision: str = "auto"
+    """Inner-step compute: auto (bf16 autocast on CUDA with bf16 and on XPU, fp32 elsewhere), fp32 or bf16."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for the MFU estimate; 0 looks the GPU up by name (unknown on CPU: no MFU)."""
     seed: int = 0
     """Seed of this peer's data order."""
     eval_batches: int = 8
@@ -338,6 +348,11 @@ def validate(config: Config) -> None:
         (config.swarm.heartbeat_s > 0, "swarm.heartbeat_s must be > 0"),
         (config.swarm.join_timeout_s > 0, "swarm.join_timeout_s must be > 0"),
         (config.swarm.wait_for_peers >= 0 and config.swarm.wait_for_peers_s >= 0, "swarm.wait_for_peers* must be >= 0"),
+        (config.inner.optimizer in OPTIMIZERS,
+         f"inner.optimizer must be one of {', '.join(OPTIMIZERS)}, got {config.inner.optimizer!r}"),
+        (config.run.precision in PRECISIONS,
+         f"run.precision must be one of {', '.join(PRECISIONS)}, got {config.run.precision!r}"),
+        (config.run.peak_flops >= 0, "run.peak_flops must be >= 0"),
         (config.swarm.codec in CODECS, f"swarm.codec must be one of {', '.join(CODECS)}, got {config.swarm.codec!r}"),
     ]
     for ok, message in checks:

@@ -9,7 +9,6 @@ mode the learner waits for each merge instead (OpenDiLoCo's baseline). The netwo
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -24,40 +23,18 @@ import torch
 from hivemind.utils.timed_storage import get_dht_time
 from torch.nn.utils import parameters_to_vector
 
-from p2pdiloco.checkpoint import adam_state_flat, load_adam_state_flat, save_checkpoint
-from p2pdiloco.config import Config, ConfigError
+from p2pdiloco.accel import autocast_for, compute_dtype, flops_per_token, mfu, peak_flops, peak_memory
+from p2pdiloco.accel import pick_device as pick_device  # re-exported: callers found it here first
+from p2pdiloco.checkpoint import load_optimizer_state, optimizer_state_tensors, save_checkpoint
+from p2pdiloco.config import Config
 from p2pdiloco.merge import Contribution, Merger, MergeResult
+from p2pdiloco.optim import build_inner_optimizer
 from p2pdiloco.outer import cosine_lr, outer_step, pseudo_gradient, rebase, state_digest
 from p2pdiloco.state_sync import GlobalState
 from p2pdiloco.telemetry import Ema, RateMeter
 from p2pdiloco.traffic import Traffic, bandwidth_report
 
 logger = logging.getLogger(__name__)
-
-
-def pick_device(name: str) -> torch.device:
-    """'auto' picks cuda > mps > xpu > cpu; anything else must name a device this machine has."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        if hasattr(torch, "xpu") and torch.xpu.is_available():
-            return torch.device("xpu")
-        return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {name!r} (use auto, cpu, cuda, cuda:N, mps or xpu)") from None
-    available = {
-        "cpu": True,
-        "cuda": torch.cuda.is_available(),
-        "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(),
-        "xpu": hasattr(torch, "xpu") and torch.xpu.is_available(),
-    }
-    if not available.get(device.type, False):
-        raise ConfigError(f"device {name!r} is not available on this machine")
-    return device
 
 
 @torch.no_grad()
@@ -76,16 +53,9 @@ def load_flat_(model: torch.nn.Module, flat: torch.Tensor) -> None:
         raise ValueError(f"flat vector has {flat.numel()} values, model has {offset}")
 
 
-def autocast_for(device: torch.device):
-    """bf16 autocast where the hardware supports it (CUDA with bf16); full precision elsewhere."""
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 @torch.no_grad()
 def evaluate_model(model: torch.nn.Module, val_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                   device: torch.device) -> float:
+                   device: torch.device, precision: str = "auto") -> float:
     """Mean validation loss (nats per byte) of `model` over `val_batches`; NaN if there are none.
 
     The one definition of eval loss, shared by the learner and the data-parallel baseline of `bench parity`,
@@ -94,7 +64,7 @@ def evaluate_model(model: torch.nn.Module, val_batches: list[tuple[torch.Tensor,
     model.eval()
     losses = []
     for x, y in val_batches:
-        with autocast_for(device):
+        with autocast_for(device, precision):
             _, loss = model(x.to(device), y.to(device))
         losses.append(float(loss))
     model.train()
@@ -138,6 +108,8 @@ class Counters:
     """Wall-clock time (Unix seconds) when the last merge was applied; 0 before the first."""
     steps_run: int = 0
     """Inner steps this process ran (`step` is the position in the schedule, which a joiner adopts)."""
+    tokens_run: int = 0
+    """Tokens this learner unit trained on since this process started (`tokens` survives a resume)."""
     compute_in_round: float = 0.0
     join_s: float | None = None
     """Seconds from process start to the first merge with other peers."""
@@ -188,10 +160,15 @@ class Learner:
     ):
         self.cfg, self.model, self.next_batch, self.val_batches = cfg, model, next_batch, val_batches
         self.merger, self.device, self.metrics, self.should_stop = merger, device, metrics, should_stop
-        inner = cfg.inner
-        self.opt = torch.optim.AdamW(
-            model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2), weight_decay=inner.weight_decay
-        )
+        self.opt = build_inner_optimizer(model.parameters(), cfg.inner, device)
+        self.train_model: torch.nn.Module = model
+        """What inner steps run forward through: `model`, or its DDP wrapper in a multi-process unit."""
+        self.unit = None
+        """A multi-process learner unit's hook (distributed.py): `lead` before each inner step, `release` at the end."""
+        self.data_parallel = 1
+        """Processes whose batches each inner step averages (tokens per step = batch tokens × this)."""
+        self.flops_per_token = flops_per_token(cfg.model, sum(p.numel() for p in model.parameters()))
+        self.peak_flops = peak_flops(device, cfg.run.peak_flops)
         self.global_params = self._local_params()
         self.momentum = torch.zeros_like(self.global_params)
         self.c = Counters()
@@ -233,6 +210,8 @@ class Learner:
         self.throughput.add(self.c.tokens)
         self.start_round()
         while self.c.step < self.cfg.run.total_steps and not self.should_stop() and not self.out_of_time():
+            if self.unit is not None:  # the other processes of this unit step with us, from our θ
+                self.unit.lead(self)
             self.inner_step()
             self.poll_merge()
             if self.round_done():
@@ -241,6 +220,8 @@ class Learner:
                     self.wait_merge()
         self.train_s = time.monotonic() - self.t_train
         self.finish()
+        if self.unit is not None:
+            self.unit.release(self)
         self.eval_loss_final = self.last_eval_loss = self.evaluate_global()
         self.metrics.write(
             kind="eval", elapsed_s=self.elapsed(), step=self.c.step, tokens=self.c.tokens, eval_loss=self.eval_loss_final,
@@ -257,8 +238,8 @@ class Learner:
             group["lr"] = lr
         x, y = self.next_batch()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        with autocast_for(self.device):
-            _, loss = self.model(x, y)
+        with autocast_for(self.device, self.cfg.run.precision):
+            _, loss = self.train_model(x, y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if inner.grad_clip > 0:
@@ -271,8 +252,9 @@ class Learner:
         self.c.steps_run += 1
         self.c.step += 1
         self.c.steps_in_round += 1
-        self.c.tokens += x.numel()
-        self.c.tokens_in_round += x.numel()
+        self.c.tokens += x.numel() * self.data_parallel
+        self.c.tokens_in_round += x.numel() * self.data_parallel
+        self.c.tokens_run += x.numel() * self.data_parallel
         self.throughput.add(self.c.tokens)
         self.loss_avg.add(loss_value)
         self._loss_sum += loss_value
@@ -456,7 +438,7 @@ class Learner:
     def checkpoint(self) -> Path:
         """Save θg, outer momentum, inner AdamW state and counters (see checkpoint.py)."""
         tensors = {"global_params": self.global_params, "momentum": self.momentum,
-                   **adam_state_flat(self.opt, list(self.model.parameters()))}
+                   **optimizer_state_tensors(self.opt, list(self.model.parameters()))}
         meta = {"round": self.c.round, "step": self.c.step, "tokens": self.c.tokens,
                 "global_tokens": self.c.global_tokens, "config": self.cfg.to_dict()}
         kill = self.faults.get(("checkpoint", self.c.round)) == "kill"
@@ -467,8 +449,7 @@ class Learner:
         self.adopt_state(GlobalState(tensors["global_params"], tensors["momentum"], int(meta["round"]),
                                      int(meta["step"]), float(meta["global_tokens"])))
         self.c.tokens = int(meta.get("tokens", 0))
-        load_adam_state_flat(self.opt, list(self.model.parameters()), tensors)
-        if "adam_exp_avg" in tensors:
+        if load_optimizer_state(self.opt, list(self.model.parameters()), tensors):
             self._moments_fresh, self._rewarm_from = False, None
 
     def out_of_time(self) -> bool:
@@ -479,7 +460,7 @@ class Learner:
 
     def evaluate(self) -> float:
         """Mean validation loss of the model as it is now."""
-        return evaluate_model(self.model, self.val_batches, self.device)
+        return evaluate_model(self.model, self.val_batches, self.device, self.cfg.run.precision)
 
     def evaluate_global(self) -> float:
         """Validation loss of the global model θg (the local model may have moved on since the last merge)."""
@@ -496,6 +477,7 @@ class Learner:
         self.metrics.write(
             kind="train", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round, tokens=self.c.tokens,
             loss=self._loss_sum / max(self._loss_n, 1), lr=lr, tokens_per_s=tps,
+            model_flops_per_s=tps * self.flops_per_token, mfu=self.mfu(tps),
             bytes_sent=self.bytes_io()[0], bytes_received=self.bytes_io()[1], merges=self.c.merges,
         )
         self._loss_sum, self._loss_n, self._t_log, self._tokens_log = 0.0, 0, now, self.c.tokens
@@ -543,7 +525,7 @@ class Learner:
             "global_tokens": self.c.global_tokens, "merges": self.c.merges,
             "bytes_sent": self.bytes_io()[0], "bytes_received": self.bytes_io()[1],
             "last_group_size": self.c.last_group_size, "last_merge_s": self.c.last_merge_s,
-            "last_merge_time": self.c.last_merge_time,
+            "last_merge_time": self.c.last_merge_time, "mfu": self.mfu(self.throughput.rate()),
         }
 
     def summary(self) -> dict:
@@ -557,7 +539,21 @@ class Learner:
             "mode": "sync" if self.cfg.swarm.sync else "decoupled",
             "eval_loss_initial": self.eval_loss_initial, "eval_loss_final": self.eval_loss_final,
             "global_digest": self.global_digest(), "device": str(self.device),
-            "codec": self.cfg.swarm.codec, **self.bandwidth(),
+            "codec": self.cfg.swarm.codec, **self.bandwidth(), **self.efficiency(),
+        }
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        """Model FLOPs utilization at `tokens_per_s` (accel.mfu); None where the device's peak is unknown."""
+        return mfu(tokens_per_s, self.flops_per_token, self.peak_flops, self.data_parallel)
+
+    def efficiency(self) -> dict:
+        """Throughput, MFU and peak memory over the whole run, for the summary."""
+        tps = self.c.tokens_run / self.c.compute_s if self.c.compute_s > 0 else 0.0
+        return {
+            "tokens_per_s": tps, "model_flops_per_s": tps * self.flops_per_token, "mfu": self.mfu(tps),
+            "peak_flops": self.peak_flops, "flops_per_token": self.flops_per_token,
+            "precision": str(compute_dtype(self.device, self.cfg.run.precision)).removeprefix("torch."),
+            "optimizer": self.cfg.inner.optimizer, "processes": self.data_parallel, **peak_memory(self.device),
         }
 
     def bandwidth(self) -> dict:

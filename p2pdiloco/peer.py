@@ -17,10 +17,12 @@ from hivemind.utils.timed_storage import get_dht_time
 from safetensors.torch import save_file
 
 from p2pdiloco import __version__
+from p2pdiloco.accel import pick_device
 from p2pdiloco.checkpoint import load_latest
 from p2pdiloco.config import Config
 from p2pdiloco.data import BatchSampler, eval_batches, load_text
-from p2pdiloco.learner import Learner, MetricsLog, load_flat_, pick_device
+from p2pdiloco.distributed import UnitSync, close_unit, context_from_env, init_unit, rank_shard, run_follower
+from p2pdiloco.learner import Learner, MetricsLog, load_flat_
 from p2pdiloco.model import build_model, count_params
 from p2pdiloco.p2p_merger import P2PMerger
 from p2pdiloco.state_sync import StateSync
@@ -199,8 +201,9 @@ def faults_from_env(name: str) -> dict[tuple[str, int], str]:
     return faults
 
 
-def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
-    """Join the swarm, train, write the run folder; returns the summary.
+def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
+    """Join the swarm, train, write the run folder; returns the summary (None on a follower rank of a
+    multi-process learner unit, see distributed.py).
 
     Args:
         cfg: the run's config.
@@ -216,9 +219,17 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     check_maddrs(cfg.swarm.initial_peers, "initial peer")  # a typo should not cost a data load first
-    device = pick_device(cfg.run.device)
+    unit = context_from_env()
+    device = init_unit(unit, pick_device(cfg.run.device))
+    if not unit.is_main:  # a follower rank: trains in step with rank 0, which alone talks to the swarm
+        try:
+            run_follower(cfg, unit, device)
+            return None
+        finally:
+            close_unit(unit)
     data = load_text(cfg.data, min_bytes=2 * (cfg.model.seq_len + 1))
-    sampler = BatchSampler(data.train, cfg.model.seq_len, cfg.data.batch_size, cfg.run.seed, cfg.data.shard)
+    sampler = BatchSampler(data.train, cfg.model.seq_len, cfg.data.batch_size, cfg.run.seed,
+                           rank_shard(cfg.data.shard, unit.rank, unit.world_size))
     val = eval_batches(data.val, cfg.model.seq_len, cfg.data.batch_size, cfg.run.eval_batches)
     model = build_model(cfg.model).to(device)
     n_params = count_params(model)
@@ -248,6 +259,8 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
                           checkpoint_dir=run_dir / "checkpoints", faults=merger.faults,
                           t_process_start=t_process_start)
         learner.traffic = Traffic(merge=merger.counter)
+        if unit.world_size > 1:
+            UnitSync(unit, device).attach(learner)
         state_sync = StateSync(dht, cfg.swarm.run_id, n_params, lambda: learner.shared, learner.traffic.state)
         loop.run(state_sync.start(), timeout=30)
         loop.submit(learner.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
@@ -256,7 +269,8 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
         join_swarm_state(learner, state_sync, loop, dht, cfg, peer_id, metrics)
         # public: anyone who knows the run id reads it, so no host name or user (the name is opt-in)
         static = {
-            "name": cfg.run.name, "device": str(device), "version": __version__, "maddrs": maddrs,
+            "name": cfg.run.name, "version": __version__, "maddrs": maddrs,
+            "device": str(device) if unit.world_size == 1 else f"{device} x{unit.world_size}",
             "fingerprint": fingerprint, "started": time.time(),
         }
         heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer_id, lambda: {**static, **learner.record()},
@@ -296,3 +310,4 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict:
         loop.close()
         dht.shutdown()
         reaper.close()
+        close_unit(unit)

@@ -45,6 +45,7 @@ def peer_row(peer_id: str, record: dict, now: float) -> dict:
         version=version[:32] if isinstance(version, str) else "?",
         loss=_loss(record.get("loss")),
         eval_loss=_loss(record.get("eval_loss")),
+        mfu=_loss(record.get("mfu")),  # None where the peer's device peak is unknown (CPUs)
         maddrs=[m for m in maddrs[:8] if isinstance(m, str)] if isinstance(maddrs, list) else [],
         age_s=max(0.0, now - row["time"]) if row["time"] else None,
     )
@@ -96,7 +97,7 @@ def _ago(seconds: float | None) -> str:
 
 def format_status(status: dict) -> str:
     """A plain-text table (no colours, fixed columns) that reads the same in a terminal and in a log."""
-    header = ("peer", "id", "device", "version", "round", "step", "tokens", "tok/s", "loss", "eval",
+    header = ("peer", "id", "device", "version", "round", "step", "tokens", "tok/s", "MFU", "loss", "eval",
               "sent", "recv", "last merge", "seen")
     rows = []
     now = status["time"]
@@ -106,7 +107,7 @@ def format_status(status: dict) -> str:
             merge = f"{_ago(now - p['last_merge_time'])}, {p['last_group_size']:.0f} peers, {p['last_merge_s']:.1f} s"
         rows.append((
             p["name"] or "-", p["peer_id"][-8:], p["device"], p["version"], f"{p['round']:.0f}", f"{p['step']:.0f}",
-            human(p["tokens"]), human(p["tokens_per_s"]), _fmt_loss(p["loss"]), _fmt_loss(p["eval_loss"]),
+            human(p["tokens"]), human(p["tokens_per_s"]), _fmt_mfu(p.get("mfu")), _fmt_loss(p["loss"]), _fmt_loss(p["eval_loss"]),
             human(p["bytes_sent"], "B"), human(p["bytes_received"], "B"), merge, _ago(p["age_s"]),
         ))
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
@@ -118,6 +119,10 @@ def format_status(status: dict) -> str:
                  f"{human(t['tokens'])} tokens, latest round {t['round']:.0f}, loss {_fmt_loss(t['loss'])}, "
                  f"eval loss {_fmt_loss(t['eval_loss'])}")
     return "\n".join(lines)
+
+
+def _fmt_mfu(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def _fmt_loss(value: float | None) -> str:

@@ -95,6 +95,8 @@ METRICS = [
     ("p2pdiloco_merge_wait_seconds_total", "counter", "Seconds the learner waited for merges (sync mode).",
      "merge_wait_s"),
     ("p2pdiloco_tokens_per_second", "gauge", "Tokens per second over the last 30 seconds.", "tokens_per_s"),
+    ("p2pdiloco_mfu", "gauge", "Model FLOPs utilization over the last 30 seconds: (6N + attention) FLOPs per token x "
+     "tokens/s / the device's peak (NaN where the peak is unknown, e.g. CPUs).", "mfu"),
     ("p2pdiloco_loss", "gauge", "Training loss over about the last 20 inner steps (moving average), in nats per "
      "byte (NaN before the first step).", "loss"),
     ("p2pdiloco_eval_loss", "gauge", "Validation loss of the global model at its last evaluation, in nats per byte.",

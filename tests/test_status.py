@@ -79,3 +79,14 @@ def listening_port():
         s.bind(("127.0.0.1", 0))
         s.listen()
         yield s.getsockname()[1]
+
+
+def test_status_shows_mfu_where_the_peer_knows_its_device_peak():
+    records = {"12D3KooWgpu": _record("gpu", 10, 2.0, 5000.0, mfu=0.412, device="cuda"),
+               "12D3KooWcpu": _record("cpu", 10, 2.0, 50.0),  # a CPU peer sends mfu None (peak unknown)
+               "12D3KooWbad": _record("bad", 10, 2.0, 50.0, mfu="lots")}
+    status = swarm_status(records, "run", now=1000.0)
+    assert [p["mfu"] for p in status["peers"]] == [None, None, 0.412]  # sorted by name: bad, cpu, gpu
+    lines = format_status(status).splitlines()
+    assert lines[0].split()[7:9] == ["tok/s", "MFU"]
+    assert "41.2%" in lines[3] and "%" not in lines[1] + lines[2]

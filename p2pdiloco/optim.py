@@ -1,0 +1,64 @@
+"""The inner optimizer: torch's AdamW, or bitsandbytes' 8-bit AdamW where memory is short.
+
+AdamW keeps two fp32 moments per parameter (8 bytes); `bitsandbytes.optim.AdamW8bit` keeps them
+block-wise quantized to 8 bits (about 2 bytes), which is what lets a ~1B-parameter model train on a 24 GB
+GPU (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", arXiv 2110.02861). Its tensors
+smaller than `min_8bit_size` keep fp32 state, as in bitsandbytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from p2pdiloco.config import ConfigError, InnerOptConfig
+
+logger = logging.getLogger(__name__)
+
+
+def build_inner_optimizer(params: Iterable[torch.nn.Parameter], cfg: InnerOptConfig,
+                          device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer `cfg.optimizer` names, over `params` (which live on `device`).
+
+    Raises:
+        ConfigError: adamw8bit where bitsandbytes cannot be imported or has no 8-bit optimizer kernels
+            for `device`.
+    """
+    kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "weight_decay": cfg.weight_decay}
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, **kwargs)
+    if cfg.optimizer != "adamw8bit":
+        raise ConfigError(f"unknown inner.optimizer {cfg.optimizer!r} (use adamw or adamw8bit)")
+    try:
+        import bitsandbytes as bnb
+    except Exception as e:  # any import failure (missing library, no kernels) means the same to the user
+        raise ConfigError(f"inner.optimizer = 'adamw8bit' needs bitsandbytes, which failed to import: {e!r}; "
+                          "use inner.optimizer = 'adamw'") from None
+    params = list(params)
+    if not supports_8bit(device):
+        raise ConfigError(f"bitsandbytes {bnb.__version__} has no 8-bit AdamW kernels for {device.type}; "
+                          "use inner.optimizer = 'adamw'")
+    return bnb.optim.AdamW8bit(params, **kwargs)
+
+
+_SUPPORT: dict[str, bool] = {}
+
+
+def supports_8bit(device: torch.device) -> bool:
+    """Whether bitsandbytes' 8-bit AdamW can step a parameter on `device` (tried once per device type, on a
+    tensor large enough to get 8-bit state)."""
+    if device.type not in _SUPPORT:
+        try:
+            import bitsandbytes as bnb
+
+            p = torch.nn.Parameter(torch.ones(4096, device=device))
+            p.grad = torch.full_like(p, 0.5)
+            opt = bnb.optim.AdamW8bit([p], lr=1e-3)
+            opt.step()
+            _SUPPORT[device.type] = bool(torch.isfinite(p).all()) and bool((p < 1).all())
+        except Exception as e:  # kernels missing for this device: bitsandbytes raises various types
+            logger.debug("bitsandbytes AdamW8bit on %s: %r", device.type, e)
+            _SUPPORT[device.type] = False
+    return _SUPPORT[device.type]

@@ -1,0 +1,59 @@
+"""The shipped presets: loadable by name, equal to the operator-facing copies in peers/, and of the sizes
+their headers promise (counted on the meta device: no memory is allocated for the 1B model)."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2pdiloco.cli import main
+from p2pdiloco.config import Config, ConfigError, load_config
+from p2pdiloco.model import GPT, count_params
+from p2pdiloco.presets import preset_names, preset_path
+
+PEERS = Path(__file__).resolve().parent.parent / "peers"
+
+
+def test_presets_ship_in_the_package_and_match_peers_folder():
+    assert preset_names() == ["medium", "small", "tiny"]
+    for name in preset_names():
+        assert preset_path(name).read_text() == (PEERS / f"{name}.toml").read_text(), name
+    with pytest.raises(ConfigError, match="known: medium, small, tiny"):
+        preset_path("huge")
+
+
+def test_tiny_is_the_defaults():
+    assert load_config(preset_path("tiny")) == Config()
+
+
+@pytest.mark.parametrize(("name", "low", "high", "optimizer", "codec", "h"), [
+    ("tiny", 0.3e6, 0.6e6, "adamw", "none", 50),
+    ("small", 115e6, 135e6, "adamw", "int8", 500),
+    ("medium", 0.95e9, 1.1e9, "adamw8bit", "int8", 500),
+])
+def test_preset_sizes_and_recommendations(name, low, high, optimizer, codec, h):
+    cfg = load_config(preset_path(name))
+    with torch.device("meta"):
+        n = count_params(GPT(cfg.model))
+    assert low <= n <= high
+    assert f"{n:,} parameters" in preset_path(name).read_text().splitlines()[0]  # the header says the count
+    assert (cfg.inner.optimizer, cfg.swarm.codec, cfg.swarm.round_steps) == (optimizer, codec, h)
+    if name != "tiny":
+        assert cfg.swarm.run_id == name and cfg.run.precision == "auto"
+
+
+def test_cli_preset_flag(capsys):
+    assert main(["peer", "--preset", "huge"]) == 2
+    assert "unknown preset 'huge'" in capsys.readouterr().err
+    assert main(["peer", "--preset", "tiny", "--config", "x.toml"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_every_preset_names_every_config_key():
+    for name in preset_names():
+        text = preset_path(name).read_text()
+        for section in dataclasses.fields(Config):
+            for f in dataclasses.fields(getattr(Config(), section.name)):
+                if f.name != "resume":  # a flag for one restart, not a property of a swarm
+                    assert f"\n{f.name} = " in text, f"{name}.toml lacks {section.name}.{f.name}"
