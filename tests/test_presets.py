@@ -28,7 +28,7 @@ def test_tiny_is_the_defaults():
 
 
 @pytest.mark.parametrize(("name", "low", "high", "optimizer", "codec", "h"), [
-    ("tiny", 0.3e6, 0.6e6, "adamw", "none", 50),
+    ("tiny", 0.3e6, 0.6e6, "adamw", "int4", 50),
     ("small", 115e6, 135e6, "adamw", "int8", 500),
     ("medium", 0.95e9, 1.1e9, "adamw8bit", "int8", 500),
 ])
