@@ -170,7 +170,11 @@ def _bootstrap_maddr(boot: PeerProc, path: Path, timeout_s: float = 60.0) -> str
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and boot.proc.poll() is None:
         if path.exists():
-            return next(m for m in path.read_text().split() if f"/{HUB_ADDR}/" in m)
+            maddrs = path.read_text().split()
+            found = next((m for m in maddrs if f"/{HUB_ADDR}/" in m), None)
+            if found is None:
+                raise RuntimeError(f"the bootstrap node listens on {maddrs}, not on {HUB_ADDR}")
+            return found
         time.sleep(0.2)  # polling for the file, with a deadline
     raise RuntimeError(f"the bootstrap node did not start; see {boot.run_dir / 'bootstrap.log'}")
 
