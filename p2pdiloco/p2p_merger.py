@@ -510,8 +510,8 @@ class P2PMerger:
         members, weights, sw = h.get("members"), h.get("weights"), h.get("state_weights")
         return (
             isinstance(members, list) and isinstance(weights, list) and isinstance(sw, list)
-            and 2 <= len(members) == len(weights) == len(sw) and len(set(members)) == len(members)
-            and self.peer_id in members and all(isinstance(m, str) for m in members)
+            and 2 <= len(members) == len(weights) == len(sw) and all(isinstance(m, str) for m in members)
+            and len(set(members)) == len(members) and self.peer_id in members
             and all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
                     for w in weights + sw)
             and isinstance(h.get("need_state"), bool)

@@ -8,7 +8,13 @@ from torch.testing import assert_close
 
 from p2pdiloco.guards import DIRECTION, NONFINITE, NORM, GuardBook, check_average, screen_parts, stale_members
 from p2pdiloco.hostile import corrupt
-from p2pdiloco.robust import aggregate, centered_clip, coordinate_median, radial_directional_average, trimmed_mean
+from p2pdiloco.robust import (
+    aggregate,
+    centered_clip,
+    coordinate_median,
+    radial_directional_average,
+    trimmed_mean,
+)
 
 T = torch.tensor
 
