@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from p2pdiloco.config import GuardConfig
 from p2pdiloco.guards import DIRECTION, NONFINITE, NORM, GuardBook, check_average, screen_parts, stale_members
 from p2pdiloco.hostile import corrupt
 from p2pdiloco.robust import (
@@ -61,7 +62,10 @@ def test_aggregate_uses_mean_below_the_robust_group_size():
         aggregate("median-of-means", parts, w)
 
 
-def _honest(n: int, dim: int = 400, seed: int = 0) -> list[torch.Tensor]:
+G = GuardConfig()  # the defaults: what a swarm runs with
+
+
+def _honest(n: int, dim: int = 4000, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     common = torch.randn(dim, generator=g)
     return [common + 0.5 * torch.randn(dim, generator=g) for _ in range(n)]
@@ -72,15 +76,15 @@ def _honest(n: int, dim: int = 400, seed: int = 0) -> list[torch.Tensor]:
 def test_each_hostile_kind_is_rejected_and_only_it(kind, reason):
     parts = _honest(5)
     parts[2] = corrupt(parts[2], kind, torch.Generator().manual_seed(1))
-    reasons = screen_parts(parts, own=0, norm_bound=4.0, min_cosine=0.0)
+    reasons = screen_parts(parts, own=0, norm_bound=G.norm_bound, min_cosine=G.min_cosine)
     assert reasons == ["", "", reason, "", ""]
 
 
 def test_two_members_judge_against_their_own_part():
     mine, theirs = _honest(2)
-    assert screen_parts([mine, theirs * 1000], own=0, norm_bound=4.0, min_cosine=0.0) == ["", NORM]
-    assert screen_parts([mine, -theirs], own=0, norm_bound=4.0, min_cosine=0.0) == ["", DIRECTION]
-    assert screen_parts([mine, theirs], own=0, norm_bound=4.0, min_cosine=0.0) == ["", ""]
+    assert screen_parts([mine, theirs * 1000], own=0, norm_bound=G.norm_bound, min_cosine=G.min_cosine) == ["", NORM]
+    assert screen_parts([mine, -theirs], own=0, norm_bound=G.norm_bound, min_cosine=G.min_cosine) == ["", DIRECTION]
+    assert screen_parts([mine, theirs], own=0, norm_bound=G.norm_bound, min_cosine=G.min_cosine) == ["", ""]
 
 
 def test_staleness_and_returned_average():
