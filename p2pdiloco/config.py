@@ -148,8 +148,8 @@ class GuardConfig:
     norm_bound: float = 4.0
     """Reject a part whose L2 norm exceeds this many times the group's median norm (0 disables)."""
     min_cosine: float = 0.1
-    """Reject a part whose cosine to the group's coordinate-wise median is below this (-1 disables). Honest
-    parts measured 0.49-0.97 here (docs/security.md); pure noise is ~1/sqrt(slice length), about 0."""
+    """Reject a part whose cosine to the coordinate-wise median of the other members' parts is below this (-1
+    disables). Honest parts measured 0.35-0.96 (docs/security.md); pure noise is ~1/sqrt(slice length), ~0."""
     max_round_lag: int = 20
     """Leave out members whose round counter lags the group's median by more than this (0 disables)."""
     ban_after: int = 3

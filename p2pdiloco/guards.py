@@ -33,6 +33,13 @@ def _norm(x: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(x.float()))
 
 
+def median_of(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Coordinate-wise median, the mean of the two middle values for an even count (for two parts: their mean)."""
+    values = torch.stack([p.float() for p in parts]).sort(dim=0).values
+    n = len(parts)
+    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+
 def screen_parts(parts: Sequence[torch.Tensor], own: int, norm_bound: float, min_cosine: float) -> list[str]:
     """Judge members' parts of one slice; returns one reason per part, '' for an accepted part.
 
@@ -41,32 +48,37 @@ def screen_parts(parts: Sequence[torch.Tensor], own: int, norm_bound: float, min
         own: index of the judging member's own part (the trusted reference when only 2 are in the group).
         norm_bound: reject a part whose L2 norm exceeds this many times the reference norm (the median of
             the finite parts' norms from 3 members on, else the judge's own norm); 0 disables.
-        min_cosine: reject a part whose cosine similarity to the reference direction (the coordinate-wise
-            median from 3 members on, else the judge's own part) is below this; None-like -2 disables.
+        min_cosine: reject a part whose cosine similarity to the reference direction is below this; the
+            reference is the coordinate-wise median of the *other* finite parts from 3 members on (a median
+            that included the part itself would lean towards it), else the judge's own part; -1 disables.
     """
     reasons = ["" if bool(torch.isfinite(p).all()) else NONFINITE for p in parts]
     finite = [i for i, r in enumerate(reasons) if not r]
     if not finite:
         return reasons
     if len(finite) >= 3:
-        reference = torch.stack([parts[i].float() for i in finite]).median(dim=0).values
         ref_norm = statistics.median(_norm(parts[i]) for i in finite)
     elif own in finite:
-        reference, ref_norm = parts[own].float(), _norm(parts[own])
+        ref_norm = _norm(parts[own])
     else:
         return reasons  # two members and ours is broken: nothing trustworthy to compare with
     for i in finite:
         if norm_bound > 0 and ref_norm > 0 and _norm(parts[i]) > norm_bound * ref_norm:
             reasons[i] = NORM
-    r_norm = _norm(reference)
-    if r_norm > 0 and min_cosine > -1:
-        for i in finite:
-            if reasons[i] or i == own and len(finite) < 3:
-                continue
-            n_i = _norm(parts[i])
-            cos = float(torch.dot(parts[i].float(), reference)) / (n_i * r_norm) if n_i > 0 else 0.0
-            if cos < min_cosine:
-                reasons[i] = DIRECTION
+    if min_cosine <= -1:
+        return reasons
+    for i in finite:
+        if reasons[i] or (i == own and len(finite) < 3):
+            continue
+        if len(finite) >= 3:
+            reference = median_of([parts[j] for j in finite if j != i])
+        else:
+            reference = parts[own].float()
+        n_i, r_norm = _norm(parts[i]), _norm(reference)
+        if n_i == 0 or r_norm == 0:
+            continue  # a zero part moves nothing; a zero reference gives no direction to judge by
+        if float(torch.dot(parts[i].float(), reference)) / (n_i * r_norm) < min_cosine:
+            reasons[i] = DIRECTION
     return reasons
 
 

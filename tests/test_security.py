@@ -154,7 +154,8 @@ def test_each_hostile_kind_is_rejected_in_a_real_merge_and_the_members_agree(fou
         for r in results:
             assert r.failure == "" and torch.equal(r.pseudo_grad, results[0].pseudo_grad)  # every member agrees
         # each honest owner left the hostile part of its slice out, and counted it
-        assert [m.book.report()["rejected"] - b for m, b in zip(four_mergers[:3], before, strict=True)] == [1, 1, 1]
+        got = [m.book.report()["rejected"] - b for m, b in zip(four_mergers[:3], before, strict=True)]
+        assert got == [1, 1, 1], (kind, got, [m.book.report() for m in four_mergers])
         assert sum(r.rejected for r in results[:3]) >= 3
         avg = results[0].pseudo_grad
         assert torch.isfinite(avg).all()
