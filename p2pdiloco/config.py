@@ -153,7 +153,7 @@ class GuardConfig:
     max_round_lag: int = 20
     """Leave out members whose round counter lags the group's median by more than this (0 disables)."""
     ban_after: int = 3
-    """Ban a peer for the rest of the run after this many merges with a rejected contribution (0: never)."""
+    """Ban a peer for the rest of the run after this many consecutive merges with a rejected contribution (0: never)."""
     aggregate: str = "centered_clip"
     """How the accepted parts are combined: centered_clip, trimmed_mean, mean, or rda (radial-directional)."""
     robust_min_group: int = 3

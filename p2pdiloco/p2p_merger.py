@@ -417,6 +417,8 @@ class P2PMerger:
             if reason:
                 self.book.reject(group.members[i], reason, group.group_id, f"(slice {tag})", strike=i != me)
         keep = [i for i, r in enumerate(reasons) if not r]
+        for i in keep:
+            self.book.accept(group.members[i], group.group_id)
         if not keep:
             raise MergeFailed("every contribution to this slice was rejected")
         kept, kept_w = [parts[i] for i in keep], [weights[i] for i in keep]

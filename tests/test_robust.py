@@ -102,6 +102,9 @@ def test_guard_book_bans_after_repeated_bad_merges():
     book.reject("peerA", NONFINITE, "g1")  # same merge: one strike
     assert "peerA" not in book.banned
     book.reject("me", NORM, "g2", strike=False)
-    book.reject("peerA", NORM, "g2")
+    book.accept("peerA", "g2")  # a good merge ends its run of strikes
+    book.reject("peerA", NORM, "g3")
+    assert "peerA" not in book.banned
+    book.reject("peerA", NORM, "g4")
     assert book.banned == {"peerA"}
-    assert book.report() == {"rejected": 4, "rejected_by_reason": {NORM: 3, NONFINITE: 1}, "banned": ["peerA"]}
+    assert book.report() == {"rejected": 5, "rejected_by_reason": {NORM: 4, NONFINITE: 1}, "banned": ["peerA"]}
