@@ -14,7 +14,8 @@ logger = logging.getLogger(__name__)
 
 
 def run_bootstrap(
-    host: str, port: int, identity: Path, announce: list[str], maddr_file: Path | None = None, print_fn=print
+    host: str, port: int, identity: Path, announce: list[str], maddr_file: Path | None = None, print_fn=print,
+    swarm_key: str = "",
 ) -> None:
     """Serve the DHT until SIGINT or SIGTERM.
 
@@ -25,10 +26,11 @@ def run_bootstrap(
         announce: public multiaddrs to advertise instead of the listening ones (behind NAT or a proxy).
         maddr_file: if given, the node's full multiaddrs are also written here, one a line (for scripts).
         print_fn: where the addresses are printed.
+        swarm_key: a private swarm's key file: the node then stores and serves only records signed with it.
     """
     identity.parent.mkdir(parents=True, exist_ok=True)
     created = not identity.exists()
-    cfg = SwarmConfig(host=host, port=port, announce=announce)
+    cfg = SwarmConfig(host=host, port=port, announce=announce, swarm_key=swarm_key)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -43,6 +43,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", metavar="DEV", help="auto (default), cpu, cuda, cuda:N, mps, xpu")
     p.add_argument("--sync", action="store_true",
                    help="synchronous DiLoCo baseline: wait for every merge and for every live peer")
+    p.add_argument("--swarm-key", metavar="FILE", help="private swarm: its key file (p2pdiloco keygen; swarm.swarm_key)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -69,6 +70,8 @@ def config_from_args(args: argparse.Namespace, extra: dict | None = None) -> Con
         flags.setdefault("run", {})["device"] = args.device
     if args.sync:
         flags.setdefault("swarm", {})["sync"] = True
+    if args.swarm_key:
+        flags.setdefault("swarm", {})["swarm_key"] = str(Path(args.swarm_key).resolve())
     for section, values in (extra or {}).items():
         flags.setdefault(section, {}).update(values)
     return load_config(config_path(args), [flags, parse_set(args.sets)])
@@ -78,7 +81,8 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     from p2pdiloco.bootstrap import run_bootstrap
 
     run_bootstrap(args.host, args.port, Path(args.identity), args.announce or [],
-                  Path(args.maddr_file) if args.maddr_file else None, print_fn=lambda line: print(line, flush=True))
+                  Path(args.maddr_file) if args.maddr_file else None, print_fn=lambda line: print(line, flush=True),
+                  swarm_key=args.swarm_key or "")
     return 0
 
 
@@ -142,6 +146,32 @@ def parse_slow(items: list[str], n_peers: int) -> dict[int, float]:
     return slow
 
 
+def parse_hostile(items: list[str], n_peers: int) -> dict[int, str]:
+    """``["2:nan"]`` -> ``{2: "nan"}``: peer 2 corrupts its contributions with NaNs (see hostile.py)."""
+    from p2pdiloco.hostile import KINDS
+
+    hostile = {}
+    for item in items:
+        index, _, kind = item.partition(":")
+        if not index.isdigit() or not 0 <= int(index) < n_peers or kind not in KINDS:
+            raise ConfigError(f"--hostile {item!r}: expected INDEX:KIND with 0 <= INDEX < --peers and KIND one of "
+                              f"{', '.join(KINDS)}")
+        hostile[int(index)] = kind
+    return hostile
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from p2pdiloco.swarm_key import SwarmKeyError, write_new_key
+
+    try:
+        path = write_new_key(args.file)
+    except SwarmKeyError as e:
+        raise ConfigError(str(e)) from None
+    print(f"wrote a new swarm key to {path} (mode 0600); give it to every peer of the run over a private "
+          f"channel and start them with --swarm-key {path}")
+    return 0
+
+
 def _sigterm_as_interrupt() -> None:
     """SIGTERM stops `local` as Ctrl+C does (peers stopped and reaped); forked children keep the default."""
     owner = os.getpid()
@@ -170,7 +200,10 @@ def cmd_local(args: argparse.Namespace) -> int:
         sets.append(f"run.device={args.device}")
     if args.sync:
         sets.append("swarm.sync=true")
+    if args.swarm_key:
+        sets.append(f"swarm.swarm_key={cfg.swarm.swarm_key}")
     slow = parse_slow(args.slow or [], args.peers)
+    peer_sets = {i: [f"run.hostile={kind}"] for i, kind in parse_hostile(args.hostile or [], args.peers).items()}
     run_dir = Path(cfg.run.run_dir)
     _sigterm_as_interrupt()
     chaos = None
@@ -179,7 +212,7 @@ def cmd_local(args: argparse.Namespace) -> int:
             raise ConfigError("--kill-every must be > 0 and --restart-delay >= 0")
         chaos = Chaos(args.kill_every, args.restart_delay, log=run_dir / "chaos.jsonl")
         (run_dir / "chaos.jsonl").unlink(missing_ok=True)
-    summary = run_local(args.peers, cfg, run_dir, config_path(args), sets, slow=slow, chaos=chaos,
+    summary = run_local(args.peers, cfg, run_dir, config_path(args), sets, slow=slow, chaos=chaos, peer_sets=peer_sets,
                         dashboard_port=args.dashboard_port if args.dashboard else None)
     ok = summary["peers_finished"] == args.peers
     print(f"summary: {run_dir / 'summary.json'}")
@@ -192,7 +225,7 @@ def cmd_local(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from p2pdiloco.status import fetch_status, format_status, to_json
 
-    status = fetch_status(args.initial_peers, args.run_id, args.timeout)
+    status = fetch_status(args.initial_peers, args.run_id, args.timeout, swarm_key=args.swarm_key or "")
     if args.json:
         print(to_json(status), flush=True)
     if not status["peers"]:
@@ -222,7 +255,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     run_dashboard(args.initial_peers, args.run_id, args.host, args.port, args.refresh, stop,
-                  announce=lambda line: print(line, flush=True))
+                  announce=lambda line: print(line, flush=True), swarm_key=args.swarm_key or "")
     return 0
 
 
@@ -289,6 +322,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _sigterm_as_interrupt()  # SIGTERM also deletes the namespaces on the way out
         bench_slowlink(out, steps=args.steps or 250, h=_one_round_length(args.h) or 25, peers=args.peers or 2,
                        rate_mbit=args.rate_mbit)
+    elif args.which == "byzantine":
+        from p2pdiloco.bench_byzantine import bench_byzantine
+
+        bench_byzantine(out, steps=args.steps or 60)
     else:
         bench.bench_overhead(out, steps=args.steps or 600)
     return 0
@@ -300,6 +337,7 @@ def add_watch_args(p: argparse.ArgumentParser) -> None:
                    help="bootstrap node or live peer multiaddrs")
     p.add_argument("--run-id", default=SwarmConfig.run_id, metavar="NAME",
                    help=f"the swarm's run id (default {SwarmConfig.run_id})")
+    p.add_argument("--swarm-key", metavar="FILE", help="a private swarm's key file")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -321,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="private key file, created if missing (default ./bootstrap.key)")
     b.add_argument("--announce", nargs="+", metavar="MADDR", help="public multiaddrs to advertise, e.g. /ip4/203.0.113.5/tcp/31337")
     b.add_argument("--maddr-file", metavar="FILE", help="also write the node's multiaddrs here")
+    b.add_argument("--swarm-key", metavar="FILE", help="private swarm: store and serve only records signed with this key")
     b.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     b.set_defaults(func=cmd_bootstrap)
 
@@ -356,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="chaos: seconds before a killed peer is restarted (default 5)")
     lo.add_argument("--slow", action="append", metavar="INDEX:FACTOR",
                     help="make peer INDEX FACTOR times slower, emulating an older accelerator (repeatable)")
+    lo.add_argument("--hostile", action="append", metavar="INDEX:KIND",
+                    help="make peer INDEX corrupt its contributions: nan, scale (x1000), noise or signflip (repeatable)")
     lo.add_argument("--dashboard", action="store_true",
                     help="serve the live web dashboard of this swarm on 127.0.0.1 while it trains")
     lo.add_argument("--dashboard-port", type=int, default=8080, metavar="PORT",
@@ -387,6 +428,13 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     da.set_defaults(func=cmd_dashboard)
 
+    kg = sub.add_parser("keygen", help="write a new private swarm key", epilog=EPILOG,
+                        description="Write a new random swarm key (readable by you only). Peers, bootstrap nodes and "
+                        "watchers started with --swarm-key FILE take part only in the swarm of that key.")
+    kg.add_argument("file", nargs="?", default="swarm.key", metavar="FILE", help="where to write it (default ./swarm.key)")
+    kg.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    kg.set_defaults(func=cmd_keygen)
+
     pl = sub.add_parser("plot", help="draw a run's loss, throughput and bytes into PNGs", epilog=EPILOG,
                         description="Read RUN_DIR/peers/*/metrics.jsonl (a `local` run) or RUN_DIR/metrics.jsonl "
                         "(one peer's folder) and write loss.png (loss vs time), loss_tokens.png (loss vs tokens), "
@@ -405,14 +453,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "inner step ÷ data-parallel for each codec and H, with eval loss at equal tokens (20 runs of "
                         "2 peers). parity: eval loss at equal tokens, decoupled and --sync DiLoCo ÷ data-parallel "
                         "(gloo). slowlink (root): compute utilization of peers in network namespaces over "
-                        "tbf-limited links, decoupled vs --sync.")
-    be.add_argument("which", choices=["straggler", "overhead", "churn", "bandwidth", "parity", "slowlink"],
+                        "tbf-limited links, decoupled vs --sync. byzantine: honest peers' eval loss with one hostile "
+                        "peer in 5 ÷ a clean run, per hostile kind, guards on and off (10 short runs).")
+    be.add_argument("which", choices=["straggler", "overhead", "churn", "bandwidth", "parity", "slowlink", "byzantine"],
                     help="which benchmark")
     be.add_argument("--out", metavar="DIR", help="output folder (default runs/bench-<which>)")
     be.add_argument("--seconds", type=float, default=60.0, help="straggler: wall time of each of its 4 runs")
     be.add_argument("--steps", type=int, help="overhead: inner steps measured (default 600); bandwidth: inner "
                     "steps per peer per run (1000); parity: inner steps per worker (3000); slowlink: inner "
-                    "steps per peer (250)")
+                    "steps per peer (250); byzantine: inner steps of each run, in rounds of 10 (60)")
     be.add_argument("--h", metavar="H[,H...]", help="inner steps per round: bandwidth tries each (default "
                     "50,100,250,500); parity and slowlink take one (default 50, 25)")
     be.add_argument("--codecs", metavar="C,C,...", help="bandwidth: codecs to try (default all)")

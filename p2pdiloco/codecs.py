@@ -39,6 +39,10 @@ class CodecError(ValueError):
     """Bytes that cannot be decoded as the expected number of values."""
 
 
+class NonFiniteError(CodecError):
+    """Bytes that decode, but to a non-finite block scale (the sender quantized NaN or inf)."""
+
+
 def _bnb_functional():
     # bitsandbytes prints a warning about CPU 4-bit gemm kernels on import; it is harmless for quantization.
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -162,7 +166,7 @@ class BlockwiseCodec(Codec):
         absmax = _from_bytes(memoryview(data)[: 4 * blocks], torch.float32, blocks)
         codes = _from_bytes(memoryview(data)[4 * blocks:], torch.uint8, self._code_bytes(n))
         if not torch.isfinite(absmax).all():
-            raise CodecError(f"{self.name}: non-finite block scale")
+            raise NonFiniteError(f"{self.name}: non-finite block scale")
         if self.name == "int8":
             state = F.QuantState(absmax=absmax, code=_dynamic_map(), blocksize=self.blocksize,
                                  shape=torch.Size([n]), dtype=torch.float32)
@@ -239,7 +243,9 @@ class ErrorFeedback:
 
     def commit(self, target: torch.Tensor, transmitted: torch.Tensor) -> None:
         if self.enabled:
-            self.residual = (target - transmitted).float()
+            residual = (target - transmitted).float()
+            # a non-finite pseudo-gradient (a broken accelerator) must not poison every later round
+            self.residual = residual if torch.isfinite(residual).all() else None
 
     def norm(self) -> float:
         return float(self.residual.norm()) if self.residual is not None else 0.0

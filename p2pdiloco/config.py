@@ -142,6 +142,31 @@ class SwarmConfig:
     blockwise; the default: fewest bytes within 2% of fp32's loss at every H in `p2pdiloco bench bandwidth`)."""
     error_feedback: bool = True
     """Add each round's quantization residual to the next round's pseudo-gradient (lossy codecs only)."""
+    swarm_key: str = ""
+    """File with the private swarm's secret key (`p2pdiloco keygen`); empty: a public swarm."""
+
+
+@dataclass
+class GuardConfig:
+    """Checks on every received contribution, and how a merge group's contributions are combined."""
+
+    enabled: bool = True
+    """Screen contributions (finite, norm, direction, staleness) and ban repeat offenders; off: plain mean."""
+    norm_bound: float = 4.0
+    """Reject a part whose L2 norm exceeds this many times the group's median norm (0 disables)."""
+    min_cosine: float = 0.1
+    """Reject a part whose cosine to the coordinate-wise median of the other members' parts is below this (-1
+    disables). Honest parts measured 0.35-0.96 (docs/security.md); pure noise is ~1/sqrt(slice length), ~0."""
+    max_round_lag: int = 20
+    """Leave out members whose round counter lags the group's median by more than this (0 disables)."""
+    ban_after: int = 3
+    """Ban a peer for the rest of the run after this many consecutive merges with a rejected contribution (0: never)."""
+    aggregate: str = "centered_clip"
+    """How the accepted parts are combined: centered_clip, trimmed_mean, mean, or rda (radial-directional)."""
+    robust_min_group: int = 3
+    """Use the robust rule (centered_clip, trimmed_mean) only in groups of at least this many members."""
+    trim_fraction: float = 0.2
+    """trimmed_mean: share of values dropped at each end of every coordinate."""
 
 
 @dataclass
@@ -185,6 +210,8 @@ class RunConfig:
     """Comma-separated CPU ids to pin this peer to (Linux), e.g. "0"; empty leaves it to the OS."""
     metrics_port: int = 0
     """Serve Prometheus metrics at http://metrics_host:metrics_port/metrics; 0 serves none."""
+    hostile: str = ""
+    """Benchmarks and tests only: corrupt this peer's own contributions (nan, scale, noise, signflip)."""
     metrics_host: str = "127.0.0.1"
     """Interface for metrics_port; 0.0.0.0 lets a Prometheus on another machine scrape this peer."""
 
@@ -198,14 +225,24 @@ class Config:
     inner: InnerOptConfig = field(default_factory=InnerOptConfig)
     outer: OuterOptConfig = field(default_factory=OuterOptConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def fingerprint(self) -> dict[str, Any]:
-        """What must be equal on every peer of a swarm for their contributions to mean the same thing."""
-        return {"model": dataclasses.asdict(self.model), "tokenizer": "bytes"}
+        """What must be equal on every peer of a swarm for their contributions to mean the same thing: the model,
+        the tokenizer, how payloads are encoded, the outer optimizer, the round cadence and merge mode, and the
+        rules that screen and combine contributions (every slice owner must apply the same ones)."""
+        s = self.swarm
+        return {
+            "model": dataclasses.asdict(self.model), "tokenizer": "bytes",
+            "codec": {"codec": s.codec, "error_feedback": s.error_feedback},
+            "outer": dataclasses.asdict(self.outer),
+            "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync},
+            "guard": dataclasses.asdict(self.guard),
+        }
 
 
 def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
@@ -353,6 +390,14 @@ def validate(config: Config) -> None:
         (config.run.precision in PRECISIONS,
          f"run.precision must be one of {', '.join(PRECISIONS)}, got {config.run.precision!r}"),
         (config.run.peak_flops >= 0, "run.peak_flops must be >= 0"),
+        (config.guard.norm_bound >= 0 and -1 <= config.guard.min_cosine <= 1,
+         "guard.norm_bound must be >= 0 and guard.min_cosine in [-1, 1]"),
+        (config.guard.aggregate in ("mean", "centered_clip", "trimmed_mean", "rda"),
+         f"guard.aggregate must be mean, centered_clip, trimmed_mean or rda, got {config.guard.aggregate!r}"),
+        (0 <= config.guard.trim_fraction < 0.5, "guard.trim_fraction must be in [0, 0.5)"),
+        (config.guard.max_round_lag >= 0 and config.guard.ban_after >= 0, "guard.max_round_lag and ban_after must be >= 0"),
+        (config.run.hostile in ("", "nan", "scale", "noise", "signflip"),
+         f"run.hostile must be nan, scale, noise or signflip, got {config.run.hostile!r}"),
         (config.swarm.codec in CODECS, f"swarm.codec must be one of {', '.join(CODECS)}, got {config.swarm.codec!r}"),
     ]
     for ok, message in checks:

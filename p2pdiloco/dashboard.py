@@ -223,14 +223,14 @@ class BackgroundDashboard:
 
 
 def run_dashboard(initial_peers: list[str], run_id: str, host: str, port: int, refresh_s: float,
-                  stop: threading.Event, announce: Callable[[str], None] = print) -> None:
+                  stop: threading.Event, announce: Callable[[str], None] = print, swarm_key: str = "") -> None:
     """`p2pdiloco dashboard`: join the swarm as a DHT client, serve the dashboard until `stop` is set.
 
     Raises:
         SwarmError: the initial peers cannot be reached, or the DHT process dies.
         ConfigError: the port cannot be used.
     """
-    dht = start_dht(SwarmConfig(run_id=run_id, initial_peers=initial_peers), client_mode=True)
+    dht = start_dht(SwarmConfig(run_id=run_id, initial_peers=initial_peers, swarm_key=swarm_key), client_mode=True)
     try:
         served = BackgroundDashboard(dht, run_id, host, port, refresh_s)
         try:

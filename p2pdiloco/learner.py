@@ -492,7 +492,8 @@ class Learner:
             group_size=len(result.group), group_id=result.group_id, merges=self.c.merges, failure=result.failure,
             merge_s=result.duration_s, bytes_sent=self.bytes_io()[0], bytes_received=self.bytes_io()[1],
             global_digest=self.global_digest(), adopted_state=result.global_state is not None, eval_loss=eval_loss,
-            round_compute_s=round_compute_s, **({"traffic": self.traffic.snapshot()} if self.traffic else {}),
+            round_compute_s=round_compute_s, rejected=result.rejected,
+            **({"traffic": self.traffic.snapshot()} if self.traffic else {}),
         )
         logger.info(
             "[%s] round %d: merged with %d peer(s) in %.2f s%s%s", self.tag, self.c.round,

@@ -275,7 +275,7 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
     console = console or Console()
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    dht = start_dht(SwarmConfig(host="127.0.0.1", port=0))
+    dht = start_dht(SwarmConfig(host="127.0.0.1", port=0, swarm_key=cfg.swarm.swarm_key))
     reaper = Reaper(dht)
     peers: list[PeerProc] = []
     interrupted = False

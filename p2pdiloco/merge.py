@@ -62,6 +62,8 @@ class MergeResult:
     """Seconds from submit to result."""
     group_id: str = ""
     """Identifier of the merge group ('' when alone)."""
+    rejected: int = 0
+    """Contributions this peer's guards rejected during this merge (see guards.py)."""
 
     @property
     def alone(self) -> bool:

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -38,11 +40,23 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco.codecs import Codec, CodecError, ErrorFeedback, get_codec
-from p2pdiloco.config import SwarmConfig
+from p2pdiloco.codecs import Codec, CodecError, ErrorFeedback, NonFiniteError, get_codec
+from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.guards import (
+    BANNED,
+    NONFINITE,
+    SHAPE,
+    STALE,
+    GuardBook,
+    check_average,
+    screen_parts,
+    stale_members,
+)
 from p2pdiloco.merge import Contribution, MergeResult, alone_result
 from p2pdiloco.outer import weighted_average
+from p2pdiloco.robust import aggregate
 from p2pdiloco.swarm import BackgroundLoop, live_records, peers_key, read_subkeys, ready_key, write_subkey
+from p2pdiloco.swarm_key import SwarmAuth
 from p2pdiloco.wire import ByteCounter, WireError, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
@@ -80,13 +94,23 @@ class _Slot:
     parts: list[torch.Tensor | None]
     result: asyncio.Future
     codec: Codec
+    """How the average travels back to the members (and how they decode it)."""
+    reduce: Callable[[list, list, dict], torch.Tensor] = lambda parts, weights, flags: weighted_average(parts, weights)
+    """(parts, weights, flags) -> the averaged slice; flags: {member index: reason} decided on arrival."""
+    flags: dict[int, str] = field(default_factory=dict)
 
-    def add(self, index: int, part: torch.Tensor) -> None:
+    def add(self, index: int, part: torch.Tensor, flag: str = "") -> None:
         if self.parts[index] is not None:
             raise MergeFailed(f"duplicate part from member {index}")
         self.parts[index] = part
+        if flag:
+            self.flags[index] = flag
         if all(p is not None for p in self.parts) and not self.result.done():
-            average = weighted_average(self.parts, self.weights)
+            try:
+                average = self.reduce(self.parts, self.weights, self.flags)
+            except MergeFailed as e:
+                self.result.set_exception(e)
+                return
             data = self.codec.encode(average)
             self.result.set_result((self.codec.decode(data, average.numel()), data))
 
@@ -102,10 +126,11 @@ class _Group:
     """Vector length per tag: 'd' for the pseudo-gradient, 's' for (θg, momentum)."""
     slots: dict[str, _Slot] = field(default_factory=dict)
 
-    def slot(self, tag: str, codec: Codec) -> _Slot:
+    def slot(self, tag: str, codec: Codec, reduce: Callable[[list, list, dict], torch.Tensor]) -> _Slot:
         if tag not in self.slots:
             weights = self.weights if tag == "d" else self.state_weights
-            self.slots[tag] = _Slot(list(weights), [None] * len(self.members), asyncio.get_running_loop().create_future(), codec)
+            self.slots[tag] = _Slot(list(weights), [None] * len(self.members), asyncio.get_running_loop().create_future(),
+                                    codec, reduce)
         return self.slots[tag]
 
 
@@ -130,11 +155,19 @@ class P2PMerger:
         cfg: swarm settings (run id, merge window and timeout).
         loop: the background loop that runs all network work.
         n_params: length of the flat parameter vector (the same on every peer of the swarm).
+        auth: the swarm key's request authenticator (None: a public swarm).
+        guard: checks on received contributions and the aggregation rule (None: defaults).
+        fingerprint: digest of the run config; invites from leaders with another one are declined.
     """
 
-    def __init__(self, dht: hivemind.DHT, cfg: SwarmConfig, loop: BackgroundLoop, n_params: int):
+    def __init__(self, dht: hivemind.DHT, cfg: SwarmConfig, loop: BackgroundLoop, n_params: int,
+                 auth: SwarmAuth | None = None, guard: GuardConfig | None = None, fingerprint: str = ""):
         self.dht, self.cfg, self._loop, self.n_params = dht, cfg, loop, n_params
         self.peer_id = dht.peer_id.to_base58()
+        self.auth = auth or SwarmAuth(None, cfg.run_id)
+        self.guard = guard or GuardConfig()
+        self.fingerprint = fingerprint
+        self.book = GuardBook(self.guard.ban_after if self.guard.enabled else 0, self.peer_id[-6:])
         self.counter = ByteCounter()
         self.codec = get_codec(cfg.codec)
         """Codec of pseudo-gradient slices and their averages; (θg, momentum) always travel as fp32, because
@@ -190,10 +223,12 @@ class P2PMerger:
 
     async def _merge(self, c: Contribution) -> MergeResult:
         t0, sent0, recv0 = time.monotonic(), self.counter.sent, self.counter.received
+        rejected0 = sum(self.book.rejected.values())
         self._round = c.round
 
         def finish(result: MergeResult) -> MergeResult:
             self._alone_streak = self._alone_streak + 1 if result.alone else 0
+            result.rejected = sum(self.book.rejected.values()) - rejected0
             result.bytes_sent = self.counter.sent - sent0
             result.bytes_received = self.counter.received - recv0
             result.duration_s = time.monotonic() - t0
@@ -245,6 +280,7 @@ class P2PMerger:
                 if search.accepted_gid:
                     return await self._await_group(search)
                 records = live_records(await read_subkeys(self.dht, peers_key(self.cfg.run_id)))
+                records = {p: r for p, r in records.items() if p not in self.book.banned}  # not ours to wait for
                 live = len(records)
                 ready = {
                     p: r for p, r in (await read_subkeys(self.dht, ready_key(self.cfg.run_id))).items()
@@ -308,19 +344,31 @@ class P2PMerger:
         search.leading = True  # from here on, invites from others are declined
         gid = secrets.token_hex(8)
         c = search.contribution
-        replies = await asyncio.gather(*(self._rpc(p, "invite", {"group_id": gid}) for p in candidates))
+        candidates = [p for p in candidates if p not in self.book.banned]
+        replies = await asyncio.gather(*(self._rpc(p, "invite", {"group_id": gid, "fp": self.fingerprint})
+                                         for p in candidates))
         members, weights, state_weights, digests = [self.peer_id], [c.weight], [c.state_weight], [c.state_digest]
+        rounds = [c.round]
         for peer, reply in zip(candidates, replies, strict=True):
             if reply and reply.get("accept") is True:
                 try:
                     w, sw, d = float(reply["weight"]), float(reply["state_weight"]), str(reply["digest"])
+                    r = int(reply.get("round", c.round))
                 except (KeyError, TypeError, ValueError):
                     continue
-                if w >= 0 and sw >= 0:
+                if w >= 0 and sw >= 0 and math.isfinite(w) and math.isfinite(sw):
                     members.append(peer)
                     weights.append(w)
                     state_weights.append(sw)
                     digests.append(d)
+                    rounds.append(r)
+        if self.guard.enabled:  # members far behind the group contribute stale updates: leave them out
+            stale = stale_members(rounds, self.guard.max_round_lag)
+            for i in reversed(range(1, len(members))):
+                if stale[i]:
+                    self.book.reject(members[i], STALE, gid, f"round {rounds[i]}", strike=False)
+                    for column in (members, weights, state_weights, digests):
+                        del column[i]
         if len(members) == 1:
             return None
         group = _Group(gid, members, weights, state_weights, len(set(digests)) > 1, self._lengths())
@@ -361,7 +409,7 @@ class P2PMerger:
             raise MergeFailed(f"vector of {vector.numel()} values, group expects {group.lengths[tag]}")
         codec = self._codec_for(tag)
         bounds = slice_bounds(vector.numel(), len(group.members))
-        slot = group.slot(tag, codec)
+        slot = self._slot(group, tag, me)
         lo, hi = bounds[me]
         slot.add(me, vector[lo:hi].clone())
         sent = [vector[a:b] for a, b in bounds]
@@ -372,7 +420,10 @@ class P2PMerger:
                 return averaged
             lo, hi = bounds[j]
             data = codec.encode(vector[lo:hi])
-            sent[j] = codec.decode(data, hi - lo)
+            try:
+                sent[j] = codec.decode(data, hi - lo)
+            except NonFiniteError:  # our own Δ is not finite: send it anyway, the owner's guards will say so
+                sent[j] = torch.full((hi - lo,), float("nan"))
             header = {"group_id": group.group_id, "tag": tag, "index": me, "codec": codec.name}
             reply, payload = await self._call(group.members[j], "part", header, data, codec.encoded_size(hi - lo))
             if not reply.get("ok"):
@@ -383,20 +434,66 @@ class P2PMerger:
                 raise MergeFailed(f"member {group.members[j][-6:]} returned an undecodable slice: {e}") from None
             if not torch.isfinite(averaged).all():
                 raise MergeFailed(f"member {group.members[j][-6:]} returned non-finite values")
+            if self.guard.enabled:  # the owner of a slice could return anything: never apply garbage
+                bad = check_average(averaged, vector[lo:hi], self.guard.norm_bound)
+                if bad:
+                    self.book.reject(group.members[j], bad, group.group_id, "in its averaged slice")
+                    raise MergeFailed(f"member {group.members[j][-6:]} returned a bad average ({bad})")
             return averaged
 
         parts = await asyncio.gather(*(exchange(j) for j in range(len(group.members))))
         return torch.cat(parts), torch.cat(sent)
+
+    def _slot(self, group: _Group, tag: str, me: int) -> _Slot:
+        return group.slot(tag, self._codec_for(tag),
+                          lambda parts, weights, flags: self._reduce_slice(group, tag, me, parts, weights, flags))
+
+    def _reduce_slice(self, group: _Group, tag: str, me: int, parts: list[torch.Tensor], weights: list[float],
+                      flags: dict[int, str]) -> torch.Tensor:
+        """This peer's slice of the group average: screen every member's part, then combine those accepted.
+
+        Runs once per slice, on its owner, so whatever it decides every member receives the same bits.
+        """
+        g = self.guard
+        if not g.enabled:
+            return weighted_average(parts, weights)
+        reasons = screen_parts(parts, me, g.norm_bound, g.min_cosine)
+        reasons = [flags.get(i) or r for i, r in enumerate(reasons)]
+        for i, reason in enumerate(reasons):
+            if reason:
+                self.book.reject(group.members[i], reason, group.group_id, f"(slice {tag})", strike=i != me)
+        keep = [i for i, r in enumerate(reasons) if not r]
+        for i in keep:
+            self.book.accept(group.members[i], group.group_id)
+        if not keep:
+            raise MergeFailed("every contribution to this slice was rejected")
+        kept, kept_w = [parts[i] for i in keep], [weights[i] for i in keep]
+        if tag == "s":  # global models are averaged by tokens absorbed, so that a fresh peer adopts the swarm's
+            return weighted_average(kept, kept_w)
+        return aggregate(g.aggregate, kept, kept_w, g.robust_min_group, g.trim_fraction)
 
     # ---- requests ----
 
     async def _call(self, peer: str, op: str, header: dict, payload: bytes = b"", max_reply: int = 0) -> tuple[dict, bytes]:
         _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._proto(op))
         try:
-            await send_msg(writer, header, payload, self.counter)
-            return await recv_msg(reader, max_reply, self.counter)
+            await send_msg(writer, {**header, "auth": self.auth.tag(op, self.peer_id, peer)}, payload, self.counter)
+            reply, data = await recv_msg(reader, max_reply, self.counter)
         finally:
             writer.close()
+        if not self.auth.verify(op + ":reply", peer, self.peer_id, reply.get("auth")):
+            raise MergeFailed(f"{op} reply from {peer[-6:]} without the swarm key")
+        return reply, data
+
+    async def _reply(self, writer: asyncio.StreamWriter, op: str, requester: str, header: dict, payload: bytes = b"") -> None:
+        await send_msg(writer, {**header, "auth": self.auth.tag(op + ":reply", self.peer_id, requester)}, payload,
+                       self.counter)
+
+    def _authorized(self, op: str, requester: str, header: dict) -> bool:
+        if self.auth.verify(op, requester, self.peer_id, header.get("auth")):
+            return True
+        logger.warning("[%s] refused a %s request from %s: no valid swarm key", self.peer_id[-6:], op, requester[-8:])
+        return False
 
     async def _rpc(self, peer: str, op: str, header: dict) -> dict | None:
         """A small request with a short timeout; None if the peer did not answer."""
@@ -412,14 +509,21 @@ class P2PMerger:
     async def _on_invite(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             header, _ = await asyncio.wait_for(recv_msg(reader, 0, self.counter), RPC_TIMEOUT_S)
-            search, gid = self._search, header.get("group_id")
+            search, gid, leader = self._search, header.get("group_id"), info.peer_id.to_base58()
             reply = {"accept": False}
-            if search is not None and not search.leading and not search.accepted_gid and isinstance(gid, str) and gid:
-                search.accepted_gid, search.leader = gid, info.peer_id.to_base58()
+            if not self._authorized("invite", leader, header):
+                return
+            if leader in self.book.banned:
+                reply["error"] = "banned"
+            elif header.get("fp", "") != self.fingerprint:
+                reply["error"] = "config fingerprint differs"
+            elif search is not None and not search.leading and not search.accepted_gid and isinstance(gid, str) and gid:
+                search.accepted_gid, search.leader = gid, leader
                 search.invited.set()
                 c = search.contribution
-                reply = {"accept": True, "weight": c.weight, "state_weight": c.state_weight, "digest": c.state_digest}
-            await send_msg(writer, reply, counter=self.counter)
+                reply = {"accept": True, "weight": c.weight, "state_weight": c.state_weight, "digest": c.state_digest,
+                         "round": c.round}
+            await self._reply(writer, "invite", leader, reply)
         except Exception as e:
             logger.debug("[%s] bad invite: %r", self.peer_id[-6:], e)
         finally:
@@ -430,6 +534,8 @@ class P2PMerger:
             header, _ = await asyncio.wait_for(recv_msg(reader, 0, self.counter), RPC_TIMEOUT_S)
             gid = header.get("group_id")
             search = self._search
+            if not self._authorized("group", info.peer_id.to_base58(), header):
+                return
             ok = (
                 search is not None and gid == search.accepted_gid and info.peer_id.to_base58() == search.leader
                 and self._valid_notice(header)
@@ -442,7 +548,7 @@ class P2PMerger:
                 fut = self._group_future(gid)
                 if not fut.done():
                     fut.set_result(group)
-            await send_msg(writer, {"ok": ok}, counter=self.counter)
+            await self._reply(writer, "group", info.peer_id.to_base58(), {"ok": ok})
         except Exception as e:
             logger.debug("[%s] bad group notice: %r", self.peer_id[-6:], e)
         finally:
@@ -452,20 +558,25 @@ class P2PMerger:
         members, weights, sw = h.get("members"), h.get("weights"), h.get("state_weights")
         return (
             isinstance(members, list) and isinstance(weights, list) and isinstance(sw, list)
-            and 2 <= len(members) == len(weights) == len(sw) and len(set(members)) == len(members)
-            and self.peer_id in members and all(isinstance(m, str) for m in members)
-            and all(isinstance(w, int | float) and w >= 0 for w in weights + sw)
+            and 2 <= len(members) == len(weights) == len(sw) and all(isinstance(m, str) for m in members)
+            and len(set(members)) == len(members) and self.peer_id in members
+            and all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
+                    for w in weights + sw)
+            and isinstance(h.get("need_state"), bool)
         )
 
     async def _on_part(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             max_part = 2 * self.n_params * 4
             header, payload = await asyncio.wait_for(recv_msg(reader, max_part, self.counter), self.cfg.merge_timeout_s)
+            sender = info.peer_id.to_base58()
+            if not self._authorized("part", sender, header):
+                return
             try:
-                data = await self._reduce_part(info.peer_id.to_base58(), header, payload)
-                await send_msg(writer, {"ok": True}, data, self.counter)
+                data = await self._reduce_part(sender, header, payload)
+                await self._reply(writer, "part", sender, {"ok": True}, data)
             except (MergeFailed, TimeoutError) as e:
-                await send_msg(writer, {"ok": False, "error": f"{type(e).__name__}: {e}"}, counter=self.counter)
+                await self._reply(writer, "part", sender, {"ok": False, "error": f"{type(e).__name__}: {e}"})
         except Exception as e:
             logger.debug("[%s] part exchange failed: %r", self.peer_id[-6:], e)
         finally:
@@ -488,14 +599,19 @@ class P2PMerger:
             raise MergeFailed("sender is not that member of the group")
         me = group.members.index(self.peer_id)
         lo, hi = slice_bounds(group.lengths[tag], len(group.members))[me]
+        flag = BANNED if sender in self.book.banned else ""
         try:
             part = codec.decode(payload, hi - lo)
         except CodecError as e:
-            raise MergeFailed(f"bad part from {sender[-6:]}: {e}") from None
-        if not torch.isfinite(part).all():
+            if not self.guard.enabled:
+                raise MergeFailed(f"bad part from {sender[-6:]}: {e}") from None
+            # with guards, a malformed part is left out of the average instead of failing everyone's merge
+            part = torch.full((hi - lo,), float("nan"))
+            flag = flag or (NONFINITE if isinstance(e, NonFiniteError) else SHAPE)
+        if not self.guard.enabled and not torch.isfinite(part).all():
             raise MergeFailed(f"non-finite values from {sender[-6:]}")
         await self._inject("serve_part", self._round)
-        slot = group.slot(tag, codec)
-        slot.add(index, part)
+        slot = self._slot(group, tag, me)
+        slot.add(index, part, flag)
         _, data = await asyncio.wait_for(asyncio.shield(slot.result), self.cfg.merge_timeout_s)
         return data

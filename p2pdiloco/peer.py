@@ -19,9 +19,10 @@ from safetensors.torch import save_file
 from p2pdiloco import __version__
 from p2pdiloco.accel import pick_device
 from p2pdiloco.checkpoint import load_latest
-from p2pdiloco.config import Config
+from p2pdiloco.config import Config, fingerprint_digest
 from p2pdiloco.data import BatchSampler, eval_batches, load_text
 from p2pdiloco.distributed import UnitSync, close_unit, context_from_env, init_unit, rank_shard, run_follower
+from p2pdiloco.hostile import HostileMerger
 from p2pdiloco.learner import Learner, MetricsLog, load_flat_
 from p2pdiloco.model import build_model, count_params
 from p2pdiloco.p2p_merger import P2PMerger
@@ -35,6 +36,7 @@ from p2pdiloco.swarm import (
     peers_key,
     read_subkeys,
     start_dht,
+    swarm_auth,
     visible_maddrs,
     write_subkey,
 )
@@ -250,18 +252,23 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         fingerprint = cfg.fingerprint()
         check_fingerprint(fingerprint, live_records(loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30)))
 
-        merger = P2PMerger(dht, cfg.swarm, loop, n_params)
+        auth = swarm_auth(cfg.swarm)
+        merger = P2PMerger(dht, cfg.swarm, loop, n_params, auth=auth, guard=cfg.guard,
+                           fingerprint=fingerprint_digest(fingerprint))
         merger.faults = faults_from_env(cfg.run.name)
         if not cfg.run.resume:
             keep_previous(run_dir / "metrics.jsonl")
         metrics = MetricsLog(run_dir / "metrics.jsonl")
-        learner = Learner(cfg, model, sampler.next_batch, val, merger, device, metrics, should_stop=stop,
+        # a hostile peer (benchmarks, tests) corrupts what it submits; the real merger still counts bytes
+        learner_merger = HostileMerger(merger, cfg.run.hostile, cfg.run.seed) if cfg.run.hostile else merger
+        learner = Learner(cfg, model, sampler.next_batch, val, learner_merger, device, metrics, should_stop=stop,
                           checkpoint_dir=run_dir / "checkpoints", faults=merger.faults,
                           t_process_start=t_process_start)
         learner.traffic = Traffic(merge=merger.counter)
         if unit.world_size > 1:
             UnitSync(unit, device).attach(learner)
-        state_sync = StateSync(dht, cfg.swarm.run_id, n_params, lambda: learner.shared, learner.traffic.state)
+        state_sync = StateSync(dht, cfg.swarm.run_id, n_params, lambda: learner.shared, learner.traffic.state,
+                               auth=auth)
         loop.run(state_sync.start(), timeout=30)
         loop.submit(learner.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
         if cfg.run.resume:
@@ -286,7 +293,8 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
             logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)
         summary = learner.run()
         loop.run(learner.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's
-        summary.update(name=cfg.run.name, n_params=n_params, **learner.bandwidth())
+        summary.update(name=cfg.run.name, n_params=n_params, **learner.bandwidth(), guard=merger.book.report(),
+                       hostile=cfg.run.hostile)
         write_json_atomic(run_dir / "peer_summary.json", summary)
         if not stop():  # a peer told to stop mid-round still has its last merged state in the checkpoints
             learner.checkpoint()

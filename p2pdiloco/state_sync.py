@@ -20,6 +20,7 @@ import hivemind
 import torch
 from hivemind.p2p import PeerID
 
+from p2pdiloco.swarm_key import SwarmAuth
 from p2pdiloco.wire import ByteCounter, WireError, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
@@ -93,11 +94,14 @@ class StateSync:
         n_params: length of the flat parameter vector.
         provider: returns this peer's current state, or None while it has none worth serving.
         counter: where bytes sent and received are added.
+        auth: the swarm key's authenticator: requests and replies without a valid tag are refused (None: public).
     """
 
     def __init__(self, dht: hivemind.DHT, run_id: str, n_params: int,
-                 provider: Callable[[], GlobalState | None], counter: ByteCounter):
+                 provider: Callable[[], GlobalState | None], counter: ByteCounter, auth: SwarmAuth | None = None):
         self.dht, self.proto, self.n_params, self.provider, self.counter = dht, f"p2pdiloco.{run_id}.state", n_params, provider, counter
+        self.auth = auth or SwarmAuth(None, run_id)
+        self.me = dht.peer_id.to_base58()
         self._serving = asyncio.Semaphore(1)
         self._p2p = None
 
@@ -107,16 +111,21 @@ class StateSync:
 
     async def _on_request(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            await asyncio.wait_for(recv_msg(reader, 0, self.counter), 5.0)
+            request, _ = await asyncio.wait_for(recv_msg(reader, 0, self.counter), 5.0)
+            joiner = info.peer_id.to_base58()
+            if not self.auth.verify("state", joiner, self.me, request.get("auth")):
+                logger.warning("refused a state request from %s: no valid swarm key", joiner[-8:])
+                return
+            tag = self.auth.tag("state:reply", self.me, joiner)
             state = self.provider()
             if state is None:
-                await send_msg(writer, {"ok": False, "error": "no state yet"}, counter=self.counter)
+                await send_msg(writer, {"ok": False, "error": "no state yet", "auth": tag}, counter=self.counter)
             elif self._serving.locked():
-                await send_msg(writer, {"ok": False, "busy": True}, counter=self.counter)
+                await send_msg(writer, {"ok": False, "busy": True, "auth": tag}, counter=self.counter)
             else:
                 async with self._serving:
                     header, payload = pack_state(state)
-                    await send_msg(writer, header, payload, self.counter)
+                    await send_msg(writer, {**header, "auth": tag}, payload, self.counter)
                 logger.info("served state of round %d to %s", state.round, info.peer_id.to_base58()[-6:])
         except Exception as e:  # a joiner that went away mid-download is normal
             logger.debug("state request failed: %r", e)
@@ -126,10 +135,12 @@ class StateSync:
     async def fetch_from(self, peer: str, timeout: float) -> GlobalState:
         _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.proto)
         try:
-            await send_msg(writer, {}, counter=self.counter)
+            await send_msg(writer, {"auth": self.auth.tag("state", self.me, peer)}, counter=self.counter)
             header, payload = await asyncio.wait_for(recv_msg(reader, 2 * self.n_params * 4, self.counter), timeout)
         finally:
             writer.close()
+        if not self.auth.verify("state:reply", peer, self.me, header.get("auth")):
+            raise StateError("the donor does not hold the swarm key")
         if not header.get("ok"):
             raise StateError("donor busy" if header.get("busy") else f"donor refused: {header.get('error')}")
         return unpack_state(header, payload, self.n_params)

@@ -141,10 +141,11 @@ def read_status(loop: BackgroundLoop, dht: hivemind.DHT, run_id: str, wait_s: fl
         time.sleep(0.5)  # polling the DHT, with a deadline
 
 
-def fetch_status(initial_peers: list[str], run_id: str, wait_s: float) -> dict:
+def fetch_status(initial_peers: list[str], run_id: str, wait_s: float, swarm_key: str = "") -> dict:
     """Join through `initial_peers` as a DHT client (it stores nothing and serves nobody), read the swarm's
-    status, leave. Raises SwarmError if the initial peers cannot be reached."""
-    cfg = SwarmConfig(run_id=run_id, initial_peers=initial_peers, join_timeout_s=wait_s)
+    status, leave. A private swarm's records can be read only with its key file (`swarm_key`). Raises
+    SwarmError if the initial peers cannot be reached."""
+    cfg = SwarmConfig(run_id=run_id, initial_peers=initial_peers, join_timeout_s=wait_s, swarm_key=swarm_key)
     dht = start_dht(cfg, client_mode=True)
     loop = BackgroundLoop("p2pdiloco-status")
     try:

@@ -24,6 +24,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig, fingerprint_diff
+from p2pdiloco.swarm_key import KeyedRecordValidator, SwarmAuth, SwarmKeyError, load_key
 from p2pdiloco.traffic import install_dht_counter
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,12 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
     """
     check_maddrs(cfg.initial_peers, "initial peer")
     check_maddrs(cfg.announce, "announce address")
+    validators = []
+    if cfg.swarm_key:  # a private swarm: only records signed with the key are stored or read
+        try:
+            validators.append(KeyedRecordValidator(load_key(cfg.swarm_key)))
+        except SwarmKeyError as e:
+            raise SwarmError(str(e)) from None
     t0 = time.monotonic()
     install_dht_counter()  # before the DHT process forks, so that it counts its own traffic
     try:
@@ -69,6 +76,7 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
             client_mode=client_mode,
             startup_timeout=cfg.join_timeout_s,
             await_ready=True,
+            record_validators=validators,
         )
     except P2PDaemonError as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
@@ -111,6 +119,14 @@ class Reaper:
         except (OSError, subprocess.TimeoutExpired):
             self._proc.kill()
             self._proc.wait()
+
+
+def swarm_auth(cfg: SwarmConfig) -> SwarmAuth:
+    """The request authenticator of this swarm: keyed if `cfg.swarm_key` names a key file, else open."""
+    try:
+        return SwarmAuth(load_key(cfg.swarm_key) if cfg.swarm_key else None, cfg.run_id)
+    except SwarmKeyError as e:
+        raise SwarmError(str(e)) from None
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

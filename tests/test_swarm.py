@@ -6,7 +6,7 @@ import pytest
 import torch
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco.config import SwarmConfig
+from p2pdiloco.config import GuardConfig, SwarmConfig
 from p2pdiloco.merge import Contribution
 from p2pdiloco.outer import weighted_average
 from p2pdiloco.p2p_merger import P2PMerger, slice_bounds
@@ -62,7 +62,8 @@ def three_mergers(bootstrap_dht, net_loop):
     maddrs = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
     cfg = SwarmConfig(run_id="t", merge_window_s=8, merge_timeout_s=4, codec="none")  # exact averages
     dhts = [start_local_dht(maddrs) for _ in range(3)]
-    mergers = [P2PMerger(d, cfg, net_loop, n_params=1001) for d in dhts]
+    mergers = [P2PMerger(d, cfg, net_loop, n_params=1001, guard=GuardConfig(aggregate="mean", min_cosine=-1))
+               for d in dhts]  # exact means of unrelated random vectors: no direction check, no robust rule
     for m, d in zip(mergers, dhts, strict=True):  # heartbeats, so the leader knows how many peers are live
         net_loop.run(write_subkey(d, peers_key("t"), m.peer_id, {}, get_dht_time() + 60), 10)
     try:

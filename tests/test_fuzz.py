@@ -1,0 +1,114 @@
+"""Fuzzing what a peer decodes from the network: it never crashes, never allocates without bound, never merges
+garbage. Bounded in time: few examples per test and no per-example deadline surprises on shared cores."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from p2pdiloco.guards import screen_parts
+from p2pdiloco.p2p_merger import MergeFailed, P2PMerger
+from p2pdiloco.state_sync import GlobalState, StateError, unpack_state
+from p2pdiloco.wire import MAX_HEADER_BYTES, WireError, recv_msg
+
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+json_like = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20) | st.binary(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+    max_leaves=20,
+)
+
+
+def _decode(data: bytes, max_payload: int) -> tuple[dict, bytes]:
+    async def go():
+        reader = asyncio.StreamReader(limit=2**20)
+        reader.feed_data(data)
+        reader.feed_eof()
+        return await asyncio.wait_for(recv_msg(reader, max_payload), 5)
+
+    return asyncio.run(go())
+
+
+def _frame(header_bytes: bytes, payload: bytes, declared_payload: int | None = None) -> bytes:
+    n = len(payload) if declared_payload is None else declared_payload
+    return len(header_bytes).to_bytes(4, "big") + header_bytes + n.to_bytes(8, "big") + payload
+
+
+@FUZZ
+@given(st.binary(max_size=300), st.integers(0, 64))
+def test_recv_msg_on_random_bytes_returns_a_map_or_wire_error(data, max_payload):
+    try:
+        header, payload = _decode(data, max_payload)
+    except WireError:
+        return
+    assert isinstance(header, dict) and len(payload) <= max_payload
+
+
+@FUZZ
+@given(json_like, st.binary(max_size=64), st.integers(0, 2**64 - 1), st.integers(0, 128))
+def test_recv_msg_on_wellframed_but_arbitrary_messages(value, payload, declared, max_payload):
+    head = msgpack.packb(value, use_bin_type=True)
+    try:
+        header, got = _decode(_frame(head, payload, declared), max_payload)
+    except WireError:
+        return
+    assert isinstance(header, dict) and header == value
+    assert got == payload[:declared] and len(got) <= max_payload
+
+
+def test_huge_declared_sizes_are_refused_before_reading():
+    with pytest.raises(WireError, match="header"):
+        _decode((2**32 - 1).to_bytes(4, "big"), 10)  # no bytes follow: refused on the number alone
+    with pytest.raises(WireError, match="payload"):
+        _decode(_frame(msgpack.packb({}), b"", 2**63), 2**20)
+    assert len(b"x" * 0) == 0 and MAX_HEADER_BYTES < 2**32
+
+
+def _bare_merger() -> P2PMerger:
+    """Only the decoding paths: no DHT, no daemon."""
+    m = P2PMerger.__new__(P2PMerger)
+    m.peer_id, m._search, m._groups, m.n_params = "me", None, {}, 16
+    return m
+
+
+@FUZZ
+@given(st.dictionaries(st.text(max_size=12), json_like, max_size=6), st.binary(max_size=80))
+def test_part_headers_from_strangers_are_refused_without_state(header, payload):
+    m = _bare_merger()
+    with pytest.raises(MergeFailed):
+        asyncio.run(m._reduce_part("stranger", header, payload))
+    assert m._groups == {}  # nothing was allocated for an unknown group
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(["members", "weights", "state_weights", "need_state", "group_id"]),
+                       json_like, max_size=5))
+@example({"members": [[1], [1]], "weights": [1, 1], "state_weights": [1, 1], "need_state": False})
+def test_group_notice_validation_never_raises(header):
+    assert _bare_merger()._valid_notice(header) in (True, False)
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(["n_params", "sha256", "round", "step", "global_tokens", "ok"]), json_like),
+       st.binary(max_size=160))
+def test_state_replies_are_verified_or_refused(header, payload):
+    try:
+        state = unpack_state(header, payload, 16)
+    except StateError:
+        return
+    assert isinstance(state, GlobalState) and torch.isfinite(state.global_params).all()
+
+
+@FUZZ
+@given(st.lists(st.lists(st.floats(width=32), min_size=4, max_size=4), min_size=1, max_size=6), st.integers(0, 5))
+def test_guards_judge_any_numbers(values, own):
+    parts = [torch.tensor(v, dtype=torch.float32) for v in values]
+    reasons = screen_parts(parts, min(own, len(parts) - 1), 4.0, 0.0)
+    assert len(reasons) == len(parts)
+    assert all(r for p, r in zip(parts, reasons, strict=True) if not torch.isfinite(p).all())

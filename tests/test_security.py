@@ -1,0 +1,184 @@
+"""Private swarms, config fingerprints and guards, with real hivemind DHTs and p2p daemons on loopback."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+from hivemind.utils.timed_storage import get_dht_time
+
+from p2pdiloco.cli import main
+from p2pdiloco.config import GuardConfig, SwarmConfig, load_config, parse_set
+from p2pdiloco.guards import DIRECTION, NONFINITE, NORM
+from p2pdiloco.hostile import corrupt
+from p2pdiloco.merge import Contribution
+from p2pdiloco.outer import weighted_average
+from p2pdiloco.p2p_merger import MergeFailed, P2PMerger
+from p2pdiloco.state_sync import GlobalState, StateError, StateSync
+from p2pdiloco.swarm import (
+    SwarmError,
+    check_fingerprint,
+    peers_key,
+    read_subkeys,
+    start_dht,
+    swarm_auth,
+    write_subkey,
+)
+from p2pdiloco.swarm_key import SwarmKeyError, load_key, write_new_key
+from p2pdiloco.wire import ByteCounter, WireError
+from tests.conftest import interrupt_and_reap, wait_for
+
+pytestmark = pytest.mark.integration
+N = 1001
+BIG = 20_001
+"""Long enough that pure noise's cosine to the median (~1/sqrt(slice length)) is far below guard.min_cosine."""
+
+
+def _contribution(vec: torch.Tensor, weight: float = 1.0) -> Contribution:
+    return Contribution(pseudo_grad=vec, weight=weight, global_params=vec * 10, momentum=vec * 100,
+                        state_digest="same", state_weight=1.0)
+
+
+def test_keygen_writes_a_private_key_and_never_overwrites(tmp_path):
+    path = tmp_path / "swarm.key"
+    assert main(["keygen", str(path)]) == 0  # in-process: a subprocess would spend seconds importing hivemind
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(load_key(path)) == 32
+    with pytest.raises(SwarmKeyError, match="refusing to overwrite"):
+        write_new_key(path)
+    (tmp_path / "bad.key").write_text("not a key")
+    with pytest.raises(SwarmKeyError, match="not a swarm key"):
+        load_key(tmp_path / "bad.key")
+
+
+@pytest.fixture
+def keyed_swarm(tmp_path, net_loop):
+    """A keyed bootstrap node, two keyed peers (mergers + state servers) and one stranger without the key."""
+    key = str(write_new_key(tmp_path / "swarm.key"))
+    keyed = SwarmConfig(run_id="priv", host="127.0.0.1", swarm_key=key, merge_window_s=8, merge_timeout_s=4)
+    boot = start_dht(keyed)
+    maddrs = [str(m) for m in boot.get_visible_maddrs()]
+    joined = SwarmConfig(**{**keyed.__dict__, "initial_peers": maddrs})
+    stranger_cfg = SwarmConfig(**{**joined.__dict__, "swarm_key": ""})
+    dhts = [start_dht(joined), start_dht(joined), start_dht(stranger_cfg)]
+    auths = [swarm_auth(joined), swarm_auth(joined), swarm_auth(stranger_cfg)]
+    cfgs = [joined, joined, stranger_cfg]
+    mergers = [P2PMerger(d, c, net_loop, N, auth=a) for d, c, a in zip(dhts, cfgs, auths, strict=True)]
+    state = GlobalState(torch.arange(N, dtype=torch.float32), torch.ones(N), 3, 30, 300.0)
+    syncs = [StateSync(d, "priv", N, lambda: state, ByteCounter(), auth=a) for d, a in zip(dhts, auths, strict=True)]
+    for s in syncs:
+        net_loop.run(s.start(), 10)
+    try:
+        yield {"dhts": dhts, "mergers": mergers, "syncs": syncs, "state": state}
+    finally:
+        for m in mergers:
+            m.close()
+        for d in [*dhts, boot]:
+            d.shutdown()
+
+
+def test_peer_without_the_swarm_key_cannot_merge_fetch_state_or_write_records(keyed_swarm, net_loop):
+    dhts, mergers, syncs = keyed_swarm["dhts"], keyed_swarm["mergers"], keyed_swarm["syncs"]
+    a, b, stranger = mergers
+    ids = [m.peer_id for m in mergers]
+    # DHT records: the stranger's heartbeat is refused by every keyed node; keyed ones are seen
+    for d, i in zip(dhts, ids, strict=True):
+        net_loop.run(write_subkey(d, peers_key("priv"), i, {"step": 1}, get_dht_time() + 60), 10)
+    seen = wait_for(lambda: (r := net_loop.run(read_subkeys(dhts[1], peers_key("priv")), 10)).keys() >= set(ids[:2]) and r,
+                    timeout=20, what="both keyed records")
+    assert ids[2] not in seen
+    # state: refused to the stranger, served to a keyed peer (bit-exact)
+    with pytest.raises((WireError, StateError)):
+        net_loop.run(syncs[2].fetch_from(ids[0], timeout=5), 10)
+    got = net_loop.run(syncs[1].fetch_from(ids[0], timeout=5), 10)
+    assert torch.equal(got.global_params, keyed_swarm["state"].global_params)
+    # a keyed peer does not take state from a stranger either (its reply carries no valid tag)
+    with pytest.raises((WireError, StateError)):
+        net_loop.run(syncs[0].fetch_from(ids[2], timeout=5), 10)
+    # merges: the stranger's requests are refused outright; keyed peers merge together
+    assert net_loop.run(stranger._rpc(ids[0], "invite", {"group_id": "x"}), 10) is None
+    with pytest.raises((WireError, MergeFailed)):
+        net_loop.run(stranger._call(ids[0], "part", {"group_id": "x", "tag": "d", "index": 0}, b"\0" * 8), 10)
+    vecs = [torch.full((N,), float(i + 1)) for i in range(3)]
+    futures = [m.submit(_contribution(v)) for m, v in zip(mergers, vecs, strict=True)]
+    results = [f.result(timeout=60) for f in futures]
+    assert sorted(results[0].group) == sorted(ids[:2]) and results[0].failure == ""
+    assert torch.equal(results[0].pseudo_grad, results[1].pseudo_grad)
+    torch.testing.assert_close(results[0].pseudo_grad, torch.full((N,), 1.5))
+    assert results[2].alone
+
+
+def test_peer_with_a_different_codec_or_outer_lr_is_refused_naming_it():
+    mine = load_config(None, [parse_set(["swarm.codec=int8"])]).fingerprint()
+    theirs = load_config(None, [parse_set(["outer.lr=0.5"])]).fingerprint()
+    with pytest.raises(SwarmError) as e:
+        check_fingerprint(mine, {"peerXYZ": {"fingerprint": theirs}})
+    assert "codec.codec: 'int8' here, 'int4' in the swarm" in str(e.value)
+    assert "outer.lr: 0.7 here, 0.5 in the swarm" in str(e.value)
+
+
+@pytest.fixture
+def four_mergers(bootstrap_dht, net_loop):
+    from tests.conftest import start_local_dht
+
+    maddrs = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
+    # fp32, no error feedback: each kind below is judged on what it sends in that round alone
+    cfg = SwarmConfig(run_id="g", merge_window_s=8, merge_timeout_s=4, codec="none")
+    dhts = [start_local_dht(maddrs) for _ in range(4)]
+    mergers = [P2PMerger(d, cfg, net_loop, BIG, guard=GuardConfig(ban_after=0)) for d in dhts]
+    for m, d in zip(mergers, dhts, strict=True):
+        net_loop.run(write_subkey(d, peers_key("g"), m.peer_id, {}, get_dht_time() + 120), 10)
+    try:
+        yield mergers
+    finally:
+        for m in mergers:
+            m.close()
+        for d in dhts:
+            d.shutdown()
+
+
+def test_each_hostile_kind_is_rejected_in_a_real_merge_and_the_members_agree(four_mergers):
+    gen = torch.Generator().manual_seed(0)
+    common = torch.randn(BIG, generator=gen)
+    hostile = four_mergers[3]
+    for kind in ["nan", "scale", "noise", "signflip"]:
+        honest = [common + 0.5 * torch.randn(BIG, generator=gen) for _ in range(3)]
+        sent = [*honest, corrupt(common, kind, gen)]
+        before = [m.book.report()["rejected"] for m in four_mergers[:3]]
+        futures = [m.submit(_contribution(v)) for m, v in zip(four_mergers, sent, strict=True)]
+        results = [f.result(timeout=60) for f in futures]
+        assert hostile.peer_id in results[0].group and len(results[0].group) == 4
+        for r in results:
+            assert r.failure == "" and torch.equal(r.pseudo_grad, results[0].pseudo_grad)  # every member agrees
+        # each honest owner left the hostile part of its slice out, and counted it
+        got = [m.book.report()["rejected"] - b for m, b in zip(four_mergers[:3], before, strict=True)]
+        assert got == [1, 1, 1], (kind, got, [m.book.report() for m in four_mergers])
+        assert sum(r.rejected for r in results[:3]) >= 3
+        avg = results[0].pseudo_grad
+        assert torch.isfinite(avg).all()
+        assert float(torch.nn.functional.cosine_similarity(avg, weighted_average(honest, [1, 1, 1]), dim=0)) > 0.99
+    for m in four_mergers[:3]:
+        assert set(m.book.report()["rejected_by_reason"]) == {NONFINITE, NORM, DIRECTION}
+
+
+def test_local_swarm_with_a_hostile_peer_still_learns(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "p2pdiloco", "local", "--peers", "3", "--hostile", "0:scale", "--steps", "20",
+           "--run-dir", str(run_dir), "--sync", "--set", "swarm.round_steps=5", "--set", "model.d_model=32",
+           "--set", "model.n_layer=1", "--set", "model.seq_len=32", "--set", "data.batch_size=4",
+           "--set", "data.max_bytes=1000000", "--set", "run.eval_every_rounds=0", "--set", "run.eval_batches=4",
+           "--set", "run.checkpoint_every=0", "--set", "guard.ban_after=0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.wait(timeout=150) == 0
+    finally:
+        interrupt_and_reap(proc)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    honest = [p for p in summary["peers"] if p["name"] != "peer0"]
+    for p in honest:
+        assert p["eval_loss_final"] < p["eval_loss_initial"] - 0.3
+        assert p["guard"]["rejected_by_reason"].get(NORM, 0) >= 3  # one per merge at least, counted
+        assert p["merges"] >= 3
