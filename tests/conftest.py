@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -101,3 +102,27 @@ def reap_children():
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=5)
+
+
+@contextlib.contextmanager
+def running_mergers(bootstrap: hivemind.DHT, net_loop: BackgroundLoop, n: int, cfg, n_params: int, **kwargs):
+    """`n` P2PMergers on their own DHTs joined through `bootstrap`, each with a live peer record (so a leader
+    knows how many peers are live); closed and shut down afterwards."""
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from p2pdiloco.p2p_merger import P2PMerger
+    from p2pdiloco.swarm import peers_key, write_subkey
+
+    maddrs = [str(m) for m in bootstrap.get_visible_maddrs()]
+    dhts = [start_local_dht(maddrs) for _ in range(n)]
+    mergers = []
+    try:
+        mergers = [P2PMerger(d, cfg, net_loop, n_params, **kwargs) for d in dhts]
+        for m, d in zip(mergers, dhts, strict=True):
+            net_loop.run(write_subkey(d, peers_key(cfg.run_id), m.peer_id, {}, get_dht_time() + 120), 10)
+        yield mergers
+    finally:
+        for m in mergers:
+            m.close()
+        for d in dhts:
+            d.shutdown()

@@ -6,15 +6,13 @@ from __future__ import annotations
 import msgpack
 import pytest
 import torch
-from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.codecs import get_codec
-from p2pdiloco.config import CODECS, SwarmConfig
+from p2pdiloco.config import CODECS, GuardConfig, SwarmConfig
 from p2pdiloco.merge import Contribution
 from p2pdiloco.outer import weighted_average
-from p2pdiloco.p2p_merger import P2PMerger, slice_bounds
-from p2pdiloco.swarm import peers_key, write_subkey
-from tests.conftest import start_local_dht
+from p2pdiloco.p2p_merger import slice_bounds
+from tests.conftest import running_mergers
 
 pytestmark = pytest.mark.integration
 
@@ -24,19 +22,10 @@ N = 30_001
 @pytest.fixture
 def mergers(request, bootstrap_dht, net_loop):
     codec = request.param
-    maddrs = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
     cfg = SwarmConfig(run_id=f"c{codec}", merge_window_s=8, merge_timeout_s=10, codec=codec)
-    dhts = [start_local_dht(maddrs) for _ in range(3)]
-    ms = [P2PMerger(d, cfg, net_loop, n_params=N) for d in dhts]
-    for m, d in zip(ms, dhts, strict=True):
-        net_loop.run(write_subkey(d, peers_key(cfg.run_id), m.peer_id, {}, get_dht_time() + 60), 10)
-    try:
+    # distinct but unrelated vectors: the plain mean, so that the codec's error is all there is to bound
+    with running_mergers(bootstrap_dht, net_loop, 3, cfg, N, guard=GuardConfig(aggregate="mean", min_cosine=-1)) as ms:
         yield ms
-    finally:
-        for m in ms:
-            m.close()
-        for d in dhts:
-            d.shutdown()
 
 
 def _contribution(vec: torch.Tensor, weight: float) -> Contribution:

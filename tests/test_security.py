@@ -122,22 +122,12 @@ def test_peer_with_a_different_codec_or_outer_lr_is_refused_naming_it():
 
 @pytest.fixture
 def four_mergers(bootstrap_dht, net_loop):
-    from tests.conftest import start_local_dht
+    from tests.conftest import running_mergers
 
-    maddrs = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
     # fp32, no error feedback: each kind below is judged on what it sends in that round alone
     cfg = SwarmConfig(run_id="g", merge_window_s=8, merge_timeout_s=4, codec="none")
-    dhts = [start_local_dht(maddrs) for _ in range(4)]
-    mergers = [P2PMerger(d, cfg, net_loop, BIG, guard=GuardConfig(ban_after=0)) for d in dhts]
-    for m, d in zip(mergers, dhts, strict=True):
-        net_loop.run(write_subkey(d, peers_key("g"), m.peer_id, {}, get_dht_time() + 120), 10)
-    try:
-        yield mergers
-    finally:
-        for m in mergers:
-            m.close()
-        for d in dhts:
-            d.shutdown()
+    with running_mergers(bootstrap_dht, net_loop, 4, cfg, BIG, guard=GuardConfig(ban_after=0)) as ms:
+        yield ms
 
 
 def test_each_hostile_kind_is_rejected_in_a_real_merge_and_the_members_agree(four_mergers):

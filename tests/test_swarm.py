@@ -11,7 +11,7 @@ from p2pdiloco.merge import Contribution
 from p2pdiloco.outer import weighted_average
 from p2pdiloco.p2p_merger import P2PMerger, slice_bounds
 from p2pdiloco.swarm import SwarmError, check_fingerprint, peers_key, read_subkeys, start_dht, write_subkey
-from tests.conftest import start_local_dht, wait_for
+from tests.conftest import running_mergers, start_local_dht, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -59,20 +59,10 @@ def _contribution(vec, weight, digest="same", state_weight=1.0):
 
 @pytest.fixture
 def three_mergers(bootstrap_dht, net_loop):
-    maddrs = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
     cfg = SwarmConfig(run_id="t", merge_window_s=8, merge_timeout_s=4, codec="none")  # exact averages
-    dhts = [start_local_dht(maddrs) for _ in range(3)]
-    mergers = [P2PMerger(d, cfg, net_loop, n_params=1001, guard=GuardConfig(aggregate="mean", min_cosine=-1))
-               for d in dhts]  # exact means of unrelated random vectors: no direction check, no robust rule
-    for m, d in zip(mergers, dhts, strict=True):  # heartbeats, so the leader knows how many peers are live
-        net_loop.run(write_subkey(d, peers_key("t"), m.peer_id, {}, get_dht_time() + 60), 10)
-    try:
-        yield mergers
-    finally:
-        for m in mergers:
-            m.close()
-        for d in dhts:
-            d.shutdown()
+    # exact means of unrelated random vectors: no direction check, no robust rule
+    with running_mergers(bootstrap_dht, net_loop, 3, cfg, 1001, guard=GuardConfig(aggregate="mean", min_cosine=-1)) as ms:
+        yield ms
 
 
 def test_three_peers_average_exactly_and_agree_bitwise(three_mergers):
