@@ -215,6 +215,12 @@ def get_codec(name: str) -> Codec:
     raise ValueError(f"unknown codec {name!r} (known: {', '.join(CODECS)})")
 
 
+def warm_up(codec: Codec) -> None:
+    """Load what the codec needs (bitsandbytes takes seconds to import on a busy machine) before a merge
+    needs it, so that the first merge is not the one that pays for it and times out."""
+    roundtrip(codec, torch.zeros(256))
+
+
 def roundtrip(codec: Codec, x: torch.Tensor) -> tuple[bytes, torch.Tensor]:
     """(bytes sent, what the receiver will decode from them)."""
     data = codec.encode(x)

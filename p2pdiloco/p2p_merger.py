@@ -40,7 +40,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco.codecs import Codec, CodecError, ErrorFeedback, NonFiniteError, get_codec
+from p2pdiloco.codecs import Codec, CodecError, ErrorFeedback, NonFiniteError, get_codec, warm_up
 from p2pdiloco.config import GuardConfig, SwarmConfig
 from p2pdiloco.guards import (
     BANNED,
@@ -173,6 +173,7 @@ class P2PMerger:
         """Codec of pseudo-gradient slices and their averages; (θg, momentum) always travel as fp32, because
         quantizing the model itself would have no error feedback to undo it."""
         self.feedback = ErrorFeedback(cfg.error_feedback and self.codec.lossy)
+        warm_up(self.codec)
         self._search: _Search | None = None
         self._groups: dict[str, asyncio.Future] = {}
         self._p2p = None
