@@ -173,17 +173,25 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def _sigterm_as_interrupt() -> None:
-    """SIGTERM stops `local` as Ctrl+C does (peers stopped and reaped); forked children keep the default."""
+    """SIGINT and SIGTERM stop `local` and the benches as Ctrl+C does (peers stopped and reaped).
+
+    SIGINT gets an explicit handler too: a process started in the background by a non-interactive shell (nohup,
+    `cmd &`, many CI runners) inherits SIGINT *ignored*, and Python then installs no KeyboardInterrupt handler,
+    so `kill -INT` would leave the swarm running. Forked children (the DHT process) keep the default behaviour.
+    """
     owner = os.getpid()
 
-    def on_term(signum, _frame):
+    def on_signal(signum, _frame):
         if os.getpid() != owner:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt  # what the default handler would have done in the child
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
 
 
 def cmd_local(args: argparse.Namespace) -> int:
@@ -300,6 +308,7 @@ def _one_round_length(text: str | None) -> int | None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from p2pdiloco import bench
 
+    _sigterm_as_interrupt()  # benches run local swarms (and slowlink its namespaces): stop and clean them up
     out = Path(args.out or f"runs/bench-{args.which}")
     if args.which == "straggler":
         bench.bench_straggler(out, seconds=args.seconds)
@@ -319,7 +328,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.which == "slowlink":
         from p2pdiloco.bench_slowlink import bench_slowlink
 
-        _sigterm_as_interrupt()  # SIGTERM also deletes the namespaces on the way out
         bench_slowlink(out, steps=args.steps or 250, h=_one_round_length(args.h) or 25, peers=args.peers or 2,
                        rate_mbit=args.rate_mbit)
     elif args.which == "byzantine":

@@ -57,10 +57,14 @@ def test_three_peer_swarm_merges_agrees_and_learns(tmp_path):
 
 
 def test_ctrl_c_on_local_leaves_no_process(tmp_path):
+    # started as a shell starts a background job (nohup, `cmd &`, CI runners): SIGINT inherited *ignored*, in
+    # which case Python installs no KeyboardInterrupt handler of its own; `local` must still stop on it
     proc = subprocess.Popen(
         [sys.executable, "-m", "p2pdiloco", "local", "--peers", "2", "--steps", "100000", "--run-dir", str(tmp_path),
          *TINY], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
+    descendants = []
     try:
         metrics = [tmp_path / "peers" / f"peer{i}" / "metrics.jsonl" for i in range(2)]
         wait_for(lambda: all(m.exists() and '"train"' in m.read_text() for m in metrics), 90, what="both peers training")
@@ -73,6 +77,12 @@ def test_ctrl_c_on_local_leaves_no_process(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
+        for p in descendants:  # a failed run must not leave its peers training, orphaned, for the next tests
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
 
 
 def test_consensus_distance_is_the_largest_relative_gap(tmp_path):
