@@ -15,6 +15,7 @@ states never diverge. Followers never touch the network or the run folder beyond
 from __future__ import annotations
 
 import ctypes
+import gc
 import hashlib
 import logging
 import os
@@ -80,8 +81,23 @@ def init_unit(ctx: UnitContext, device: torch.device, timeout_s: float = 3600.0)
     return device
 
 
-def close_unit(ctx: UnitContext) -> None:
+def close_unit(ctx: UnitContext, timeout_s: float = 120.0) -> None:
+    """Tear the unit's process group down on every rank together.
+
+    A follower that destroyed its gloo group while rank 0 was still finishing (final merge, checkpoint) was once
+    seen to abort at exit ("terminate called without an active exception", CI, 1 run in 4). Ranks first meet
+    at a barrier (bounded: a rank that died makes it fail, and we tear down anyway), and DDP's reducers are
+    collected before the group they use goes away.
+    """
     if ctx.world_size > 1 and dist.is_initialized():
+        gc.collect()
+        try:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
+            else:
+                dist.barrier()
+        except Exception as e:  # another rank is gone: nothing to wait for
+            logger.warning("rank %d: the unit did not meet before closing: %r", ctx.rank, e)
         dist.destroy_process_group()
 
 
