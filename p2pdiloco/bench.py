@@ -21,6 +21,7 @@ from p2pdiloco.config import Config, load_config, parse_set
 from p2pdiloco.data import BatchSampler, load_text
 from p2pdiloco.local import run_local
 from p2pdiloco.model import build_model
+from p2pdiloco.peer import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,13 @@ STRAGGLER_SETS = [
     "data.max_bytes=4000000", "run.total_steps=100000", "run.min_step_s=0.1", "run.eval_batches=16",
     "run.eval_every_rounds=0", "run.log_every=10", "inner.warmup_steps=20",
 ]
+
+
+def write_results(out: Path, name: str, results: dict) -> Path:
+    """A bench's results as out/NAME.json, written atomically (an interrupted bench leaves no half file)."""
+    path = out / f"{name}.json"
+    write_json_atomic(path, results)
+    return path
 
 
 def machine() -> str:
@@ -85,7 +93,7 @@ def bench_straggler(out: Path, seconds: float = 60.0, peers: int = 4, factor: fl
         runs[mode + "_ratio"] = runs[f"{mode}_with_slow"]["steps_per_s"] / runs[f"{mode}_without_slow"]["steps_per_s"]
     results["decoupled_ratio"] = runs.pop("decoupled_ratio")
     results["sync_ratio"] = runs.pop("sync_ratio")
-    (out / "straggler.json").write_text(json.dumps(results, indent=2))
+    path = write_results(out, "straggler", results)
     _plot_straggler(results, out / "straggler.png")
 
     console.print(f"machine: {results['machine']}")
@@ -97,7 +105,7 @@ def bench_straggler(out: Path, seconds: float = 60.0, peers: int = 4, factor: fl
     console.print("final eval loss of the fast peers' global models at equal wall time (with the slow peer):")
     console.print(f"  decoupled {runs['decoupled_with_slow']['eval_loss']:.4f} vs sync {runs['sync_with_slow']['eval_loss']:.4f}"
                   f"   (without it: {runs['decoupled_without_slow']['eval_loss']:.4f} vs {runs['sync_without_slow']['eval_loss']:.4f})")
-    console.print(f"wrote {out / 'straggler.json'} and {out / 'straggler.png'}")
+    console.print(f"wrote {path} and {out / 'straggler.png'}")
     return results
 
 
@@ -188,12 +196,12 @@ def bench_overhead(out: Path, steps: int = 600, console: Console | None = None) 
         "plain_after": plain_after, "swarm_steps_per_s": peer0["steps_per_s"], "ratio": peer0["steps_per_s"] / plain,
         "merges": peer0["merges"], "bytes_sent": peer0["bytes_sent"], "n_params": peer0["n_params"],
     }
-    (out / "overhead.json").write_text(json.dumps(results, indent=2))
+    path = write_results(out, "overhead", results)
     console.print(f"machine: {results['machine']}")
     console.print(f"inner steps/s: in swarm {results['swarm_steps_per_s']:.2f} ÷ plain loop {plain:.2f} "
                   f"(before {plain_before:.2f}, after {plain_after:.2f}) = {results['ratio']:.3f}   "
                   f"({peer0['merges']} merges, {peer0['bytes_sent'] / 1e6:.1f} MB sent)")
-    console.print(f"wrote {out / 'overhead.json'}")
+    console.print(f"wrote {path}")
     return results
 
 
@@ -277,7 +285,7 @@ def bench_churn(out: Path, minutes: float = 5.0, peers: int = 4, kill_every: flo
     for name in ("decoupled_churn", "sync_churn"):
         r[name]["eval_loss_vs_no_churn"] = r[name]["eval_loss"] / base_loss if base_loss else None
     results["goodput_ratio_vs_sync"] = r["decoupled_churn"]["goodput"] / max(r["sync_churn"]["goodput"], 1e-9)
-    (out / "churn.json").write_text(json.dumps(results, indent=2))
+    path = write_results(out, "churn", results)
     console.print(f"machine: {results['machine']}")
     console.print("goodput = inner-step time that reached a global model ÷ peer wall time (start-up, rejoin, waiting count):")
     for name, v in r.items():
@@ -285,5 +293,5 @@ def bench_churn(out: Path, minutes: float = 5.0, peers: int = 4, kill_every: flo
         console.print(f"  {name:19s}: goodput {v['goodput']:.3f} ({v['reached_s']:.0f} s ÷ {v['spent_s']:.0f} s), "
                       f"kills survived {v['kills']}, eval loss {v['eval_loss']:.4f}{extra}")
     console.print(f"decoupled ÷ sync goodput under churn: {results['goodput_ratio_vs_sync']:.2f}")
-    console.print(f"wrote {out / 'churn.json'}")
+    console.print(f"wrote {path}")
     return results

@@ -9,7 +9,6 @@ of each cell is compared with the uncompressed codec at the same H.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from p2pdiloco.bench import STRAGGLER_SETS, machine
+from p2pdiloco.bench import STRAGGLER_SETS, machine, write_results
 from p2pdiloco.config import CODECS, load_config, parse_set
 from p2pdiloco.local import run_local
 
@@ -82,7 +81,7 @@ def bench_bandwidth(out: Path, steps: int = 1000, hs: tuple[int, ...] = HS, code
              and c["loss_vs_none"] <= 1 + LOSS_TOLERANCE]
     results = {"machine": machine(), "steps": steps, "peers": 2, "cells": cells, "default_pick": pick_default(cells),
                "meets_target": [f"{c['codec']} H={c['H']}" for c in meets]}
-    (out / "bandwidth.json").write_text(json.dumps(results, indent=2))
+    path = write_results(out, "bandwidth", results)
 
     console.print(f"machine: {results['machine']}; model {cells[0]['n_params']} params; 2 peers, sync DiLoCo, "
                   f"{steps} inner steps each (equal tokens)")
@@ -96,5 +95,5 @@ def bench_bandwidth(out: Path, steps: int = 1000, hs: tuple[int, ...] = HS, code
     console.print(f"configurations with ≥ {TARGET_RATIO:.0f}× less traffic than data-parallel and eval loss within "
                   f"{LOSS_TOLERANCE:.0%} of uncompressed at the same H: {', '.join(results['meets_target']) or 'none'}")
     console.print(f"fewest bytes within {LOSS_TOLERANCE:.0%} of uncompressed at every H: {results['default_pick']}")
-    console.print(f"wrote {out / 'bandwidth.json'}")
+    console.print(f"wrote {path}")
     return results

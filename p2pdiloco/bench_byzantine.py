@@ -8,7 +8,6 @@ depends on the algorithm, not on how the shared CPU cores happened to schedule t
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from p2pdiloco.bench import machine
+from p2pdiloco.bench import machine, write_results
 from p2pdiloco.config import load_config, parse_set
 from p2pdiloco.hostile import KINDS
 from p2pdiloco.local import run_local
@@ -69,7 +68,7 @@ def bench_byzantine(out: Path, steps: int = 60, round_steps: int = 10, peers: in
         for kind in kinds:
             runs[f"{kind}_guards_{guards}"]["ratio"] = runs[f"{kind}_guards_{guards}"]["eval_loss"] / clean
     results["clean_on_vs_off"] = runs["clean_guards_on"]["eval_loss"] / runs["clean_guards_off"]["eval_loss"]
-    (out / "byzantine.json").write_text(json.dumps(results, indent=2))
+    path = write_results(out, "byzantine", results)
 
     console.print(f"machine: {results['machine']}")
     console.print(f"honest peers' final eval loss with peer {HOSTILE_INDEX} hostile ÷ a clean run "
@@ -82,5 +81,5 @@ def bench_byzantine(out: Path, steps: int = 60, round_steps: int = 10, peers: in
                       f"{runs['clean_guards_off']['eval_loss']:.4f} = {off['ratio']:.3f}")
     console.print(f"  clean run, guards on ÷ off: {runs['clean_guards_on']['eval_loss']:.4f} ÷ "
                   f"{runs['clean_guards_off']['eval_loss']:.4f} = {results['clean_on_vs_off']:.3f}")
-    console.print(f"wrote {out / 'byzantine.json'}")
+    console.print(f"wrote {path}")
     return results

@@ -18,7 +18,6 @@ other benchmarks.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from p2pdiloco.bench import machine
+from p2pdiloco.bench import machine, write_results
 from p2pdiloco.config import load_config, parse_set
 from p2pdiloco.data_parallel import run_data_parallel
 from p2pdiloco.local import run_local
@@ -100,9 +99,9 @@ def bench_parity(out: Path, steps: int = 3000, h: int = 50, peers: int = 4, step
     base = runs["data_parallel"]["eval_loss"]
     for mode in modes:
         results[f"{mode}_ratio"] = runs[mode]["eval_loss"] / base
-    (out / "parity.json").write_text(json.dumps(results, indent=2))
+    path = write_results(out, "parity", results)
     _print(results, console)
-    console.print(f"wrote {out / 'parity.json'}")
+    console.print(f"wrote {path}")
     return results
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from p2pdiloco.bench import machine
+from p2pdiloco.bench import machine, write_results
 from p2pdiloco.config import Config, ConfigError, load_config, parse_set
 from p2pdiloco.local import PeerProc, peer_command, stop_peers, summarize
 from p2pdiloco.model import build_model, count_params
@@ -270,9 +270,9 @@ def bench_slowlink(out: Path, peers: int = 2, steps: int = 250, h: int = 25, ste
             }
     r = results["runs"]
     results["decoupled_vs_sync"] = r["decoupled"]["utilization"] / r["sync"]["utilization"]
-    (out / "slowlink.json").write_text(json.dumps(results, indent=2))
+    path = write_results(out, "slowlink", results)
     _print(results, console)
-    console.print(f"wrote {out / 'slowlink.json'}")
+    console.print(f"wrote {path}")
     return results
 
 

@@ -172,7 +172,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sigterm_as_interrupt() -> None:
+def _stop_on_signals() -> None:
     """SIGINT and SIGTERM stop `local` and the benches as Ctrl+C does (peers stopped and reaped).
 
     SIGINT gets an explicit handler too: a process started in the background by a non-interactive shell (nohup,
@@ -213,7 +213,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     slow = parse_slow(args.slow or [], args.peers)
     peer_sets = {i: [f"run.hostile={kind}"] for i, kind in parse_hostile(args.hostile or [], args.peers).items()}
     run_dir = Path(cfg.run.run_dir)
-    _sigterm_as_interrupt()
+    _stop_on_signals()
     chaos = None
     if args.chaos:
         if args.kill_every <= 0 or args.restart_delay < 0:
@@ -308,7 +308,7 @@ def _one_round_length(text: str | None) -> int | None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from p2pdiloco import bench
 
-    _sigterm_as_interrupt()  # benches run local swarms (and slowlink its namespaces): stop and clean them up
+    _stop_on_signals()  # benches run local swarms (and slowlink its namespaces): stop and clean them up
     out = Path(args.out or f"runs/bench-{args.which}")
     if args.which == "straggler":
         bench.bench_straggler(out, seconds=args.seconds)

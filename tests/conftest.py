@@ -28,6 +28,15 @@ def wait_for(condition, timeout: float, interval: float = 0.1, what: str = "cond
         time.sleep(interval)
 
 
+def kill_quietly(procs) -> None:
+    """SIGKILL each psutil process that still exists (psutil checks it is the same process, not a reused pid)."""
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
 def interrupt_and_reap(proc: subprocess.Popen, timeout: float = 40) -> None:
     """Cleanup for a p2pdiloco process a test started: Ctrl+C it, kill it if it does not exit in `timeout`
     seconds, and kill whatever it started that outlived it."""
@@ -44,11 +53,7 @@ def interrupt_and_reap(proc: subprocess.Popen, timeout: float = 40) -> None:
         proc.kill()
         proc.wait()
     _, alive = psutil.wait_procs(descendants, timeout=10)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
+    kill_quietly(alive)
 
 
 def free_port() -> int:
@@ -96,11 +101,7 @@ def reap_children():
     # torch's shared-memory manager is started once per process on first use and must outlive each test
     leftover = [p for p in me.children(recursive=True) if p.pid not in before and not _is_shm_manager(p)]
     _, alive = psutil.wait_procs(leftover, timeout=10)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
+    kill_quietly(alive)
     psutil.wait_procs(alive, timeout=5)
 
 

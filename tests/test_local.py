@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from tests.conftest import wait_for
+from tests.conftest import kill_quietly, wait_for
 from tests.test_cli import TINY
 
 pytestmark = pytest.mark.integration
@@ -78,11 +78,7 @@ def test_ctrl_c_on_local_leaves_no_process(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        for p in descendants:  # a failed run must not leave its peers training, orphaned, for the next tests
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        kill_quietly(descendants)  # a failed run must not leave its peers training, orphaned, for the next tests
 
 
 def test_consensus_distance_is_the_largest_relative_gap(tmp_path):
