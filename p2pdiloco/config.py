@@ -157,8 +157,10 @@ class GuardConfig:
     min_cosine: float = 0.1
     """Reject a part whose cosine to the coordinate-wise median of the other members' parts is below this (-1
     disables). Honest parts measured 0.35-0.96 (docs/security.md); pure noise is ~1/sqrt(slice length), ~0."""
-    max_round_lag: int = 20
-    """Leave out members whose round counter lags the group's median by more than this (0 disables)."""
+    max_round_lag: int = 0
+    """Leave out members whose round counter lags the group's median by more than this (0, the default, disables).
+    Off by default: round counters only grow by one per merge, so a peer that fell behind (frozen for a while,
+    or slower under step-based rounds) never catches up and, once excluded, stays excluded for the whole run."""
     ban_after: int = 3
     """Ban a peer for the rest of the run after this many consecutive merges with a rejected contribution (0: never)."""
     aggregate: str = "centered_clip"
