@@ -57,7 +57,7 @@ from p2pdiloco.outer import weighted_average
 from p2pdiloco.robust import aggregate
 from p2pdiloco.swarm import BackgroundLoop, live_records, peers_key, read_subkeys, ready_key, write_subkey
 from p2pdiloco.swarm_key import SwarmAuth
-from p2pdiloco.wire import ByteCounter, WireError, recv_msg, send_msg
+from p2pdiloco.wire import ByteCounter, WireError, await_requester_close, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
 
@@ -486,9 +486,12 @@ class P2PMerger:
             raise MergeFailed(f"{op} reply from {peer[-6:]} without the swarm key")
         return reply, data
 
-    async def _reply(self, writer: asyncio.StreamWriter, op: str, requester: str, header: dict, payload: bytes = b"") -> None:
+    async def _reply(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, op: str, requester: str,
+                     header: dict, payload: bytes = b"") -> None:
+        """Send a handler's reply and keep the stream open until the requester has read it (see wire.py)."""
         await send_msg(writer, {**header, "auth": self.auth.tag(op + ":reply", self.peer_id, requester)}, payload,
                        self.counter)
+        await await_requester_close(reader)
 
     def _authorized(self, op: str, requester: str, header: dict) -> bool:
         if self.auth.verify(op, requester, self.peer_id, header.get("auth")):
@@ -524,7 +527,7 @@ class P2PMerger:
                 c = search.contribution
                 reply = {"accept": True, "weight": c.weight, "state_weight": c.state_weight, "digest": c.state_digest,
                          "round": c.round}
-            await self._reply(writer, "invite", leader, reply)
+            await self._reply(reader, writer, "invite", leader, reply)
         except Exception as e:
             logger.debug("[%s] bad invite: %r", self.peer_id[-6:], e)
         finally:
@@ -549,7 +552,7 @@ class P2PMerger:
                 fut = self._group_future(gid)
                 if not fut.done():
                     fut.set_result(group)
-            await self._reply(writer, "group", info.peer_id.to_base58(), {"ok": ok})
+            await self._reply(reader, writer, "group", info.peer_id.to_base58(), {"ok": ok})
         except Exception as e:
             logger.debug("[%s] bad group notice: %r", self.peer_id[-6:], e)
         finally:
@@ -575,9 +578,9 @@ class P2PMerger:
                 return
             try:
                 data = await self._reduce_part(sender, header, payload)
-                await self._reply(writer, "part", sender, {"ok": True}, data)
+                await self._reply(reader, writer, "part", sender, {"ok": True}, data)
             except (MergeFailed, TimeoutError) as e:
-                await self._reply(writer, "part", sender, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+                await self._reply(reader, writer, "part", sender, {"ok": False, "error": f"{type(e).__name__}: {e}"})
         except Exception as e:
             logger.debug("[%s] part exchange failed: %r", self.peer_id[-6:], e)
         finally:

@@ -21,7 +21,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from p2pdiloco.swarm_key import SwarmAuth
-from p2pdiloco.wire import ByteCounter, WireError, recv_msg, send_msg
+from p2pdiloco.wire import ByteCounter, WireError, await_requester_close, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +127,7 @@ class StateSync:
                     header, payload = pack_state(state)
                     await send_msg(writer, {**header, "auth": tag}, payload, self.counter)
                 logger.info("served state of round %d to %s", state.round, info.peer_id.to_base58()[-6:])
+            await await_requester_close(reader)  # closing at once could lose the reply (see wire.py)
         except Exception as e:  # a joiner that went away mid-download is normal
             logger.debug("state request failed: %r", e)
         finally:

@@ -1,10 +1,11 @@
 """Message framing: round trip, byte counts, and refusal of malformed or oversized frames."""
 
 import asyncio
+import time
 
 import pytest
 
-from p2pdiloco.wire import MAX_HEADER_BYTES, ByteCounter, WireError, recv_msg, send_msg
+from p2pdiloco.wire import MAX_HEADER_BYTES, ByteCounter, WireError, await_requester_close, recv_msg, send_msg
 
 
 class _Sink:
@@ -51,3 +52,17 @@ async def test_huge_declared_header_refused():
 async def test_truncated_or_garbage_frames(data):
     with pytest.raises(WireError):
         await recv_msg(_reader(data), 10)
+
+
+async def test_a_handler_keeps_the_stream_until_the_requester_closes_and_no_longer_than_its_limit():
+    # the requester read the reply and closed (stray bytes first): the handler may close at once
+    r = asyncio.StreamReader()
+    r.feed_data(b"stray bytes")
+    asyncio.get_running_loop().call_later(0.2, r.feed_eof)
+    t0 = time.monotonic()
+    await await_requester_close(r, limit_s=10)
+    assert 0.15 < time.monotonic() - t0 < 5
+    # a requester that never closes holds the handler only for the limit
+    t0 = time.monotonic()
+    await await_requester_close(asyncio.StreamReader(), limit_s=0.3)
+    assert 0.25 < time.monotonic() - t0 < 5
