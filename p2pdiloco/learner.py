@@ -194,13 +194,24 @@ class Learner:
         """The inner optimizer has no moments from earlier training (a new process, not a checkpoint)."""
         self._rewarm_from: int | None = None
         """The step at which this peer adopted the swarm's state with fresh moments (see `inner_lr`)."""
+        self.ended_with_swarm = False
+        """A group merge included another peer's last contribution: the run is over (see `MergeResult.final`)."""
+        self._started = False
 
     # ---- the loop ----
 
+    def log_start(self) -> None:
+        """The metrics' `start` line, once, as early as the peer can write it (before a state download, so that
+        everything from the process start on belongs to this incarnation when a metrics file holds several)."""
+        if not self._started:
+            self._started = True
+            self.metrics.write(kind="start", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round,
+                               process_s=time.monotonic() - self.t_process_start, peer_id=self.merger.peer_id)
+
     def run(self) -> dict:
-        """Train until `run.total_steps`, the time limit, or a stop request; returns this peer's summary."""
-        self.metrics.write(kind="start", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round,
-                           process_s=time.monotonic() - self.t_process_start, peer_id=self.merger.peer_id)
+        """Train until `run.total_steps`, the time limit, a stop request, or a group merge with a peer that
+        finished; returns this peer's summary."""
+        self.log_start()
         self.eval_loss_initial = self.evaluate_global()
         self.metrics.write(kind="eval", elapsed_s=self.elapsed(), step=self.c.step, tokens=self.c.tokens,
                            eval_loss=self.eval_loss_initial)
@@ -209,13 +220,13 @@ class Learner:
         self.t_train = time.monotonic()
         self.throughput.add(self.c.tokens)
         self.start_round()
-        while self.c.step < self.cfg.run.total_steps and not self.should_stop() and not self.out_of_time():
+        while not self.at_end() and not self.should_stop():
             if self.unit is not None:  # the other processes of this unit step with us, from our θ
                 self.unit.lead(self)
             self.inner_step()
             self.poll_merge()
             if self.round_done():
-                self.submit_round()
+                self.submit_round(final=self.at_end())
                 if self.cfg.swarm.sync:
                     self.wait_merge()
         self.train_s = time.monotonic() - self.t_train
@@ -293,16 +304,24 @@ class Learner:
         if T > 0:  # end on the swarm-wide cadence: the next multiple of T in DHT time
             self._round_deadline = (math.floor(get_dht_time() / T) + 1) * T
 
+    def at_end(self) -> bool:
+        """This peer's run is over: its step budget or time limit is reached, or it merged with a finishing peer."""
+        return self.c.step >= self.cfg.run.total_steps or self.out_of_time() or self.ended_with_swarm
+
     def round_done(self) -> bool:
         """True when this round should be submitted; never while a merge is still in flight."""
-        if self.in_flight is not None or self.c.steps_in_round == 0:
+        if self.in_flight is not None or self.c.steps_in_round == 0 or self.ended_with_swarm:
             return False
         if self.cfg.swarm.round_seconds > 0:
             return get_dht_time() >= self._round_deadline
         return self.c.steps_in_round >= self.cfg.swarm.round_steps
 
-    def submit_round(self) -> None:
-        """Hand Δ to the merger and start the next round at once; the merge runs in the background."""
+    def submit_round(self, final: bool = False) -> None:
+        """Hand Δ to the merger and start the next round at once; the merge runs in the background.
+
+        Args:
+            final: this is the peer's last contribution of the run (see `Contribution.final`).
+        """
         local = self._local_params()
         contribution = Contribution(
             pseudo_grad=pseudo_gradient(self.global_params, local),
@@ -313,6 +332,7 @@ class Learner:
             state_weight=self.c.global_tokens,
             round=self.c.round,
             round_s=time.monotonic() - self._round_started,
+            final=final,
         )
         self.in_flight = InFlight(self.merger.submit(contribution), local, contribution, time.monotonic(),
                                   self.c.compute_in_round)
@@ -369,13 +389,16 @@ class Learner:
                 self.in_flight.future.cancel()
                 self.in_flight = None
             return
-        if self.wait_merge() and self.c.tokens_in_round > 0 and not self.should_stop():
-            self.submit_round()
+        if self.wait_merge() and self.c.tokens_in_round > 0 and not self.should_stop() and not self.ended_with_swarm:
+            self.submit_round(final=True)
             self.wait_merge()
 
     def _apply_in_flight(self, result: MergeResult) -> None:
         flight, self.in_flight = self.in_flight, None
         self.apply_merge(result, flight.local_at_submit)
+        if result.final and not result.alone and not flight.contribution.final:
+            self.ended_with_swarm = True  # the steps taken since this contribution are not in any global model
+            logger.info("[%s] merged with a peer that finished its run: ending at step %d", self.tag, self.c.step)
         if not result.alone and self.c.join_s is None:
             self.c.join_s = time.monotonic() - self.t_process_start
         self.log_merge(result, flight.compute_s)
@@ -492,7 +515,7 @@ class Learner:
             group_size=len(result.group), group_id=result.group_id, merges=self.c.merges, failure=result.failure,
             merge_s=result.duration_s, bytes_sent=self.bytes_io()[0], bytes_received=self.bytes_io()[1],
             global_digest=self.global_digest(), adopted_state=result.global_state is not None, eval_loss=eval_loss,
-            round_compute_s=round_compute_s, rejected=result.rejected,
+            round_compute_s=round_compute_s, rejected=result.rejected, final=result.final,
             **({"traffic": self.traffic.snapshot()} if self.traffic else {}),
         )
         logger.info(
@@ -532,7 +555,7 @@ class Learner:
     def summary(self) -> dict:
         return {
             "peer_id": self.merger.peer_id, "inner_steps": self.c.steps_run, "step": self.c.step, "tokens": self.c.tokens,
-            "join_s": self.c.join_s,
+            "join_s": self.c.join_s, "ended_with_swarm": self.ended_with_swarm,
             "rounds": self.c.round, "merges": self.c.merges, "merge_failures": self.c.merge_failures,
             "bytes_sent": self.bytes_io()[0], "bytes_received": self.bytes_io()[1],
             "wall_s": self.elapsed(), "compute_s": self.c.compute_s, "merge_wait_s": self.c.merge_wait_s,

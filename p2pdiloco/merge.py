@@ -36,6 +36,9 @@ class Contribution:
     """This peer's round counter, for logs."""
     round_s: float = 0.0
     """Wall time of the round that produced this contribution (sizes the merge window); 0 if unknown."""
+    final: bool = False
+    """This peer's last contribution of the run: it waits the whole merge window for every live peer, and
+    whoever merges with it ends the run on the same global model (see `MergeResult.final`)."""
 
 
 @dataclass
@@ -64,6 +67,10 @@ class MergeResult:
     """Identifier of the merge group ('' when alone)."""
     rejected: int = 0
     """Contributions this peer's guards rejected during this merge (see guards.py)."""
+    final: bool = False
+    """A member's contribution was its last of the run: the run is over for every member of this group, so
+    that the peers still training end on the global model the finishing ones leave with, instead of each
+    drifting off alone after the others have gone."""
 
     @property
     def alone(self) -> bool:
@@ -73,7 +80,8 @@ class MergeResult:
 def alone_result(peer_id: str, contribution: Contribution, failure: str = "", **kwargs) -> MergeResult:
     """A merge with oneself: DiLoCo with one replica still applies its own outer step."""
     return MergeResult(
-        group=[peer_id], pseudo_grad=contribution.pseudo_grad, total_weight=contribution.weight, failure=failure, **kwargs
+        group=[peer_id], pseudo_grad=contribution.pseudo_grad, total_weight=contribution.weight, failure=failure,
+        final=contribution.final, **kwargs
     )
 
 
@@ -130,9 +138,11 @@ class InMemoryMerger:
             )
         total = sum(c.weight for c in members)
         state_weight = max(c.state_weight for c in members)
+        final = any(c.final for c in members)
         for p in group:
             rv.futures[p].set_result(
-                MergeResult(group=group, pseudo_grad=avg, total_weight=total, global_state=state, state_weight=state_weight)
+                MergeResult(group=group, pseudo_grad=avg, total_weight=total, global_state=state, state_weight=state_weight,
+                            final=final)
             )
         return future
 

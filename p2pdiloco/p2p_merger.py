@@ -124,6 +124,8 @@ class _Group:
     need_state: bool
     lengths: dict[str, int]
     """Vector length per tag: 'd' for the pseudo-gradient, 's' for (θg, momentum)."""
+    final: bool = False
+    """A member is finishing its run (see `MergeResult.final`)."""
     slots: dict[str, _Slot] = field(default_factory=dict)
 
     def slot(self, tag: str, codec: Codec, reduce: Callable[[list, list, dict], torch.Tensor]) -> _Slot:
@@ -173,6 +175,9 @@ class P2PMerger:
         """Codec of pseudo-gradient slices and their averages; (θg, momentum) always travel as fp32, because
         quantizing the model itself would have no error feedback to undo it."""
         self.feedback = ErrorFeedback(cfg.error_feedback and self.codec.lossy)
+        # in this thread, now: bitsandbytes takes seconds to import, and the first merge once paid for it on
+        # the network thread and timed out. (A background import raced the main thread's own first imports
+        # of torch._dynamo and failed with a circular-import error.)
         warm_up(self.codec)
         self._search: _Search | None = None
         self._groups: dict[str, asyncio.Future] = {}
@@ -255,7 +260,7 @@ class P2PMerger:
                 MergeResult(
                     group=list(group.members), pseudo_grad=avg, total_weight=float(sum(group.weights)),
                     global_state=state, group_id=group.group_id,
-                    state_weight=max(group.state_weights) if state is not None else 0.0,
+                    state_weight=max(group.state_weights) if state is not None else 0.0, final=group.final,
                 )
             )
         except (MergeFailed, WireError, TimeoutError, ConnectionError, OSError) as e:
@@ -271,6 +276,8 @@ class P2PMerger:
 
     async def _find_group(self, c: Contribution) -> _Group | None:
         window = self._window(c.round_s)
+        if c.final:  # the last merge of this peer's run: worth the whole window to leave with everyone live
+            window = max(window, self.cfg.merge_window_s)
         search = _Search(contribution=c, deadline=get_dht_time() + window)
         self._search = search
         me = self.peer_id
@@ -349,7 +356,7 @@ class P2PMerger:
         replies = await asyncio.gather(*(self._rpc(p, "invite", {"group_id": gid, "fp": self.fingerprint})
                                          for p in candidates))
         members, weights, state_weights, digests = [self.peer_id], [c.weight], [c.state_weight], [c.state_digest]
-        rounds = [c.round]
+        rounds, finals = [c.round], [c.final]
         for peer, reply in zip(candidates, replies, strict=True):
             if reply and reply.get("accept") is True:
                 try:
@@ -363,18 +370,21 @@ class P2PMerger:
                     state_weights.append(sw)
                     digests.append(d)
                     rounds.append(r)
+                    finals.append(reply.get("final") is True)
         if self.guard.enabled:  # members far behind the group contribute stale updates: leave them out
             stale = stale_members(rounds, self.guard.max_round_lag)
             for i in reversed(range(1, len(members))):
                 if stale[i]:
                     self.book.reject(members[i], STALE, gid, f"round {rounds[i]}", strike=False)
-                    for column in (members, weights, state_weights, digests):
+                    for column in (members, weights, state_weights, digests, finals):
                         del column[i]
         if len(members) == 1:
             return None
-        group = _Group(gid, members, weights, state_weights, len(set(digests)) > 1, self._lengths())
+        final = any(finals)
+        group = _Group(gid, members, weights, state_weights, len(set(digests)) > 1, self._lengths(), final)
         self._group_future(gid).set_result(group)
-        notice = {"group_id": gid, "members": members, "weights": weights, "state_weights": state_weights, "need_state": group.need_state}
+        notice = {"group_id": gid, "members": members, "weights": weights, "state_weights": state_weights,
+                  "need_state": group.need_state, "final": final}
         await asyncio.gather(*(self._rpc(p, "group", notice) for p in members[1:]))
         logger.info("[%s] leading merge group %s of %d peers", self.peer_id[-6:], gid, len(members))
         return group
@@ -526,7 +536,7 @@ class P2PMerger:
                 search.invited.set()
                 c = search.contribution
                 reply = {"accept": True, "weight": c.weight, "state_weight": c.state_weight, "digest": c.state_digest,
-                         "round": c.round}
+                         "round": c.round, "final": c.final}
             await self._reply(reader, writer, "invite", leader, reply)
         except Exception as e:
             logger.debug("[%s] bad invite: %r", self.peer_id[-6:], e)
@@ -548,6 +558,7 @@ class P2PMerger:
                 group = _Group(
                     gid, [str(m) for m in header["members"]], [float(w) for w in header["weights"]],
                     [float(w) for w in header["state_weights"]], bool(header["need_state"]), self._lengths(),
+                    header.get("final") is True,
                 )
                 fut = self._group_future(gid)
                 if not fut.done():

@@ -264,6 +264,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         learner = Learner(cfg, model, sampler.next_batch, val, learner_merger, device, metrics, should_stop=stop,
                           checkpoint_dir=run_dir / "checkpoints", faults=merger.faults,
                           t_process_start=t_process_start)
+        learner.log_start()  # before any state download: a restart's start-up is its own, in the metrics
         learner.traffic = Traffic(merge=merger.counter)
         if unit.world_size > 1:
             UnitSync(unit, device).attach(learner)

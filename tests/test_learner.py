@@ -1,5 +1,6 @@
 """The learner loop with an in-memory merger: no network, real model and optimizer."""
 
+import json
 import threading
 
 import torch
@@ -155,3 +156,26 @@ def test_joiner_with_fresh_moments_rewarms_its_lr_and_a_resumed_peer_does_not(tm
     starter = _learner(cfg, InMemoryMerger("starter", {"group_size": 1}), tmp_path, 4)
     starter.adopt_state(GlobalState(state.global_params, state.momentum, 0, 0, 0.0))
     assert starter.inner_lr() == schedule(0)  # at the start the run's own warmup applies, once
+
+
+def test_a_peer_that_merges_with_a_finishing_peer_ends_on_the_same_global_model(tmp_path):
+    # B has a longer step budget than A: once A's last contribution reaches B in a group merge, the run is
+    # over for B too, instead of B drifting on alone (here it would never find a partner again)
+    hub = {"group_size": 2}
+    a = _learner(_cfg(**{"run.total_steps": 10}), InMemoryMerger("a", hub), tmp_path, 0)
+    b = _learner(_cfg(**{"run.total_steps": 30}), InMemoryMerger("b", hub), tmp_path, 1)
+    summaries = {}
+    threads = [threading.Thread(target=lambda p=p, n=n: summaries.__setitem__(n, p.run())) for p, n in ((a, "a"), (b, "b"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert set(summaries) == {"a", "b"}
+    assert summaries["a"]["step"] == 10 and not summaries["a"]["ended_with_swarm"]
+    assert summaries["b"]["ended_with_swarm"] and 10 <= summaries["b"]["step"] < 30
+    assert summaries["a"]["merges"] == summaries["b"]["merges"] == 2
+    assert torch.equal(a.global_params, b.global_params) and torch.equal(a.momentum, b.momentum)
+    assert summaries["a"]["eval_loss_final"] == summaries["b"]["eval_loss_final"]
+    rows = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    merges = [r for r in rows if r["kind"] == "merge"]
+    assert [r["final"] for r in merges] == [False, True]  # and nothing submitted after the final group

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from hivemind.utils.timed_storage import get_dht_time
@@ -110,6 +112,25 @@ def test_member_frozen_mid_merge_fails_the_merge_for_everyone(three_mergers):
         assert r.failure, "a merge with a frozen member must be reported as failed"
         assert r.alone and torch.equal(r.pseudo_grad, v)  # own update kept, no partial average applied
     futures[2].cancel()
+
+
+def test_a_finishing_peer_waits_the_whole_window_and_its_group_ends_the_run(bootstrap_dht, net_loop):
+    # decoupled: a normal merge waits about a second for others; a peer's last contribution waits up to
+    # merge_window_s, and everyone it merges with learns that the run is over
+    cfg = SwarmConfig(run_id="fin", merge_window_s=8, merge_timeout_s=4, codec="none", min_window_s=0.5,
+                      window_fraction=0.1)
+    with running_mergers(bootstrap_dht, net_loop, 2, cfg, 1001, guard=GuardConfig(aggregate="mean")) as (done, late):
+        last = _contribution(torch.ones(1001), 1.0)
+        last.final, last.round_s = True, 1.0
+        finishing = done.submit(last)
+        time.sleep(3)  # the other peer's round ends 3 s later: far beyond a decoupled window of 0.5 s
+        regular = _contribution(torch.full((1001,), 3.0), 1.0)
+        regular.round_s = 1.0
+        arriving = late.submit(regular)
+        results = [finishing.result(timeout=30), arriving.result(timeout=30)]
+    for r in results:
+        assert r.failure == "" and len(r.group) == 2 and r.final
+        assert torch.equal(r.pseudo_grad, torch.full((1001,), 2.0))
 
 
 def test_window_grows_after_merges_alone_and_resets_after_a_group():
