@@ -200,13 +200,18 @@ class Learner:
 
     # ---- the loop ----
 
-    def log_start(self) -> None:
+    def log_start(self, startup: dict[str, float] | None = None) -> None:
         """The metrics' `start` line, once, as early as the peer can write it (before a state download, so that
-        everything from the process start on belongs to this incarnation when a metrics file holds several)."""
+        everything from the process start on belongs to this incarnation when a metrics file holds several).
+
+        Args:
+            startup: seconds per start-up phase so far, for the record.
+        """
         if not self._started:
             self._started = True
             self.metrics.write(kind="start", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round,
-                               process_s=time.monotonic() - self.t_process_start, peer_id=self.merger.peer_id)
+                               process_s=time.monotonic() - self.t_process_start, peer_id=self.merger.peer_id,
+                               **({"startup": startup} if startup else {}))
 
     def run(self) -> dict:
         """Train until `run.total_steps`, the time limit, a stop request, or a group merge with a peer that

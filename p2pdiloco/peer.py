@@ -203,6 +203,20 @@ def faults_from_env(name: str) -> dict[tuple[str, int], str]:
     return faults
 
 
+class StartupClock:
+    """Where a peer's start-up time goes, in seconds per phase (the `start` line of metrics.jsonl): a restart
+    that takes long to train again costs goodput, so it should be plain which part is slow."""
+
+    def __init__(self, t_process_start: float):
+        self.laps: dict[str, float] = {"interpreter_and_imports": time.monotonic() - t_process_start}
+        self._t = time.monotonic()
+
+    def lap(self, phase: str) -> None:
+        now = time.monotonic()
+        self.laps[phase] = now - self._t
+        self._t = now
+
+
 def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
     """Join the swarm, train, write the run folder; returns the summary (None on a follower rank of a
     multi-process learner unit, see distributed.py).
@@ -214,6 +228,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
     """
     # from the real start of this process (interpreter and imports included), as a monotonic time
     t_process_start = time.monotonic() - max(0.0, time.time() - psutil.Process().create_time())
+    startup = StartupClock(t_process_start)
     if cfg.run.cpu_affinity:  # before anything starts, so the DHT and p2p daemon inherit it too
         os.sched_setaffinity(0, {int(c) for c in cfg.run.cpu_affinity.split(",")})
     if cfg.run.threads > 0:
@@ -237,8 +252,10 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
     n_params = count_params(model)
     logger.info("model: %d parameters on %s; data: %d files, %d bytes (%s)", n_params, device, data.n_files,
                 data.n_bytes, data.source)
+    startup.lap("data_and_model")
 
     dht = start_dht(cfg.swarm)
+    startup.lap("dht")
     reaper = Reaper(dht)
     loop = BackgroundLoop()
     merger = metrics = heartbeat = metrics_server = None
@@ -256,6 +273,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         merger = P2PMerger(dht, cfg.swarm, loop, n_params, auth=auth, guard=cfg.guard,
                            fingerprint=fingerprint_digest(fingerprint))
         merger.faults = faults_from_env(cfg.run.name)
+        startup.lap("merger")  # mostly loading the codec's library
         if not cfg.run.resume:
             keep_previous(run_dir / "metrics.jsonl")
         metrics = MetricsLog(run_dir / "metrics.jsonl")
@@ -264,7 +282,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         learner = Learner(cfg, model, sampler.next_batch, val, learner_merger, device, metrics, should_stop=stop,
                           checkpoint_dir=run_dir / "checkpoints", faults=merger.faults,
                           t_process_start=t_process_start)
-        learner.log_start()  # before any state download: a restart's start-up is its own, in the metrics
+        learner.log_start(startup.laps)  # before any state download: a restart's start-up is its own, in the metrics
         learner.traffic = Traffic(merge=merger.counter)
         if unit.world_size > 1:
             UnitSync(unit, device).attach(learner)
