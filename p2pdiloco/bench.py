@@ -205,6 +205,11 @@ def bench_overhead(out: Path, steps: int = 600, console: Console | None = None) 
     return results
 
 
+DP_CHECKPOINT_STEPS = 100
+"""The data-parallel baseline's checkpoint interval under churn: 10 s of steps, as often as the peers
+checkpoint (every 5 rounds of 2 s)."""
+
+
 def goodput_from_metrics(path: Path) -> dict:
     """Compute that reached a global model ÷ compute spent, for one peer's metrics.jsonl (all incarnations).
 
@@ -246,7 +251,8 @@ def goodput_from_metrics(path: Path) -> dict:
 
 def bench_churn(out: Path, minutes: float = 5.0, peers: int = 4, kill_every: float = 60.0,
                 restart_delay: float = 5.0, console: Console | None = None) -> dict:
-    """Three runs of 4 peers: decoupled with churn, --sync with the same churn schedule, decoupled without."""
+    """Three runs of 4 peers (decoupled with churn, --sync with the same churn schedule, decoupled without),
+    and data-parallel training of the same model with the same kills (data_parallel_churn.py)."""
     console = console or Console(soft_wrap=True)
     out.mkdir(parents=True, exist_ok=True)
     quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115
@@ -280,11 +286,20 @@ def bench_churn(out: Path, minutes: float = 5.0, peers: int = 4, kill_every: flo
             "eval_loss": statistics.mean(final) if final else None, "wall_s": time.monotonic() - t0,
             "incarnations": sum(p["incarnations"] for p in per_peer),
         }
+    console.print(f"[bold]data_parallel_churn[/bold]: {peers} gloo ranks, {steps} steps, checkpoint every "
+                  f"{DP_CHECKPOINT_STEPS} steps, a kill every {kill_every:.0f} s ...")
+    from p2pdiloco.data_parallel_churn import run_data_parallel_churn
+
+    dp = run_data_parallel_churn(base, peers, out / "data_parallel_churn", kill_every, restart_delay,
+                                 checkpoint_every=DP_CHECKPOINT_STEPS, seed=1)
+    results["runs"]["data_parallel_churn"] = {**dp, "peers_finished": peers}
     r = results["runs"]
     base_loss = r["decoupled_no_churn"]["eval_loss"]
     for name in ("decoupled_churn", "sync_churn"):
         r[name]["eval_loss_vs_no_churn"] = r[name]["eval_loss"] / base_loss if base_loss else None
     results["goodput_ratio_vs_sync"] = r["decoupled_churn"]["goodput"] / max(r["sync_churn"]["goodput"], 1e-9)
+    results["goodput_ratio_vs_data_parallel"] = (r["decoupled_churn"]["goodput"]
+                                                 / max(r["data_parallel_churn"]["goodput"], 1e-9))
     path = write_results(out, "churn", results)
     console.print(f"machine: {results['machine']}")
     console.print("goodput = inner-step time that reached a global model ÷ peer wall time (start-up, rejoin, waiting count):")
@@ -292,6 +307,7 @@ def bench_churn(out: Path, minutes: float = 5.0, peers: int = 4, kill_every: flo
         extra = f", eval loss ÷ no-churn {v['eval_loss_vs_no_churn']:.4f}" if "eval_loss_vs_no_churn" in v else ""
         console.print(f"  {name:19s}: goodput {v['goodput']:.3f} ({v['reached_s']:.0f} s ÷ {v['spent_s']:.0f} s), "
                       f"kills survived {v['kills']}, eval loss {v['eval_loss']:.4f}{extra}")
-    console.print(f"decoupled ÷ sync goodput under churn: {results['goodput_ratio_vs_sync']:.2f}")
+    console.print(f"decoupled ÷ sync goodput under churn: {results['goodput_ratio_vs_sync']:.2f}; "
+                  f"÷ data-parallel: {results['goodput_ratio_vs_data_parallel']:.2f}")
     console.print(f"wrote {path}")
     return results

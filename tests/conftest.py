@@ -92,6 +92,18 @@ def _is_shm_manager(p: psutil.Process) -> bool:
         return False
 
 
+def run_children() -> set[int]:
+    """PIDs of this process's descendants, less the per-process singletons that outlive any one run by design:
+    torch's shared-memory manager and multiprocessing's resource tracker (started by the first spawn)."""
+    singletons = ("torch_shm_manager", "multiprocessing.resource_tracker")
+    pids = set()
+    for p in psutil.Process(os.getpid()).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if not any(s in " ".join(p.cmdline()) for s in singletons):
+                pids.add(p.pid)
+    return pids
+
+
 @pytest.fixture(autouse=True)
 def reap_children():
     """Every process a test started (DHTs, p2pd, peer subprocesses) must be gone after it; kill stragglers."""

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import math
-import os
 
-import psutil
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ from p2pdiloco.data import eval_batches, load_text
 from p2pdiloco.data_parallel import run_data_parallel
 from p2pdiloco.learner import evaluate_model
 from p2pdiloco.model import build_model
+from tests.conftest import run_children
 
 pytestmark = pytest.mark.integration
 
@@ -21,18 +20,10 @@ TINY_SETS = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq
              "run.eval_batches=2", "data.max_bytes=400000", "run.total_steps=12", "inner.warmup_steps=2"]
 
 
-def _children() -> set[int]:
-    # per-process singletons that outlive any one run by design: torch's shared-memory manager (see
-    # conftest.reap_children) and multiprocessing's resource tracker, started by the first spawn
-    singletons = ("torch_shm_manager", "multiprocessing.resource_tracker")
-    return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)
-            if not any(s in " ".join(p.cmdline()) for s in singletons)}
-
-
 def test_two_gloo_ranks_train_in_step_evaluate_like_a_peer_and_are_reaped(tmp_path):
-    before = _children()
+    before = run_children()
     result = run_data_parallel(TINY_SETS, 2, tmp_path, timeout_s=120, eval_every=6)
-    assert _children() == before  # both ranks (and anything they started) are gone
+    assert run_children() == before  # both ranks (and anything they started) are gone
     steps = [s for s, _ in result["eval_curve"]]
     assert steps == [0, 6, 12]
     losses = [loss for _, loss in result["eval_curve"]]
@@ -51,7 +42,7 @@ def test_a_failing_rank_fails_the_run_and_is_reaped(tmp_path):
     # 150 training bytes hold two 65-byte windows, so of three shards the first holds none: rank 0 fails
     # at start while ranks 1 and 2 wait for it in the rendezvous
     sets = TINY_SETS + ["model.seq_len=64", "data.max_bytes=300", "data.val_fraction=0.5"]
-    before = _children()
+    before = run_children()
     with pytest.raises(RuntimeError, match="data-parallel ranks failed"):
         run_data_parallel(sets, 3, tmp_path, timeout_s=120)
-    assert _children() == before
+    assert run_children() == before
