@@ -82,7 +82,7 @@ def bench_straggler(out: Path, seconds: float = 60.0, peers: int = 4, factor: fl
             cfg = load_config(None, [parse_set(sets)])
             console.print(f"[bold]{name}[/bold]: {n} peers for {seconds:.0f} s ...")
             t0 = time.monotonic()
-            summary = run_local(n, cfg, out / name, None, sets, console=quiet,
+            summary = run_local(n, cfg, out / name, None, sets, console=quiet, reraise_interrupt=True,
                                 slow={slow_index: factor} if with_slow else None)
             if summary["peers_finished"] != n:
                 raise RuntimeError(f"{name}: only {summary['peers_finished']} of {n} peers finished; see {out / name}")
@@ -180,7 +180,7 @@ def bench_overhead(out: Path, steps: int = 600, console: Console | None = None) 
         os.sched_setaffinity(0, original)
     console.print(f"swarm of 2 peers (peer0 on CPU {cpus[0]}, peer1 on CPU {cpus[1]}), {steps} steps ...")
     quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115
-    summary = run_local(2, cfg, out / "swarm", None, sets, console=quiet,
+    summary = run_local(2, cfg, out / "swarm", None, sets, console=quiet, reraise_interrupt=True,
                         peer_sets={0: [f"run.cpu_affinity={cpus[0]}"], 1: [f"run.cpu_affinity={cpus[1]}"]})
     if summary["peers_finished"] != 2:
         raise RuntimeError(f"swarm run failed; see {out / 'swarm'}")
@@ -276,7 +276,7 @@ def bench_churn(out: Path, minutes: float = 5.0, peers: int = 4, kill_every: flo
         (out / name).mkdir(parents=True, exist_ok=True)
         (out / name / "chaos.jsonl").unlink(missing_ok=True)
         t0 = time.monotonic()
-        summary = run_local(peers, cfg, out / name, None, sets, console=quiet, chaos=chaos)
+        summary = run_local(peers, cfg, out / name, None, sets, console=quiet, reraise_interrupt=True, chaos=chaos)
         per_peer = [goodput_from_metrics(out / name / "peers" / f"peer{i}" / "metrics.jsonl") for i in range(peers)]
         spent, reached = sum(p["spent_s"] for p in per_peer), sum(p["reached_s"] for p in per_peer)
         final = [p["eval_loss_final"] for p in summary["peers"]]

@@ -34,7 +34,7 @@ def _cell(out: Path, codec: str, h: int, steps: int, quiet: Console) -> dict:
     ]
     cfg = load_config(None, [parse_set(sets)])
     t0 = time.monotonic()
-    summary = run_local(2, cfg, out / f"{codec}_H{h}", None, sets, console=quiet)
+    summary = run_local(2, cfg, out / f"{codec}_H{h}", None, sets, console=quiet, reraise_interrupt=True)
     if summary["peers_finished"] != 2:
         raise RuntimeError(f"{codec} H={h}: only {summary['peers_finished']} of 2 peers finished; see {out}")
     peers = summary["peers"]

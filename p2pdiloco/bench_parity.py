@@ -92,7 +92,7 @@ def bench_parity(out: Path, steps: int = 3000, h: int = 50, peers: int = 4, step
         cfg = load_config(None, [parse_set(sets)])
         console.print(f"[bold]{mode} DiLoCo[/bold]: {peers} peers, {steps} steps, H = {h} ...")
         t0 = time.monotonic()
-        summary = run_local(peers, cfg, out / mode, None, sets, console=quiet)
+        summary = run_local(peers, cfg, out / mode, None, sets, console=quiet, reraise_interrupt=True)
         results["runs"][mode] = _diloco_stats(summary, peers, mode, out / mode)
         results["runs"][mode]["wall_s"] = time.monotonic() - t0
     runs = results["runs"]

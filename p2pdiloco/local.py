@@ -257,7 +257,7 @@ def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float,
 def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None, sets: list[str],
               console: Console | None = None, slow: dict[int, float] | None = None,
               peer_sets: dict[int, list[str]] | None = None, chaos: Chaos | None = None,
-              dashboard_port: int | None = None) -> dict:
+              dashboard_port: int | None = None, reraise_interrupt: bool = False) -> dict:
     """Run a whole swarm on this machine and return the run's summary.
 
     Args:
@@ -267,6 +267,8 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
         config_path: the TOML file the peers should load, if any.
         sets: `section.key=value` overrides the peers should apply.
         console: where progress is drawn.
+        reraise_interrupt: on Ctrl+C, stop and reap the peers and raise KeyboardInterrupt instead of returning a
+            summary (a benchmark must not go on to its next run, nor write figures of a run cut short).
         slow: {peer index: factor} for peers that emulate a slower accelerator.
         peer_sets: extra overrides for single peers, {peer index: ["section.key=value", ...]}.
         chaos: kill and restart peers on a schedule.
@@ -326,6 +328,8 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
             dashboard.close()
         dht.shutdown()
         reaper.close()
+    if interrupted and reraise_interrupt:
+        raise KeyboardInterrupt
     for p in peers:
         if p.proc.returncode not in (0, None) and not interrupted and p.restart_at is None:
             tail = (p.run_dir / "peer.log").read_text().strip().splitlines()[-1:] or ["(empty log)"]
