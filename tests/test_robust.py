@@ -63,6 +63,7 @@ def test_aggregate_uses_mean_below_the_robust_group_size():
 
 
 G = GuardConfig()  # the defaults: what a swarm runs with
+COS = 0.1  # the direction check is off by default; this is the bound it had when it was on
 
 
 def _honest(n: int, dim: int = 4000, seed: int = 0) -> list[torch.Tensor]:
@@ -76,17 +77,24 @@ def _honest(n: int, dim: int = 4000, seed: int = 0) -> list[torch.Tensor]:
 def test_each_hostile_kind_is_rejected_and_only_it(kind, reason):
     parts = _honest(5)
     parts[2] = corrupt(parts[2], kind, torch.Generator().manual_seed(1))
-    reasons = screen_parts(parts, own=0, norm_bound=G.norm_bound, min_cosine=G.min_cosine)
+    reasons = screen_parts(parts, own=0, norm_bound=G.norm_bound, min_cosine=COS)
     assert reasons == ["", "", reason, "", ""]
+
+
+def test_the_direction_check_is_off_by_default():
+    # honest decoupled peers fell below a cosine of 0.1 within a minute of bench churn and banned each other
+    parts = _honest(5)
+    parts[2] = -parts[2]
+    assert G.min_cosine == -1 and screen_parts(parts, own=0, norm_bound=G.norm_bound, min_cosine=G.min_cosine) == [""] * 5
 
 
 def test_two_members_judge_norms_against_their_own_part_but_not_directions():
     mine, theirs = _honest(2)
-    assert screen_parts([mine, theirs * 1000], own=0, norm_bound=G.norm_bound, min_cosine=G.min_cosine) == ["", NORM]
-    assert screen_parts([mine, theirs], own=0, norm_bound=G.norm_bound, min_cosine=G.min_cosine) == ["", ""]
+    assert screen_parts([mine, theirs * 1000], own=0, norm_bound=G.norm_bound, min_cosine=COS) == ["", NORM]
+    assert screen_parts([mine, theirs], own=0, norm_bound=G.norm_bound, min_cosine=COS) == ["", ""]
     # with two members either could be the odd one out: an honest peer on other data may point elsewhere
-    assert screen_parts([mine, -theirs], own=0, norm_bound=G.norm_bound, min_cosine=G.min_cosine) == ["", ""]
-    assert screen_parts([mine, -theirs, theirs], own=0, norm_bound=G.norm_bound, min_cosine=G.min_cosine)[1] == DIRECTION
+    assert screen_parts([mine, -theirs], own=0, norm_bound=G.norm_bound, min_cosine=COS) == ["", ""]
+    assert screen_parts([mine, -theirs, theirs], own=0, norm_bound=G.norm_bound, min_cosine=COS)[1] == DIRECTION
 
 
 def test_staleness_and_returned_average():

@@ -126,7 +126,7 @@ def four_mergers(bootstrap_dht, net_loop):
 
     # fp32, no error feedback: each kind below is judged on what it sends in that round alone
     cfg = SwarmConfig(run_id="g", merge_window_s=8, merge_timeout_s=4, codec="none")
-    with running_mergers(bootstrap_dht, net_loop, 4, cfg, BIG, guard=GuardConfig(ban_after=0)) as ms:
+    with running_mergers(bootstrap_dht, net_loop, 4, cfg, BIG, guard=GuardConfig(ban_after=0, min_cosine=0.1)) as ms:
         yield ms
 
 
