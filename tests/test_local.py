@@ -93,3 +93,27 @@ def test_consensus_distance_is_the_largest_relative_gap(tmp_path):
     assert abs(consensus_distance([tmp_path / n for n in "abc"]) - 3 / 4.5) < 1e-9
     assert consensus_distance([tmp_path / "a", tmp_path / "b"]) == 0.0
     assert consensus_distance([tmp_path / "a"]) is None
+
+
+def test_ctrl_c_on_a_benchmark_stops_it_and_writes_no_figures(tmp_path):
+    # before: the interrupted swarm was stopped, the bench went on to its next run and then wrote churn.json
+    # with the cut-short run's figures in it
+    proc = subprocess.Popen([sys.executable, "-m", "p2pdiloco", "bench", "churn", "--minutes", "5", "--out",
+                             str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL)
+    descendants = []
+    try:
+        metrics = [tmp_path / "decoupled_churn" / "peers" / f"peer{i}" / "metrics.jsonl" for i in range(4)]
+        wait_for(lambda: all(m.exists() and '"train"' in m.read_text() for m in metrics), 120,
+                 what="the first run's peers training")
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        _, alive = psutil.wait_procs(descendants, timeout=10)
+        assert not alive, f"left running: {[p.name() for p in alive]}"
+        assert not (tmp_path / "churn.json").exists() and not (tmp_path / "sync_churn").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        kill_quietly(descendants)
