@@ -111,8 +111,19 @@ def resume_from_checkpoint(learner: Learner, folder: Path, announce) -> None:
 def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dht, cfg: Config, peer_id: str,
                      metrics: MetricsLog) -> None:
     """If live peers' global models have absorbed more tokens than ours, download the freshest one first,
-    so that a joiner (or a resumed peer that fell behind) continues the swarm's run instead of pulling it back."""
-    records = live_records(loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30))
+    so that a joiner (or a resumed peer that fell behind) continues the swarm's run instead of pulling it back.
+
+    If no peer is live and one left having finished the run, the run is over: this peer ends at once
+    (`Learner.ended_with_swarm`) instead of training on alone."""
+    every = loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30)
+    finished = swarm_finished(every, peer_id, cfg.run.total_steps)
+    if finished is not None:  # training on alone would only move this peer's model away from the swarm's result
+        learner.ended_with_swarm = True
+        metrics.write(kind="swarm_finished", peer=finished[0], step=finished[1])
+        logger.warning("[%s] the swarm already finished this run (peer %s left at step %d): nothing left to train; "
+                       "keeping this peer's model as it is", peer_id[-6:], finished[0][-6:], finished[1])
+        return
+    records = live_records(every)
     ahead = {p: r for p, r in records.items()
              if p != peer_id and float(r.get("global_tokens") or 0) > learner.c.global_tokens}
     if not ahead:
@@ -132,6 +143,22 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
                 state.round, state.step, donor[-6:], time.monotonic() - t0)
 
 
+FINISHED_RECORD_S = 3600.0
+"""How long a finished peer's 'left' record stays in the DHT."""
+
+
+def swarm_finished(records: dict[str, dict], me: str, total_steps: int) -> tuple[str, int] | None:
+    """(peer, step) of a peer that finished this run (reached `total_steps`) and left, if no peer is still live."""
+    others = {p: r for p, r in records.items() if p != me}
+    if not others or live_records(others):
+        return None
+    for peer, r in others.items():
+        step = r.get("step")
+        if r.get("finished") is True and isinstance(step, int) and step >= total_steps:
+            return peer, step
+    return None
+
+
 class Heartbeat:
     """This peer's record in the DHT: refreshed every `period` seconds, expiring after three missed beats,
     and replaced by a 'left' record when the peer exits cleanly, so others stop counting on it at once.
@@ -143,9 +170,9 @@ class Heartbeat:
         self.dht, self.key, self.peer_id, self.record, self.period = dht, peers_key(run_id), peer_id, record, period
         self._expiration = 0.0
 
-    async def _write(self, value: dict) -> None:
+    async def _write(self, value: dict, ttl: float | None = None) -> None:
         # a newer record must expire later than the one it replaces, or the DHT keeps the old one
-        self._expiration = max(get_dht_time() + 3 * self.period, self._expiration + 1e-3)
+        self._expiration = max(get_dht_time() + (ttl or 3 * self.period), self._expiration + 1e-3)
         await write_subkey(self.dht, self.key, self.peer_id, value, self._expiration)
 
     async def run(self) -> None:
@@ -153,8 +180,14 @@ class Heartbeat:
             await self._write({**self.record(), "time": get_dht_time()})
             await asyncio.sleep(self.period)
 
-    async def leave(self) -> None:
-        await self._write({"left": True, "time": get_dht_time()})
+    async def leave(self, finished_at: int | None = None) -> None:
+        """Replace the record by a 'left' one; a peer that finished the run says so, for an hour, so that a peer
+        restarted after the swarm finished does not train on alone (see `swarm_finished`)."""
+        if finished_at is None:
+            await self._write({"left": True, "time": get_dht_time()})
+        else:
+            await self._write({"left": True, "finished": True, "step": finished_at, "time": get_dht_time()},
+                              ttl=FINISHED_RECORD_S)
 
 
 def telemetry_snapshot(learner: Learner, static: dict) -> dict:
@@ -258,7 +291,8 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
     startup.lap("dht")
     reaper = Reaper(dht)
     loop = BackgroundLoop()
-    merger = metrics = heartbeat = metrics_server = None
+    merger = metrics = heartbeat = metrics_server = learner = None
+    finished = False
     try:
         peer_id = dht.peer_id.to_base58()
         maddrs = visible_maddrs(dht)
@@ -318,11 +352,12 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         if not stop():  # a peer told to stop mid-round still has its last merged state in the checkpoints
             learner.checkpoint()
         save_model(run_dir / "model.safetensors", learner)
+        finished = not stop()
         return summary
     finally:
         if heartbeat is not None:
             try:
-                loop.run(heartbeat.leave(), timeout=5)
+                loop.run(heartbeat.leave(learner.c.step if finished else None), timeout=5)
             except Exception as e:  # leaving: others will see the record expire instead
                 logger.debug("withdrawing the peer record failed: %r", e)
         if metrics_server is not None:

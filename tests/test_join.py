@@ -136,3 +136,35 @@ def test_swarm_outlives_its_bootstrap_node(tmp_path):
         if boot.poll() is None:
             boot.kill()
         boot.wait()
+
+
+def test_a_peer_restarted_after_the_swarm_finished_does_not_train_on_alone(bootstrap_dht, net_loop):
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from p2pdiloco.peer import Heartbeat, swarm_finished
+    from p2pdiloco.swarm import peers_key, read_subkeys
+
+    # a peer that finished leaves a 'finished' record that outlives its heartbeats (real DHT, real expiry)
+    done, late = start_local_dht([str(m) for m in bootstrap_dht.get_visible_maddrs()]), None
+    try:
+        late = start_local_dht([str(m) for m in bootstrap_dht.get_visible_maddrs()])
+        hb = Heartbeat(done, "fin", done.peer_id.to_base58(), lambda: {"step": 100}, period=0.5)
+        net_loop.run(hb.leave(finished_at=100), 10)
+        me = late.peer_id.to_base58()
+
+        def finished():
+            records = net_loop.run(read_subkeys(late, peers_key("fin")), 10)
+            return swarm_finished(records, me, total_steps=100)
+
+        wait_for(lambda: finished() is not None, 20, what="the finished record")
+        assert finished() == (done.peer_id.to_base58(), 100)
+        assert hb._expiration > get_dht_time() + 600  # not 3 heartbeats: an hour
+    finally:
+        for d in (done, late):
+            if d is not None:
+                d.shutdown()
+    # live peers, a peer that left early, or one that finished fewer steps: the run is not over
+    assert swarm_finished({"a": {"step": 50}, "b": {"left": True, "finished": True, "step": 100}}, "me", 100) is None
+    assert swarm_finished({"b": {"left": True, "step": 100}}, "me", 100) is None
+    assert swarm_finished({"b": {"left": True, "finished": True, "step": 90}}, "me", 100) is None
+    assert swarm_finished({"me": {"left": True, "finished": True, "step": 100}}, "me", 100) is None

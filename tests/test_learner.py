@@ -179,3 +179,11 @@ def test_a_peer_that_merges_with_a_finishing_peer_ends_on_the_same_global_model(
     rows = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     merges = [r for r in rows if r["kind"] == "merge"]
     assert [r["final"] for r in merges] == [False, True]  # and nothing submitted after the final group
+
+
+def test_a_learner_told_the_run_is_over_takes_no_step_and_submits_nothing(tmp_path):
+    learner = _learner(_cfg(), InMemoryMerger("late", {"group_size": 2}), tmp_path, 0)  # nobody to merge with
+    learner.ended_with_swarm = True  # what join_swarm_state does when the swarm finished without us
+    summary = learner.run()
+    assert summary["inner_steps"] == 0 and summary["rounds"] == 0 and learner.in_flight is None
+    assert summary["eval_loss_final"] == summary["eval_loss_initial"]
