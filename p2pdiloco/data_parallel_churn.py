@@ -111,6 +111,9 @@ def _rank_main(rank: int, world: int, init_file: str, sets: list[str], out: str,
         if rank == 0:
             _append(progress, {"kind": "end", "inc": incarnation, "step": step,
                                "eval_loss": evaluate_model(model, val, torch.device("cpu"))})
+    except RuntimeError as e:  # a collective with a killed rank: expected under churn, not worth a traceback
+        logger.warning("step %d: collective failed, stopping this incarnation: %s", step, str(e).splitlines()[0])
+        raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()
 
