@@ -47,6 +47,30 @@ def loopback_interface() -> str:
     return "lo"
 
 
+def rank_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """The inner AdamW a peer would use, for one data-parallel rank."""
+    inner = cfg.inner
+    return torch.optim.AdamW(model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2),
+                             weight_decay=inner.weight_decay)
+
+
+def rank_step(ddp: DistributedDataParallel, opt: torch.optim.Optimizer, sampler: BatchSampler, step: int,
+              cfg: Config) -> torch.Tensor:
+    """One data-parallel step at the run-wide lr schedule; returns the (local) loss."""
+    inner = cfg.inner
+    lr = cosine_lr(step, inner.lr, inner.warmup_steps, cfg.run.total_steps, inner.min_lr_ratio)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    x, y = sampler.next_batch()
+    _, loss = ddp(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()  # DDP averages the gradients over all ranks here
+    if inner.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(ddp.module.parameters(), inner.grad_clip)
+    opt.step()
+    return loss.detach()
+
+
 def train_rank(cfg: Config, rank: int, world: int, eval_every: int = 0) -> dict:
     """Train one rank of an initialised gloo process group; returns its losses, time and final weights' digest.
 
@@ -63,24 +87,13 @@ def train_rank(cfg: Config, rank: int, world: int, eval_every: int = 0) -> dict:
     val = eval_batches(data.val, cfg.model.seq_len, cfg.data.batch_size, cfg.run.eval_batches)
     model = build_model(cfg.model)  # the same init_seed on every rank: the swarm's initial global model
     ddp = DistributedDataParallel(model)
-    inner = cfg.inner
-    opt = torch.optim.AdamW(model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2),
-                            weight_decay=inner.weight_decay)
+    opt = rank_optimizer(model, cfg)
     curve = [(0, evaluate_model(model, val, device))] if rank == 0 else []
     t0 = time.monotonic()
     loss_sum = 0.0
     for step in range(cfg.run.total_steps):
-        lr = cosine_lr(step, inner.lr, inner.warmup_steps, cfg.run.total_steps, inner.min_lr_ratio)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        x, y = sampler.next_batch()
-        _, loss = ddp(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()  # DDP averages the gradients over all ranks here
-        if inner.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)
-        opt.step()
-        loss_sum += float(loss.detach())
+        loss = rank_step(ddp, opt, sampler, step, cfg)
+        loss_sum += float(loss)
         if rank == 0 and eval_every and (step + 1) % eval_every == 0 and step + 1 < cfg.run.total_steps:
             curve.append((step + 1, evaluate_model(model, val, device)))
     train_s = time.monotonic() - t0
@@ -146,7 +159,7 @@ def run_data_parallel(sets: list[str], ranks: int, out: Path, timeout_s: float =
                 raise RuntimeError(f"data-parallel baseline did not finish in {timeout_s:.0f} s")
             mp.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.5)
     finally:
-        _stop(procs)
+        stop_ranks(procs)
     failed = {p.name: p.exitcode for p in procs if p.exitcode != 0}
     if failed:
         raise RuntimeError(f"data-parallel ranks failed: {failed}")
@@ -155,7 +168,7 @@ def run_data_parallel(sets: list[str], ranks: int, out: Path, timeout_s: float =
             "max_train_s": max(r["train_s"] for r in results)}
 
 
-def _stop(procs: list) -> None:
+def stop_ranks(procs: list) -> None:
     """Reap every rank: terminate what still runs, kill what ignores that."""
     for p in procs:
         if p.is_alive():

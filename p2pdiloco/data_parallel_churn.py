@@ -32,10 +32,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from p2pdiloco.config import load_config, parse_set
 from p2pdiloco.data import BatchSampler, eval_batches, load_text
-from p2pdiloco.data_parallel import _stop, loopback_interface
+from p2pdiloco.data_parallel import loopback_interface, rank_optimizer, rank_step, stop_ranks
 from p2pdiloco.learner import evaluate_model
 from p2pdiloco.model import build_model
-from p2pdiloco.outer import cosine_lr
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +62,7 @@ def _rank_main(rank: int, world: int, init_file: str, sets: list[str], out: str,
     data = load_text(cfg.data, min_bytes=2 * (cfg.model.seq_len + 1))
     val = eval_batches(data.val, cfg.model.seq_len, cfg.data.batch_size, cfg.run.eval_batches)
     model = build_model(cfg.model)
-    inner = cfg.inner
-    opt = torch.optim.AdamW(model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2),
-                            weight_decay=inner.weight_decay)
+    opt = rank_optimizer(model, cfg)
     step, ckpt = 0, folder / "checkpoint.pt"
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=True)
@@ -82,16 +79,7 @@ def _rank_main(rank: int, world: int, init_file: str, sets: list[str], out: str,
     try:
         while step < cfg.run.total_steps:
             t0 = time.monotonic()
-            lr = cosine_lr(step, inner.lr, inner.warmup_steps, cfg.run.total_steps, inner.min_lr_ratio)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            x, y = sampler.next_batch()
-            _, loss = ddp(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if inner.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)
-            opt.step()
+            rank_step(ddp, opt, sampler, step, cfg)
             spent = time.monotonic() - t0
             if cfg.run.min_step_s > spent:  # the same emulated step time as the peers
                 time.sleep(cfg.run.min_step_s - spent)
@@ -195,7 +183,7 @@ def run_data_parallel_churn(sets: list[str], ranks: int, out: Path, kill_every: 
                     raise RuntimeError(f"a data-parallel rank failed on its own: {[p.exitcode for p in procs]}")
                 mp.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)
         finally:
-            _stop(procs)
+            stop_ranks(procs)
             for r in range(ranks):  # the victim's time ends at its kill, the survivors' when they are stopped
                 end = kills[-1]["t"] + t_run if r == victim else time.monotonic()
                 spent[r] += end - started[r] if started[r] else 0.0

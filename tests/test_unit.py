@@ -31,9 +31,14 @@ def _start(run_dir: Path, steps: int) -> subprocess.Popen:
                             stdin=subprocess.DEVNULL)
 
 
-def _ranks(launcher: subprocess.Popen) -> list[psutil.Process]:
-    """The launcher's rank processes (direct children), once both exist."""
-    return wait_for(lambda: len(kids := psutil.Process(launcher.pid).children()) == 2 and kids, 30, what="2 ranks")
+def _descendants(launcher: subprocess.Popen) -> list[psutil.Process]:
+    """The launcher's rank processes (once both exist) and everything they started."""
+    ranks = wait_for(lambda: len(kids := psutil.Process(launcher.pid).children()) == 2 and kids, 30, what="2 ranks")
+    return ranks + [c for r in ranks for c in r.children(recursive=True)]
+
+
+def _still_running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def _check_ranks_agree(run_dir: Path) -> None:
@@ -53,8 +58,7 @@ def test_two_rank_unit_trains_in_step_and_merges(tmp_path):
     run_dir.mkdir()
     launcher = _start(run_dir, 30)
     try:
-        ranks = _ranks(launcher)
-        descendants = ranks + [c for r in ranks for c in r.children(recursive=True)]
+        descendants = _descendants(launcher)
         assert launcher.wait(timeout=150) == 0, (tmp_path / "out.txt").read_text()[-3000:]
     finally:
         interrupt_and_reap(launcher)
@@ -64,7 +68,7 @@ def test_two_rank_unit_trains_in_step_and_merges(tmp_path):
     assert summary["tokens"] == 30 * 4 * 32 * 2  # both ranks' batches count
     assert summary["eval_loss_final"] < summary["eval_loss_initial"] - 0.5
     assert len(_lines(run_dir / "metrics.jsonl", "merge")) == 3  # merges (alone) were applied and broadcast
-    assert not [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not _still_running(descendants)
 
 
 def test_ctrl_c_stops_every_rank_with_identical_parameters(tmp_path):
@@ -72,15 +76,14 @@ def test_ctrl_c_stops_every_rank_with_identical_parameters(tmp_path):
     run_dir.mkdir()
     launcher = _start(run_dir, 100000)
     try:
-        ranks = _ranks(launcher)
-        descendants = ranks + [c for r in ranks for c in r.children(recursive=True)]
+        descendants = _descendants(launcher)
         wait_for(lambda: len(_lines(run_dir / "metrics.jsonl", "merge")) >= 2, 90, what="two merges")
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(timeout=60) == 0, (tmp_path / "out.txt").read_text()[-3000:]
     finally:
         interrupt_and_reap(launcher)
     _check_ranks_agree(run_dir)
-    assert not [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not _still_running(descendants)
 
 
 def test_each_rank_reads_its_own_slice_of_the_peers_shard():
