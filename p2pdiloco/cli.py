@@ -50,7 +50,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 def config_path(args: argparse.Namespace) -> str | None:
     """The TOML file that --config or --preset names, if any."""
     if args.preset:
-        from p2pdiloco.presets import preset_path
+        from p2pdiloco.config.presets import preset_path
 
         if args.config:
             raise ConfigError("give --config or --preset, not both")
@@ -78,7 +78,7 @@ def config_from_args(args: argparse.Namespace, extra: dict | None = None) -> Con
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
-    from p2pdiloco.bootstrap import run_bootstrap
+    from p2pdiloco.app.bootstrap import run_bootstrap
 
     run_bootstrap(args.host, args.port, Path(args.identity), args.announce or [],
                   Path(args.maddr_file) if args.maddr_file else None, print_fn=lambda line: print(line, flush=True),
@@ -87,11 +87,11 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
-    from p2pdiloco.local import summarize
-    from p2pdiloco.peer import StopFlag, run_peer
+    from p2pdiloco.app.local import summarize
+    from p2pdiloco.app.peer import StopFlag, run_peer
 
     if args.nproc > 1 and "RANK" not in os.environ:  # under torchrun, RANK is set and this process is one rank
-        from p2pdiloco.distributed import launch_unit, strip_nproc
+        from p2pdiloco.training.distributed import launch_unit, strip_nproc
 
         return launch_unit(args.nproc, strip_nproc(args.argv))
     extra: dict[str, dict] = {"swarm": {}, "run": {}}
@@ -121,7 +121,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     if not args.in_local:  # a peer of `local` leaves the run's summary and plot to it
         summarize(run_dir, [run_dir], cfg.to_dict(), summary["wall_s"])
         try:
-            from p2pdiloco.plot import plot_run
+            from p2pdiloco.observe.plot import plot_run
 
             plot_run(run_dir)
         except Exception as e:  # a plot must not lose the run's results
@@ -148,7 +148,7 @@ def parse_slow(items: list[str], n_peers: int) -> dict[int, float]:
 
 def parse_hostile(items: list[str], n_peers: int) -> dict[int, str]:
     """``["2:nan"]`` -> ``{2: "nan"}``: peer 2 corrupts its contributions with NaNs (see hostile.py)."""
-    from p2pdiloco.hostile import KINDS
+    from p2pdiloco.testing.hostile import KINDS
 
     hostile = {}
     for item in items:
@@ -161,7 +161,7 @@ def parse_hostile(items: list[str], n_peers: int) -> dict[int, str]:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from p2pdiloco.swarm_key import SwarmKeyError, write_new_key
+    from p2pdiloco.network.swarm_key import SwarmKeyError, write_new_key
 
     try:
         path = write_new_key(args.file)
@@ -195,7 +195,7 @@ def _stop_on_signals() -> None:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    from p2pdiloco.local import Chaos, run_local
+    from p2pdiloco.app.local import Chaos, run_local
 
     if args.peers < 1:
         raise ConfigError("--peers must be >= 1")
@@ -231,7 +231,7 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from p2pdiloco.status import fetch_status, format_status, to_json
+    from p2pdiloco.observe.status import fetch_status, format_status, to_json
 
     status = fetch_status(args.initial_peers, args.run_id, args.timeout, swarm_key=args.swarm_key or "")
     if args.json:
@@ -246,7 +246,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    from p2pdiloco.dashboard import run_dashboard
+    from p2pdiloco.observe.dashboard import run_dashboard
 
     stop = threading.Event()
     owner = os.getpid()
@@ -268,13 +268,13 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from p2pdiloco.plot import plot_run
+    from p2pdiloco.observe.plot import plot_run
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir} is not a folder (expected a run folder, e.g. runs/latest)")
     if not args.verbose:  # the error line below says it; plot_run's own warning would say it twice
-        logging.getLogger("p2pdiloco.plot").setLevel(logging.ERROR)
+        logging.getLogger("p2pdiloco.observe.plot").setLevel(logging.ERROR)
     written = plot_run(run_dir)
     if not written:
         print(f"p2pdiloco plot: error: nothing to plot in {run_dir}: no loss points in peers/*/metrics.jsonl "
@@ -306,36 +306,40 @@ def _one_round_length(text: str | None) -> int | None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from p2pdiloco import bench
-
     _stop_on_signals()  # benches run local swarms (and slowlink its namespaces): stop and clean them up
     out = Path(args.out or f"runs/bench-{args.which}")
     if args.which == "straggler":
-        bench.bench_straggler(out, seconds=args.seconds)
+        from p2pdiloco.bench.straggler import bench_straggler
+
+        bench_straggler(out, seconds=args.seconds)
     elif args.which == "churn":
-        bench.bench_churn(out, minutes=args.minutes, kill_every=args.kill_every)
+        from p2pdiloco.bench.churn import bench_churn
+
+        bench_churn(out, minutes=args.minutes, kill_every=args.kill_every)
     elif args.which == "bandwidth":
-        from p2pdiloco.bench_bandwidth import HS, bench_bandwidth
+        from p2pdiloco.bench.bandwidth import HS, bench_bandwidth
 
         codecs = tuple(args.codecs.split(",")) if args.codecs else CODECS
         if any(c not in CODECS for c in codecs):
             raise ConfigError(f"--codecs takes a comma-separated list of {', '.join(CODECS)}")
         bench_bandwidth(out, steps=args.steps or 1000, hs=_round_lengths(args.h) or HS, codecs=codecs)
     elif args.which == "parity":
-        from p2pdiloco.bench_parity import bench_parity
+        from p2pdiloco.bench.parity import bench_parity
 
         bench_parity(out, steps=args.steps or 3000, h=_one_round_length(args.h) or 50, peers=args.peers or 4)
     elif args.which == "slowlink":
-        from p2pdiloco.bench_slowlink import bench_slowlink
+        from p2pdiloco.bench.slowlink import bench_slowlink
 
         bench_slowlink(out, steps=args.steps or 250, h=_one_round_length(args.h) or 25, peers=args.peers or 2,
                        rate_mbit=args.rate_mbit)
     elif args.which == "byzantine":
-        from p2pdiloco.bench_byzantine import bench_byzantine
+        from p2pdiloco.bench.byzantine import bench_byzantine
 
         bench_byzantine(out, steps=args.steps or 60)
     else:
-        bench.bench_overhead(out, steps=args.steps or 600)
+        from p2pdiloco.bench.overhead import bench_overhead
+
+        bench_overhead(out, steps=args.steps or 600)
     return 0
 
 
@@ -487,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `peer --nproc` starts its ranks with these
     setup_logging(args.verbose)
-    from p2pdiloco.swarm import SwarmError
+    from p2pdiloco.network.swarm import SwarmError
 
     try:
         return args.func(args)

@@ -13,7 +13,7 @@ import hivemind
 import psutil
 import pytest
 
-from p2pdiloco.swarm import BackgroundLoop
+from p2pdiloco.network.swarm import BackgroundLoop
 
 
 def wait_for(condition, timeout: float, interval: float = 0.1, what: str = "condition"):
@@ -123,8 +123,8 @@ def running_mergers(bootstrap: hivemind.DHT, net_loop: BackgroundLoop, n: int, c
     knows how many peers are live); closed and shut down afterwards."""
     from hivemind.utils.timed_storage import get_dht_time
 
-    from p2pdiloco.p2p_merger import P2PMerger
-    from p2pdiloco.swarm import peers_key, write_subkey
+    from p2pdiloco.network.p2p_merger import P2PMerger
+    from p2pdiloco.network.swarm import peers_key, write_subkey
 
     maddrs = [str(m) for m in bootstrap.get_visible_maddrs()]
     dhts = [start_local_dht(maddrs) for _ in range(n)]

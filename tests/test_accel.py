@@ -4,8 +4,9 @@ monkeypatched: this machine has no accelerator."""
 import pytest
 import torch
 
-from p2pdiloco import accel
-from p2pdiloco.accel import (
+from p2pdiloco.config import ConfigError, ModelConfig
+from p2pdiloco.training import accel
+from p2pdiloco.training.accel import (
     autocast_for,
     compute_dtype,
     flops_per_token,
@@ -14,7 +15,6 @@ from p2pdiloco.accel import (
     peak_memory,
     pick_device,
 )
-from p2pdiloco.config import ConfigError, ModelConfig
 
 
 def _machine(monkeypatch, cuda=False, mps=False, xpu=False, bf16=True, name="NVIDIA H100 80GB HBM3"):

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
+from p2pdiloco.bench.baselines.data_parallel import run_data_parallel
 from p2pdiloco.config import load_config, parse_set
-from p2pdiloco.data import eval_batches, load_text
-from p2pdiloco.data_parallel import run_data_parallel
-from p2pdiloco.learner import evaluate_model
-from p2pdiloco.model import build_model
+from p2pdiloco.training.data import eval_batches, load_text
+from p2pdiloco.training.learner import evaluate_model
+from p2pdiloco.training.model import build_model
 from tests.conftest import run_children
 
 pytestmark = pytest.mark.integration

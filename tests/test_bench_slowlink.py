@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco import bench_slowlink
-from p2pdiloco.bench_slowlink import SlowLinks, SlowlinkUnavailable, check_can_run
+from p2pdiloco.bench import slowlink
+from p2pdiloco.bench.slowlink import SlowLinks, SlowlinkUnavailable, check_can_run
 from p2pdiloco.cli import main
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only")
@@ -34,7 +34,7 @@ def test_without_root_the_bench_exits_with_a_clear_message(monkeypatch, tmp_path
 @linux
 def test_without_iproute2_the_bench_says_what_is_missing(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(bench_slowlink.shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
+    monkeypatch.setattr(slowlink.shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
     with pytest.raises(SlowlinkUnavailable, match="needs iproute2's tc on PATH"):
         check_can_run()
 
@@ -114,7 +114,7 @@ def test_only_leftovers_of_dead_runs_are_removed():
     try:
         for ns in (leftover, live):
             subprocess.run(["ip", "netns", "add", ns], check=True, timeout=10)
-        removed = bench_slowlink.remove_stale_namespaces()
+        removed = slowlink.remove_stale_namespaces()
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
         assert leftover in removed and leftover not in listed
         assert live not in removed and live in listed

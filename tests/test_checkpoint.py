@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from p2pdiloco.checkpoint import load_latest, save_checkpoint
+from p2pdiloco.training.checkpoint import load_latest, save_checkpoint
 from tests.test_cli import TINY
 
 
@@ -55,7 +55,7 @@ def test_sigkill_during_checkpoint_write_then_resume_loads_previous_good(tmp_pat
 
 
 def test_adam_state_round_trips_through_a_checkpoint(tmp_path):
-    from p2pdiloco.checkpoint import adam_state_flat, load_adam_state_flat
+    from p2pdiloco.training.checkpoint import adam_state_flat, load_adam_state_flat
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))

@@ -13,7 +13,7 @@ import psutil
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco.swarm import peers_key, write_subkey
+from p2pdiloco.network.swarm import peers_key, write_subkey
 from tests.conftest import free_port, wait_for
 
 CLI = [sys.executable, "-m", "p2pdiloco"]

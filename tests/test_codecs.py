@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pdiloco.codecs import CodecError, ErrorFeedback, get_codec, roundtrip
+from p2pdiloco.algorithm.codecs import CodecError, ErrorFeedback, get_codec, roundtrip
 from p2pdiloco.config import CODECS
 
 LOSSY = [c for c in CODECS if c != "none"]

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco.dashboard import POINT_FIELDS, Dashboard, Series, SwarmHistory
+from p2pdiloco.observe.dashboard import POINT_FIELDS, Dashboard, Series, SwarmHistory
 from tests.conftest import wait_for
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import p2pdiloco.data as data_mod
+import p2pdiloco.training.data as data_mod
 from p2pdiloco.config import ConfigError, DataConfig
-from p2pdiloco.data import BatchSampler, eval_batches, is_val_file, load_text, shard_range
+from p2pdiloco.training.data import BatchSampler, eval_batches, is_val_file, load_text, shard_range
 
 
 def _write_corpus(root: Path, n_files: int) -> dict[str, bytes]:
@@ -132,7 +132,7 @@ def test_unreadable_files(
     monkeypatch.setattr(data_mod, "open", guarded_open, raising=False)
     with pytest.raises(ConfigError, match="^cannot read data file .*secret.txt: Permission denied$"):
         load_text(DataConfig(paths=[str(secret)]))
-    with caplog.at_level(logging.WARNING, logger="p2pdiloco.data"):
+    with caplog.at_level(logging.WARNING, logger="p2pdiloco.training.data"):
         data = load_text(DataConfig(paths=[str(tmp_path)]))
     assert data.n_files == 1 and data.n_bytes == 300
     assert "skipping unreadable file" in caplog.text

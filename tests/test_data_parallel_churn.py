@@ -1,7 +1,7 @@
 """The data-parallel baseline under churn (bench churn): real gloo ranks, a real SIGKILL, a restart from the
 last checkpoint, and goodput from what the ranks recorded."""
 
-from p2pdiloco.data_parallel_churn import goodput_from_progress, run_data_parallel_churn
+from p2pdiloco.bench.baselines.data_parallel_churn import goodput_from_progress, run_data_parallel_churn
 from tests.conftest import run_children
 
 

@@ -11,10 +11,10 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from p2pdiloco.guards import screen_parts
-from p2pdiloco.p2p_merger import MergeFailed, P2PMerger
-from p2pdiloco.state_sync import GlobalState, StateError, unpack_state
-from p2pdiloco.wire import MAX_HEADER_BYTES, WireError, recv_msg
+from p2pdiloco.algorithm.guards import screen_parts
+from p2pdiloco.network.p2p_merger import MergeFailed, P2PMerger
+from p2pdiloco.network.state_sync import GlobalState, StateError, unpack_state
+from p2pdiloco.network.wire import MAX_HEADER_BYTES, WireError, recv_msg
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

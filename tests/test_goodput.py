@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from p2pdiloco.bench import goodput_from_metrics
+from p2pdiloco.bench.churn import goodput_from_metrics
 
 
 def _write(path, rows):

@@ -10,8 +10,15 @@ import psutil
 import pytest
 import torch
 
-from p2pdiloco.state_sync import GlobalState, StateError, StateSync, donor_order, pack_state, unpack_state
-from p2pdiloco.wire import ByteCounter
+from p2pdiloco.network.state_sync import (
+    GlobalState,
+    StateError,
+    StateSync,
+    donor_order,
+    pack_state,
+    unpack_state,
+)
+from p2pdiloco.network.wire import ByteCounter
 from tests.conftest import interrupt_and_reap, start_local_dht, wait_for
 from tests.test_cli import CLI
 from tests.test_decoupled import PACED, merges
@@ -141,8 +148,8 @@ def test_swarm_outlives_its_bootstrap_node(tmp_path):
 def test_a_peer_restarted_after_the_swarm_finished_does_not_train_on_alone(bootstrap_dht, net_loop):
     from hivemind.utils.timed_storage import get_dht_time
 
-    from p2pdiloco.peer import Heartbeat, swarm_finished
-    from p2pdiloco.swarm import peers_key, read_subkeys
+    from p2pdiloco.app.peer import Heartbeat, swarm_finished
+    from p2pdiloco.network.swarm import peers_key, read_subkeys
 
     # a peer that finished leaves a 'finished' record that outlives its heartbeats (real DHT, real expiry)
     done, late = start_local_dht([str(m) for m in bootstrap_dht.get_visible_maddrs()]), None

@@ -5,11 +5,12 @@ import threading
 
 import torch
 
+from p2pdiloco.algorithm.outer import outer_step
 from p2pdiloco.config import load_config, parse_set
-from p2pdiloco.learner import Learner, MetricsLog, load_flat_
-from p2pdiloco.merge import InMemoryMerger, MergeResult
-from p2pdiloco.model import build_model
-from p2pdiloco.outer import outer_step
+from p2pdiloco.network.merger import MergeResult
+from p2pdiloco.testing.inmemory import InMemoryMerger
+from p2pdiloco.training.learner import Learner, MetricsLog, load_flat_
+from p2pdiloco.training.model import build_model
 
 
 def _cfg(**sets):
@@ -124,8 +125,8 @@ def test_decoupled_learner_never_waits_for_a_slow_merge(tmp_path):
 
 
 def test_joiner_with_fresh_moments_rewarms_its_lr_and_a_resumed_peer_does_not(tmp_path):
-    from p2pdiloco.outer import cosine_lr
-    from p2pdiloco.state_sync import GlobalState
+    from p2pdiloco.algorithm.outer import cosine_lr
+    from p2pdiloco.network.state_sync import GlobalState
 
     cfg = _cfg(**{"run.total_steps": 100, "inner.warmup_steps": 4})
     donor = _learner(cfg, InMemoryMerger("donor", {"group_size": 1}), tmp_path, 0)
@@ -145,7 +146,7 @@ def test_joiner_with_fresh_moments_rewarms_its_lr_and_a_resumed_peer_does_not(tm
 
     resumed = _learner(cfg, InMemoryMerger("resumed", {"group_size": 1}), tmp_path, 2)
     resumed.inner_step()  # has moments of its own, as a checkpoint would hold them
-    from p2pdiloco.checkpoint import adam_state_flat
+    from p2pdiloco.training.checkpoint import adam_state_flat
 
     tensors = {"global_params": state.global_params, "momentum": state.momentum,
                **adam_state_flat(resumed.opt, list(resumed.model.parameters()))}

@@ -7,11 +7,11 @@ import msgpack
 import pytest
 import torch
 
-from p2pdiloco.codecs import get_codec
+from p2pdiloco.algorithm.codecs import get_codec
+from p2pdiloco.algorithm.outer import weighted_average
 from p2pdiloco.config import CODECS, GuardConfig, SwarmConfig
-from p2pdiloco.merge import Contribution
-from p2pdiloco.outer import weighted_average
-from p2pdiloco.p2p_merger import slice_bounds
+from p2pdiloco.network.merger import Contribution
+from p2pdiloco.network.p2p_merger import slice_bounds
 from tests.conftest import running_mergers
 
 pytestmark = pytest.mark.integration

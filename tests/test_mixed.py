@@ -6,11 +6,16 @@ import threading
 
 import torch
 
-from p2pdiloco.checkpoint import load_latest, load_optimizer_state, optimizer_state_tensors, save_checkpoint
 from p2pdiloco.config import load_config, parse_set
-from p2pdiloco.learner import Learner, MetricsLog
-from p2pdiloco.merge import InMemoryMerger
-from p2pdiloco.model import build_model
+from p2pdiloco.testing.inmemory import InMemoryMerger
+from p2pdiloco.training.checkpoint import (
+    load_latest,
+    load_optimizer_state,
+    optimizer_state_tensors,
+    save_checkpoint,
+)
+from p2pdiloco.training.learner import Learner, MetricsLog
+from p2pdiloco.training.model import build_model
 
 
 def _cfg(*extra):

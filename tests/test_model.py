@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from p2pdiloco.config import ModelConfig
-from p2pdiloco.model import GPT, build_model, count_params
+from p2pdiloco.training.model import GPT, build_model, count_params
 
 CFG = ModelConfig(n_layer=2, n_head=4, d_model=64, seq_len=32, dropout=0.0, init_seed=7)
 

@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from p2pdiloco.outer import cosine_lr, outer_step, pseudo_gradient, rebase, state_digest, weighted_average
+from p2pdiloco.algorithm.outer import (
+    cosine_lr,
+    outer_step,
+    pseudo_gradient,
+    rebase,
+    state_digest,
+    weighted_average,
+)
 
 
 def test_pseudo_gradient_is_global_minus_local():

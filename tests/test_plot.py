@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.plot import plot_run, read_metrics
+from p2pdiloco.observe.plot import plot_run, read_metrics
 from tests.test_cli import _one_line_error, run_cli
 
 
@@ -90,7 +90,7 @@ def test_plot_run_with_only_train_points(tmp_path: Path) -> None:
 
 
 def test_plot_run_returns_nothing_for_an_empty_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="p2pdiloco.plot"):
+    with caplog.at_level(logging.WARNING, logger="p2pdiloco.observe.plot"):
         assert plot_run(tmp_path) == []
     assert "nothing to plot" in caplog.text
     assert not (tmp_path / "loss.png").exists()

@@ -9,8 +9,8 @@ import torch
 
 from p2pdiloco.cli import main
 from p2pdiloco.config import Config, ConfigError, load_config
-from p2pdiloco.model import GPT, count_params
-from p2pdiloco.presets import preset_names, preset_path
+from p2pdiloco.config.presets import preset_names, preset_path
+from p2pdiloco.training.model import GPT, count_params
 
 PEERS = Path(__file__).resolve().parent.parent / "peers"
 

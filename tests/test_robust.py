@@ -6,16 +6,24 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from p2pdiloco.config import GuardConfig
-from p2pdiloco.guards import DIRECTION, NONFINITE, NORM, GuardBook, check_average, screen_parts, stale_members
-from p2pdiloco.hostile import corrupt
-from p2pdiloco.robust import (
+from p2pdiloco.algorithm.guards import (
+    DIRECTION,
+    NONFINITE,
+    NORM,
+    GuardBook,
+    check_average,
+    screen_parts,
+    stale_members,
+)
+from p2pdiloco.algorithm.robust import (
     aggregate,
     centered_clip,
     coordinate_median,
     radial_directional_average,
     trimmed_mean,
 )
+from p2pdiloco.config import GuardConfig
+from p2pdiloco.testing.hostile import corrupt
 
 T = torch.tensor
 

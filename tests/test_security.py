@@ -11,15 +11,14 @@ import pytest
 import torch
 from hivemind.utils.timed_storage import get_dht_time
 
+from p2pdiloco.algorithm.guards import DIRECTION, NONFINITE, NORM
+from p2pdiloco.algorithm.outer import weighted_average
 from p2pdiloco.cli import main
 from p2pdiloco.config import GuardConfig, SwarmConfig, load_config, parse_set
-from p2pdiloco.guards import DIRECTION, NONFINITE, NORM
-from p2pdiloco.hostile import corrupt
-from p2pdiloco.merge import Contribution
-from p2pdiloco.outer import weighted_average
-from p2pdiloco.p2p_merger import MergeFailed, P2PMerger
-from p2pdiloco.state_sync import GlobalState, StateError, StateSync
-from p2pdiloco.swarm import (
+from p2pdiloco.network.merger import Contribution
+from p2pdiloco.network.p2p_merger import MergeFailed, P2PMerger
+from p2pdiloco.network.state_sync import GlobalState, StateError, StateSync
+from p2pdiloco.network.swarm import (
     SwarmError,
     check_fingerprint,
     peers_key,
@@ -28,8 +27,9 @@ from p2pdiloco.swarm import (
     swarm_auth,
     write_subkey,
 )
-from p2pdiloco.swarm_key import SwarmKeyError, load_key, write_new_key
-from p2pdiloco.wire import ByteCounter, WireError
+from p2pdiloco.network.swarm_key import SwarmKeyError, load_key, write_new_key
+from p2pdiloco.network.wire import ByteCounter, WireError
+from p2pdiloco.testing.hostile import corrupt
 from tests.conftest import interrupt_and_reap, wait_for
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from p2pdiloco.status import format_status, human, swarm_status
+from p2pdiloco.observe.status import format_status, human, swarm_status
 from tests.test_cli import UNREACHABLE, _one_line_error, run_cli
 
 

@@ -8,11 +8,18 @@ import pytest
 import torch
 from hivemind.utils.timed_storage import get_dht_time
 
+from p2pdiloco.algorithm.outer import weighted_average
 from p2pdiloco.config import GuardConfig, SwarmConfig
-from p2pdiloco.merge import Contribution
-from p2pdiloco.outer import weighted_average
-from p2pdiloco.p2p_merger import P2PMerger, slice_bounds
-from p2pdiloco.swarm import SwarmError, check_fingerprint, peers_key, read_subkeys, start_dht, write_subkey
+from p2pdiloco.network.merger import Contribution
+from p2pdiloco.network.p2p_merger import P2PMerger, slice_bounds
+from p2pdiloco.network.swarm import (
+    SwarmError,
+    check_fingerprint,
+    peers_key,
+    read_subkeys,
+    start_dht,
+    write_subkey,
+)
 from tests.conftest import running_mergers, start_local_dht, wait_for
 
 pytestmark = pytest.mark.integration

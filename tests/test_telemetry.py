@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 
 from p2pdiloco.config import ConfigError
-from p2pdiloco.telemetry import Ema, MetricsServer, RateMeter, render_prometheus
+from p2pdiloco.observe.telemetry import Ema, MetricsServer, RateMeter, render_prometheus
 
 
 class FakeClock:

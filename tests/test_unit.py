@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from p2pdiloco.distributed import rank_shard, strip_nproc
+from p2pdiloco.training.distributed import rank_shard, strip_nproc
 from tests.conftest import interrupt_and_reap, wait_for
 from tests.test_cli import TINY
 
@@ -95,8 +95,8 @@ def test_each_rank_takes_its_own_gpu_and_nccl(monkeypatch):
     """The CUDA path of `init_unit`, as far as a machine without a GPU can check it."""
     import torch
 
-    from p2pdiloco import distributed
-    from p2pdiloco.distributed import UnitContext, init_unit
+    from p2pdiloco.training import distributed
+    from p2pdiloco.training.distributed import UnitContext, init_unit
 
     calls = {}
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("device", d))

@@ -5,7 +5,14 @@ import time
 
 import pytest
 
-from p2pdiloco.wire import MAX_HEADER_BYTES, ByteCounter, WireError, await_requester_close, recv_msg, send_msg
+from p2pdiloco.network.wire import (
+    MAX_HEADER_BYTES,
+    ByteCounter,
+    WireError,
+    await_requester_close,
+    recv_msg,
+    send_msg,
+)
 
 
 class _Sink:

@@ -1,0 +1,123 @@
+"""Robust aggregation of merge-group members' contributions, as pure functions on flat fp32 tensors.
+
+A plain weighted mean lets one member move the result arbitrarily far. These rules bound what a minority
+of bad contributions can do. Each is computed once, by the slice's owner, in group order, so every member
+still receives the same bits.
+
+- `centered_clip`: CenteredClip (Karimireddy, He, Jaggi, "Learning from History for Byzantine Robust
+  Optimization", ICML 2021; also used by hivemind's BTARD): move from a robust start towards each member,
+  but by at most τ.
+- `trimmed_mean`: coordinate-wise trimmed mean (Yin et al., "Byzantine-Robust Distributed Learning", 2018).
+- `radial_directional_average`: average the members' directions and keep their mean norm (Decoupled
+  DiLoCo's RDA), so the merged update does not shrink as groups grow and directions disagree. Not robust
+  by itself; it is offered as an alternative mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from p2pdiloco.algorithm.outer import weighted_average
+
+AGGREGATORS = ("mean", "centered_clip", "trimmed_mean", "rda")
+"""Names accepted by `aggregate` (config field guard.aggregate)."""
+
+
+def _normalized(weights: Sequence[float], n: int) -> list[float]:
+    total = float(sum(weights))
+    if total <= 0:
+        return [1.0 / n] * n
+    return [float(w) / total for w in weights]
+
+
+def coordinate_median(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Coordinate-wise median (the lower one of the two middle values for an even count, as torch does)."""
+    return torch.stack([p.float() for p in parts]).median(dim=0).values
+
+
+def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], tau: float | None = None,
+                  iters: int = 5) -> torch.Tensor:
+    """CenteredClip: v ← v + Σ wᵢ·(xᵢ − v)·min(1, τ/‖xᵢ − v‖), starting from the coordinate-wise median.
+
+    Args:
+        parts: same-shape fp32 tensors, one per member, in group order.
+        weights: non-negative weights (tokens); normalized here.
+        tau: clipping radius (L2); None takes the median of the members' distances to the start, so the
+            radius scales with the contributions and an outlier moves the result by at most ~τ·its weight.
+        iters: fixed-point iterations.
+    """
+    if not parts:
+        raise ValueError("need at least one tensor")
+    w = _normalized(weights, len(parts))
+    xs = [p.float() for p in parts]
+    v = coordinate_median(xs)
+    if tau is None:
+        tau = float(torch.tensor([torch.linalg.vector_norm(x - v).item() for x in xs]).median())
+    if tau <= 0:
+        return v  # a majority agree exactly: that is the answer
+    for _ in range(iters):
+        step = torch.zeros_like(v)
+        for x, wi in zip(xs, w, strict=True):
+            diff = x - v
+            dist = float(torch.linalg.vector_norm(diff))
+            step.add_(diff, alpha=wi * min(1.0, tau / dist) if dist > 0 else 0.0)
+        v = v + step
+    return v
+
+
+def trimmed_mean(parts: Sequence[torch.Tensor], trim: float = 0.2) -> torch.Tensor:
+    """Coordinate-wise mean after dropping the k smallest and k largest values, k = max(1, ⌊trim·n⌋).
+
+    Weights are not used: a trimmed mean counts kept values equally (weighting after trimming would let a
+    member that claims many tokens dominate again). With fewer than 3 parts nothing can be trimmed and the
+    plain mean is returned.
+    """
+    if not parts:
+        raise ValueError("need at least one tensor")
+    n = len(parts)
+    if n < 3:
+        return torch.stack([p.float() for p in parts]).mean(dim=0)
+    k = min(max(1, int(trim * n)), (n - 1) // 2)
+    values = torch.stack([p.float() for p in parts]).sort(dim=0).values
+    return values[k:n - k].mean(dim=0)
+
+
+def radial_directional_average(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """RDA: (Σ wᵢ‖xᵢ‖) · unit(Σ wᵢ xᵢ/‖xᵢ‖), with weights normalized (Decoupled DiLoCo, arXiv 2604.21428).
+
+    Members with a zero vector add nothing to the direction but count in the mean norm.
+    """
+    if not parts:
+        raise ValueError("need at least one tensor")
+    w = _normalized(weights, len(parts))
+    direction = torch.zeros_like(parts[0], dtype=torch.float32)
+    mean_norm = 0.0
+    for x, wi in zip(parts, w, strict=True):
+        norm = float(torch.linalg.vector_norm(x.float()))
+        mean_norm += wi * norm
+        if norm > 0:
+            direction.add_(x.float(), alpha=wi / norm)
+    d_norm = float(torch.linalg.vector_norm(direction))
+    if d_norm == 0:
+        return torch.zeros_like(direction)
+    return direction * (mean_norm / d_norm)
+
+
+def aggregate(name: str, parts: Sequence[torch.Tensor], weights: Sequence[float], min_group: int = 3,
+              trim: float = 0.2) -> torch.Tensor:
+    """Combine members' contributions by rule `name` (one of `AGGREGATORS`).
+
+    The robust rules (centered_clip, trimmed_mean) apply only from `min_group` members on: with fewer, no
+    majority exists to be robust with, and the weighted mean is used.
+    """
+    if name not in AGGREGATORS:
+        raise ValueError(f"unknown aggregator {name!r}")
+    if name == "rda":
+        return radial_directional_average(parts, weights)
+    if name == "mean" or len(parts) < max(min_group, 3):
+        return weighted_average(parts, weights)
+    if name == "trimmed_mean":
+        return trimmed_mean(parts, trim)
+    return centered_clip(parts, weights)

@@ -1,0 +1,382 @@
+"""One peer process: data, model, DHT, merger and learner wired together, and closed in order."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from hivemind.utils.timed_storage import get_dht_time
+from safetensors.torch import save_file
+
+from p2pdiloco import __version__
+from p2pdiloco.config import Config, fingerprint_digest
+from p2pdiloco.network.p2p_merger import P2PMerger
+from p2pdiloco.network.state_sync import StateSync
+from p2pdiloco.network.swarm import (
+    BackgroundLoop,
+    Reaper,
+    check_fingerprint,
+    check_maddrs,
+    live_records,
+    peers_key,
+    read_subkeys,
+    start_dht,
+    swarm_auth,
+    visible_maddrs,
+    write_subkey,
+)
+from p2pdiloco.network.traffic import Traffic
+from p2pdiloco.observe.telemetry import MetricsServer
+from p2pdiloco.testing.hostile import HostileMerger
+from p2pdiloco.training.accel import pick_device
+from p2pdiloco.training.checkpoint import load_latest
+from p2pdiloco.training.data import BatchSampler, eval_batches, load_text
+from p2pdiloco.training.distributed import (
+    UnitSync,
+    close_unit,
+    context_from_env,
+    init_unit,
+    rank_shard,
+    run_follower,
+)
+from p2pdiloco.training.learner import Learner, MetricsLog, load_flat_
+from p2pdiloco.training.model import build_model, count_params
+
+logger = logging.getLogger(__name__)
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM: the peer finishes its inner step, abandons any merge and exits cleanly.
+
+    A second SIGINT raises KeyboardInterrupt for an immediate (still cleaned-up) exit.
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def __call__(self) -> bool:
+        return self._event.is_set()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def install(self) -> None:
+        owner = os.getpid()
+
+        def on_signal(signum, _frame):
+            if os.getpid() != owner:  # a forked child (the DHT process) inherited us: behave as default
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
+            if self._event.is_set() and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            logger.warning("%s received: stopping after the current step", signal.Signals(signum).name)
+            self._event.set()
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write via a temporary file, fsync and rename, so a reader never sees a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_model(path: Path, learner: Learner) -> None:
+    """The global model θg as a named safetensors state dict (what a user loads with `build_model`)."""
+    model = build_model(learner.cfg.model)
+    load_flat_(model, learner.global_params)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, str(tmp),
+              metadata={"round": str(learner.c.round), "step": str(learner.c.step)})
+    os.replace(tmp, path)
+
+
+def resume_from_checkpoint(learner: Learner, folder: Path, announce) -> None:
+    found = load_latest(folder)
+    if found is None:
+        announce(f"--resume: no usable checkpoint in {folder}; starting fresh")
+        return
+    tensors, meta, path = found
+    learner.restore(tensors, meta)
+    announce(f"resumed from {path.name}: round {meta['round']}, step {meta['step']}")
+
+
+def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dht, cfg: Config, peer_id: str,
+                     metrics: MetricsLog) -> None:
+    """If live peers' global models have absorbed more tokens than ours, download the freshest one first,
+    so that a joiner (or a resumed peer that fell behind) continues the swarm's run instead of pulling it back.
+
+    If no peer is live and one left having finished the run, the run is over: this peer ends at once
+    (`Learner.ended_with_swarm`) instead of training on alone."""
+    every = loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30)
+    finished = swarm_finished(every, peer_id, cfg.run.total_steps)
+    if finished is not None:  # training on alone would only move this peer's model away from the swarm's result
+        learner.ended_with_swarm = True
+        metrics.write(kind="swarm_finished", peer=finished[0], step=finished[1])
+        logger.warning("[%s] the swarm already finished this run (peer %s left at step %d): nothing left to train; "
+                       "keeping this peer's model as it is", peer_id[-6:], finished[0][-6:], finished[1])
+        return
+    records = live_records(every)
+    ahead = {p: r for p, r in records.items()
+             if p != peer_id and float(r.get("global_tokens") or 0) > learner.c.global_tokens}
+    if not ahead:
+        return
+    t0 = time.monotonic()
+    got = loop.run(sync.fetch(ahead, peer_id, timeout=cfg.swarm.merge_timeout_s),
+                   timeout=cfg.swarm.merge_timeout_s * (len(ahead) + 1) + 10)
+    if got is None:
+        logger.warning("[%s] no live peer could give its state; the first merge will bring this peer in line",
+                       peer_id[-6:])
+        return
+    state, donor = got
+    learner.adopt_state(state)
+    metrics.write(kind="join", donor=donor, round=state.round, step=state.step,
+                  download_s=time.monotonic() - t0, global_digest=learner.global_digest())
+    logger.info("[%s] downloaded the swarm's state (round %d, step %d) from %s in %.2f s", peer_id[-6:],
+                state.round, state.step, donor[-6:], time.monotonic() - t0)
+
+
+FINISHED_RECORD_S = 3600.0
+"""How long a finished peer's 'left' record stays in the DHT."""
+
+
+def swarm_finished(records: dict[str, dict], me: str, total_steps: int) -> tuple[str, int] | None:
+    """(peer, step) of a peer that finished this run (reached `total_steps`) and left, if no peer is still live."""
+    others = {p: r for p, r in records.items() if p != me}
+    if not others or live_records(others):
+        return None
+    for peer, r in others.items():
+        step = r.get("step")
+        if r.get("finished") is True and isinstance(step, int) and step >= total_steps:
+            return peer, step
+    return None
+
+
+class Heartbeat:
+    """This peer's record in the DHT: refreshed every `period` seconds, expiring after three missed beats,
+    and replaced by a 'left' record when the peer exits cleanly, so others stop counting on it at once.
+
+    Each record carries `time`, the DHT time (Unix seconds) it was written, so that readers can tell how
+    fresh it is and place its values on a time axis."""
+
+    def __init__(self, dht, run_id: str, peer_id: str, record, period: float):
+        self.dht, self.key, self.peer_id, self.record, self.period = dht, peers_key(run_id), peer_id, record, period
+        self._expiration = 0.0
+
+    async def _write(self, value: dict, ttl: float | None = None) -> None:
+        # a newer record must expire later than the one it replaces, or the DHT keeps the old one
+        self._expiration = max(get_dht_time() + (ttl or 3 * self.period), self._expiration + 1e-3)
+        await write_subkey(self.dht, self.key, self.peer_id, value, self._expiration)
+
+    async def run(self) -> None:
+        while True:
+            await self._write({**self.record(), "time": get_dht_time()})
+            await asyncio.sleep(self.period)
+
+    async def leave(self, finished_at: int | None = None) -> None:
+        """Replace the record by a 'left' one; a peer that finished the run says so, for an hour, so that a peer
+        restarted after the swarm finished does not train on alone (see `swarm_finished`)."""
+        if finished_at is None:
+            await self._write({"left": True, "time": get_dht_time()})
+        else:
+            await self._write({"left": True, "finished": True, "step": finished_at, "time": get_dht_time()},
+                              ttl=FINISHED_RECORD_S)
+
+
+def telemetry_snapshot(learner: Learner, static: dict) -> dict:
+    """What /metrics reports: the heartbeat record, plus counters too dull for the DHT record."""
+    c = learner.c
+    return {**static, **learner.record(), "merge_failures": c.merge_failures, "compute_s": c.compute_s,
+            "merge_wait_s": c.merge_wait_s}
+
+
+def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, stop: StopFlag) -> int:
+    """Block until `swarm.wait_for_peers` peers are live (or the wait times out); returns how many are."""
+    want, deadline = cfg.swarm.wait_for_peers, time.monotonic() + cfg.swarm.wait_for_peers_s
+    while True:
+        live = len(live_records(loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30)))
+        if live >= want or stop() or time.monotonic() > deadline:
+            return live
+        time.sleep(0.2)  # polling the DHT, with a deadline
+
+
+def join_address(maddrs: list[str]) -> str:
+    """The address to tell other machines: the first one that is not loopback, if any."""
+    for m in maddrs:
+        if not (m.startswith("/ip4/127.") or m.startswith("/ip6/::1/")):
+            return m
+    return maddrs[0] if maddrs else "<address>"
+
+
+def keep_previous(path: Path) -> None:
+    """A new run into an old folder must not mix with (or erase) the old run's metrics: move them aside."""
+    if path.exists() and path.stat().st_size > 0:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+        path.rename(path.with_name(f"{path.stem}-{stamp}{path.suffix}"))
+
+
+def faults_from_env(name: str) -> dict[tuple[str, int], str]:
+    """Test hook: P2PDILOCO_FAULTS="peer2@serve_part:3:kill,peer1@exchange:5:stall" injects faults into the
+    merges of the peers so named (see `P2PMerger._inject`)."""
+    faults = {}
+    for item in filter(None, os.environ.get("P2PDILOCO_FAULTS", "").split(",")):
+        who, _, spec = item.partition("@")
+        stage, round_, action = spec.split(":")
+        if who == name:
+            faults[(stage, int(round_))] = action
+    if faults:
+        logger.warning("fault injection enabled for %s: %s", name, faults)
+    return faults
+
+
+class StartupClock:
+    """Where a peer's start-up time goes, in seconds per phase (the `start` line of metrics.jsonl): a restart
+    that takes long to train again costs goodput, so it should be plain which part is slow."""
+
+    def __init__(self, t_process_start: float):
+        self.laps: dict[str, float] = {"interpreter_and_imports": time.monotonic() - t_process_start}
+        self._t = time.monotonic()
+
+    def lap(self, phase: str) -> None:
+        now = time.monotonic()
+        self.laps[phase] = now - self._t
+        self._t = now
+
+
+def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
+    """Join the swarm, train, write the run folder; returns the summary (None on a follower rank of a
+    multi-process learner unit, see distributed.py).
+
+    Args:
+        cfg: the run's config.
+        stop: polled between steps.
+        announce: where to print the lines a user needs (addresses); `print` for the CLI.
+    """
+    # from the real start of this process (interpreter and imports included), as a monotonic time
+    t_process_start = time.monotonic() - max(0.0, time.time() - psutil.Process().create_time())
+    startup = StartupClock(t_process_start)
+    if cfg.run.cpu_affinity:  # before anything starts, so the DHT and p2p daemon inherit it too
+        os.sched_setaffinity(0, {int(c) for c in cfg.run.cpu_affinity.split(",")})
+    if cfg.run.threads > 0:
+        torch.set_num_threads(cfg.run.threads)
+    run_dir = Path(cfg.run.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    check_maddrs(cfg.swarm.initial_peers, "initial peer")  # a typo should not cost a data load first
+    unit = context_from_env()
+    device = init_unit(unit, pick_device(cfg.run.device))
+    if not unit.is_main:  # a follower rank: trains in step with rank 0, which alone talks to the swarm
+        try:
+            run_follower(cfg, unit, device)
+            return None
+        finally:
+            close_unit(unit)
+    data = load_text(cfg.data, min_bytes=2 * (cfg.model.seq_len + 1))
+    sampler = BatchSampler(data.train, cfg.model.seq_len, cfg.data.batch_size, cfg.run.seed,
+                           rank_shard(cfg.data.shard, unit.rank, unit.world_size))
+    val = eval_batches(data.val, cfg.model.seq_len, cfg.data.batch_size, cfg.run.eval_batches)
+    model = build_model(cfg.model).to(device)
+    n_params = count_params(model)
+    logger.info("model: %d parameters on %s; data: %d files, %d bytes (%s)", n_params, device, data.n_files,
+                data.n_bytes, data.source)
+    startup.lap("data_and_model")
+
+    dht = start_dht(cfg.swarm)
+    startup.lap("dht")
+    reaper = Reaper(dht)
+    loop = BackgroundLoop()
+    merger = metrics = heartbeat = metrics_server = learner = None
+    finished = False
+    try:
+        peer_id = dht.peer_id.to_base58()
+        maddrs = visible_maddrs(dht)
+        announce(f"peer {peer_id} listening on:")
+        for m in maddrs:
+            announce(f"  {m}")
+        announce("others can join with: p2pdiloco peer --initial-peers " + join_address(maddrs))
+        fingerprint = cfg.fingerprint()
+        check_fingerprint(fingerprint, live_records(loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30)))
+
+        auth = swarm_auth(cfg.swarm)
+        merger = P2PMerger(dht, cfg.swarm, loop, n_params, auth=auth, guard=cfg.guard,
+                           fingerprint=fingerprint_digest(fingerprint))
+        merger.faults = faults_from_env(cfg.run.name)
+        startup.lap("merger")  # mostly loading the codec's library
+        if not cfg.run.resume:
+            keep_previous(run_dir / "metrics.jsonl")
+        metrics = MetricsLog(run_dir / "metrics.jsonl")
+        # a hostile peer (benchmarks, tests) corrupts what it submits; the real merger still counts bytes
+        learner_merger = HostileMerger(merger, cfg.run.hostile, cfg.run.seed) if cfg.run.hostile else merger
+        learner = Learner(cfg, model, sampler.next_batch, val, learner_merger, device, metrics, should_stop=stop,
+                          checkpoint_dir=run_dir / "checkpoints", faults=merger.faults,
+                          t_process_start=t_process_start)
+        learner.log_start(startup.laps)  # before any state download: a restart's start-up is its own, in the metrics
+        learner.traffic = Traffic(merge=merger.counter)
+        if unit.world_size > 1:
+            UnitSync(unit, device).attach(learner)
+        state_sync = StateSync(dht, cfg.swarm.run_id, n_params, lambda: learner.shared, learner.traffic.state,
+                               auth=auth)
+        loop.run(state_sync.start(), timeout=30)
+        loop.submit(learner.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
+        if cfg.run.resume:
+            resume_from_checkpoint(learner, run_dir / "checkpoints", announce)
+        join_swarm_state(learner, state_sync, loop, dht, cfg, peer_id, metrics)
+        # public: anyone who knows the run id reads it, so no host name or user (the name is opt-in)
+        static = {
+            "name": cfg.run.name, "version": __version__, "maddrs": maddrs,
+            "device": str(device) if unit.world_size == 1 else f"{device} x{unit.world_size}",
+            "fingerprint": fingerprint, "started": time.time(),
+        }
+        heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer_id, lambda: {**static, **learner.record()},
+                              cfg.swarm.heartbeat_s)
+        loop.submit(heartbeat.run())
+        if cfg.run.metrics_port:
+            ids = {**static, "peer_id": peer_id, "run_id": cfg.swarm.run_id}
+            metrics_server = MetricsServer(lambda: telemetry_snapshot(learner, ids), cfg.run.metrics_host,
+                                           cfg.run.metrics_port)
+            announce(f"Prometheus metrics at {loop.run(metrics_server.start(), timeout=10)}")
+        if cfg.swarm.wait_for_peers > 1 and not cfg.run.resume:  # a restarted peer joins a running swarm
+            live = wait_for_peers(loop, dht, cfg, stop)
+            logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)
+        summary = learner.run()
+        loop.run(learner.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's
+        summary.update(name=cfg.run.name, n_params=n_params, **learner.bandwidth(), guard=merger.book.report(),
+                       hostile=cfg.run.hostile)
+        write_json_atomic(run_dir / "peer_summary.json", summary)
+        if not stop():  # a peer told to stop mid-round still has its last merged state in the checkpoints
+            learner.checkpoint()
+        save_model(run_dir / "model.safetensors", learner)
+        finished = not stop()
+        return summary
+    finally:
+        if heartbeat is not None:
+            try:
+                loop.run(heartbeat.leave(learner.c.step if finished else None), timeout=5)
+            except Exception as e:  # leaving: others will see the record expire instead
+                logger.debug("withdrawing the peer record failed: %r", e)
+        if metrics_server is not None:
+            try:
+                loop.run(metrics_server.stop(), timeout=5)
+            except Exception as e:  # shutting down: log, never raise
+                logger.debug("stopping the metrics server: %r", e)
+        if merger is not None:
+            merger.close()
+        if metrics is not None:
+            metrics.close()
+        loop.close()
+        dht.shutdown()
+        reaper.close()
+        close_unit(unit)

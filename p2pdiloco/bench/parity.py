@@ -1,0 +1,122 @@
+"""`p2pdiloco bench parity`: eval loss at equal tokens, DiLoCo (decoupled and --sync) ÷ data-parallel.
+
+Three runs of the same model, data, inner AdamW and schedule, N workers × the same steps × the same
+per-worker batch (so equal tokens, and the same global batch N·B per step):
+
+- data-parallel: N torch.distributed ranks (gloo on loopback) averaging gradients every step
+  (`data_parallel.py`); rank i reads the data shard and seed that peer i of `p2pdiloco local` reads;
+- synchronous DiLoCo (`swarm.sync=true`): N peers, a merge every H inner steps, everyone waits for it;
+- decoupled p2pdiloco: the same N peers and H, merges in the background while training goes on.
+
+All three are evaluated on the same validation batches (`run.eval_batches` of the val split) by the same
+function (`learner.evaluate_model`); DiLoCo's figure is its peers' global models after the last merge.
+Rounds are step-counted (`swarm.round_steps`), so what the algorithm does does not depend on CPU speed,
+except in decoupled mode, where the steps taken while a merge is in flight depend on how long it takes:
+peers' inner steps are therefore padded to an emulated accelerator time (`run.min_step_s`), as in the
+other benchmarks.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from p2pdiloco.app.local import run_local
+from p2pdiloco.bench.baselines.data_parallel import run_data_parallel
+from p2pdiloco.bench.common import machine, write_results
+from p2pdiloco.config import load_config, parse_set
+
+# The straggler benchmark's small model (~110k parameters), so that N workers fit on 2 cores.
+PARITY_SETS = [
+    "model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.seq_len=64", "data.batch_size=8",
+    "data.max_bytes=4000000", "run.eval_batches=16", "run.eval_every_rounds=0", "run.log_every=50",
+    "inner.warmup_steps=50", "run.checkpoint_every=0",
+]
+
+
+def _diloco_stats(summary: dict, n: int, name: str, out: Path) -> dict:
+    if summary["peers_finished"] != n:
+        raise RuntimeError(f"{name}: only {summary['peers_finished']} of {n} peers finished; see {out}")
+    peers = summary["peers"]
+    return {
+        "eval_loss": statistics.mean(p["eval_loss_final"] for p in peers),
+        "eval_loss_per_peer": [p["eval_loss_final"] for p in peers],
+        "eval_loss_initial": statistics.mean(p["eval_loss_initial"] for p in peers),
+        "rounds": statistics.mean(p["rounds"] for p in peers),
+        "merges": statistics.mean(p["merges"] for p in peers),
+        "tokens": sum(p["tokens"] for p in peers),
+        "global_models_identical": summary["global_models_identical"],
+        "consensus_distance": summary["consensus_distance"],
+        "train_s": statistics.mean(p["train_s"] for p in peers),
+    }
+
+
+def bench_parity(out: Path, steps: int = 3000, h: int = 50, peers: int = 4, step_s: float = 0.05,
+                 console: Console | None = None) -> dict:
+    """Run the three trainings and print each DiLoCo eval loss ÷ the data-parallel one.
+
+    Args:
+        out: results folder (parity.json, and one sub-folder per run).
+        steps: inner steps per worker (each worker sees steps × data.batch_size sequences).
+        h: inner steps per DiLoCo round.
+        peers: workers: data-parallel ranks and DiLoCo peers.
+        step_s: emulated accelerator time per DiLoCo inner step (run.min_step_s).
+        console: where the table is printed.
+    """
+    console = console or Console()
+    out.mkdir(parents=True, exist_ok=True)
+    quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115 - closed with the process
+    common = PARITY_SETS + [f"run.total_steps={steps}", f"swarm.round_steps={h}"]
+    load_config(None, [parse_set(common)])  # fail on a bad flag before the first run
+    results: dict = {"machine": machine(), "steps": steps, "h": h, "peers": peers, "step_s": step_s,
+                     "sets": common, "runs": {}}
+
+    console.print(f"[bold]data-parallel[/bold]: {peers} gloo ranks, {steps} steps ...")
+    t0 = time.monotonic()
+    dp = run_data_parallel(common, peers, out / "data_parallel", eval_every=h)
+    results["runs"]["data_parallel"] = {
+        "eval_loss": dp["eval_curve"][-1][1], "eval_loss_initial": dp["eval_curve"][0][1],
+        "eval_curve": dp["eval_curve"], "tokens": dp["tokens"] * peers, "train_s": dp["max_train_s"],
+        "ranks_identical": len(set(dp["rank_digests"])) == 1, "wall_s": time.monotonic() - t0,
+    }
+    modes = {
+        "sync": ["swarm.sync=true", "swarm.merge_window_s=60"],
+        "decoupled": [],
+    }
+    for mode, mode_sets in modes.items():
+        sets = common + mode_sets + [f"run.min_step_s={step_s}", f"swarm.run_id=bench-parity-{mode}"]
+        cfg = load_config(None, [parse_set(sets)])
+        console.print(f"[bold]{mode} DiLoCo[/bold]: {peers} peers, {steps} steps, H = {h} ...")
+        t0 = time.monotonic()
+        summary = run_local(peers, cfg, out / mode, None, sets, console=quiet, reraise_interrupt=True)
+        results["runs"][mode] = _diloco_stats(summary, peers, mode, out / mode)
+        results["runs"][mode]["wall_s"] = time.monotonic() - t0
+    runs = results["runs"]
+    base = runs["data_parallel"]["eval_loss"]
+    for mode in modes:
+        results[f"{mode}_ratio"] = runs[mode]["eval_loss"] / base
+    path = write_results(out, "parity", results)
+    _print(results, console)
+    console.print(f"wrote {path}")
+    return results
+
+
+def _print(results: dict, console: Console) -> None:
+    runs = results["runs"]
+    dp = runs["data_parallel"]
+    tokens = dp["tokens"]
+    console.print(f"machine: {results['machine']}")
+    console.print(f"eval loss (nats/byte) at equal tokens ({tokens:,} tokens: {results['peers']} workers × "
+                  f"{results['steps']} steps), H = {results['h']}:")
+    console.print(f"  data-parallel ({results['peers']} gloo ranks, gradients averaged every step): "
+                  f"{dp['eval_loss']:.4f}   (initial {dp['eval_loss_initial']:.4f})")
+    for mode in ("sync", "decoupled"):
+        r = runs[mode]
+        note = "" if r["tokens"] == tokens else f"   [tokens {r['tokens']:,}, not equal!]"
+        console.print(f"  {mode:9s} DiLoCo: {r['eval_loss']:.4f} ÷ {dp['eval_loss']:.4f} = "
+                      f"{results[mode + '_ratio']:.4f}   ({r['rounds']:.0f} rounds, {r['merges']:.0f} group merges "
+                      f"per peer; initial {r['eval_loss_initial']:.4f}){note}")

@@ -1,0 +1,296 @@
+"""`p2pdiloco bench slowlink`: compute utilization of peers whose links are rate-limited (10 Mbit/s).
+
+Each peer runs in its own network namespace, joined to a bridge in a hub namespace by a veth pair with a
+`tbf` rate limit on both ends (so a peer has `rate` up and `rate` down, like a symmetric access link); the
+bootstrap node runs in the hub. All addresses are in 10.77.0.0/24 and exist only inside namespaces this
+benchmark creates and deletes: the host's own interfaces and qdiscs are never touched. Needs root (and
+iproute2's `ip` and `tc`); without them it exits with a message that says so.
+
+Compute utilization = time in inner steps ÷ wall time of the training loop (`compute_s / train_s` of each
+peer's summary; start-up, the first and last evaluation and the final merge are outside both), measured
+for decoupled merging and for `--sync` (which waits for every merge) in the same invocation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from p2pdiloco.app.local import PeerProc, peer_command, stop_peers, summarize
+from p2pdiloco.bench.common import machine, write_results
+from p2pdiloco.config import Config, ConfigError, load_config, parse_set
+from p2pdiloco.training.model import build_model, count_params
+
+logger = logging.getLogger(__name__)
+
+SUBNET = "10.77.0"
+"""The /24 of the benchmark's private network (inside its namespaces only)."""
+HUB_ADDR = f"{SUBNET}.1"
+BOOTSTRAP_PORT = 31337
+NS_PREFIX = "p2pdsl"
+"""Namespace names are p2pdsl<pid>-hub and p2pdsl<pid>-p<i>; the pid tells a crashed run's leftovers."""
+
+SLOWLINK_SETS = [
+    "data.max_bytes=4000000", "run.eval_batches=4", "run.eval_every_rounds=0", "run.log_every=25",
+    "run.checkpoint_every=0",
+]
+
+
+class SlowlinkUnavailable(ConfigError):
+    """This machine or user cannot create the namespaces and rate limits the benchmark needs."""
+
+
+def check_can_run() -> None:
+    """Raise SlowlinkUnavailable, saying what is missing, unless we are root on Linux with `ip` and `tc`."""
+    if not sys.platform.startswith("linux"):
+        raise SlowlinkUnavailable("bench slowlink needs Linux network namespaces (ip netns)")
+    if os.geteuid() != 0:
+        raise SlowlinkUnavailable(
+            "bench slowlink must run as root: it creates network namespaces, veth pairs and tc rate limits "
+            "(only inside its own namespaces); try: sudo $(which p2pdiloco) bench slowlink")
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise SlowlinkUnavailable(f"bench slowlink needs iproute2's {' and '.join(missing)} on PATH")
+
+
+def _sh(*cmd: str) -> None:
+    done = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
+
+
+def _namespaces() -> list[str]:
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+
+
+def remove_stale_namespaces() -> list[str]:
+    """Delete namespaces left by earlier runs of this benchmark whose process is gone (e.g. SIGKILLed)."""
+    removed = []
+    for ns in _namespaces():
+        pid = ns[len(NS_PREFIX):].split("-")[0]
+        if ns.startswith(NS_PREFIX) and pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+            removed.append(ns)
+    return removed
+
+
+class SlowLinks:
+    """`n` peer namespaces, each joined to a bridge in a hub namespace by a veth pair rate-limited with tbf.
+
+    Use as a context manager: everything created is deleted on exit, also after an error or Ctrl+C
+    (deleting a namespace deletes its veth ends, the bridge and their qdiscs with it).
+
+    Args:
+        n: peer namespaces; peer i gets address 10.77.0.(i+2), the hub's bridge 10.77.0.1.
+        rate_mbit: the tbf rate on both ends of every veth, in Mbit/s.
+        tag: distinguishes namespaces of this process's SlowLinks (default: none).
+    """
+
+    def __init__(self, n: int, rate_mbit: float, tag: str = ""):
+        base = f"{NS_PREFIX}{os.getpid()}{tag}"
+        self.rate_mbit = rate_mbit
+        self.hub = f"{base}-hub"
+        self.peers = [f"{base}-p{i}" for i in range(n)]
+        self.addresses = [f"{SUBNET}.{i + 2}" for i in range(n)]
+        self.created: list[str] = []
+
+    def __enter__(self) -> SlowLinks:
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _netns(self, name: str) -> None:
+        _sh("ip", "netns", "add", name)
+        self.created.append(name)
+        _sh("ip", "-n", name, "link", "set", "lo", "up")  # p2pd and the DHT also talk over loopback
+
+    def _tbf(self, ns: str, dev: str) -> None:
+        # burst: a few full-size packets (must exceed rate/HZ); latency bounds the queue, like a modem's buffer
+        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+            "rate", f"{self.rate_mbit:g}mbit", "burst", "32kb", "latency", "100ms")
+
+    def _create(self) -> None:
+        self._netns(self.hub)
+        _sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", self.hub, "addr", "add", f"{HUB_ADDR}/24", "dev", "br0")
+        _sh("ip", "-n", self.hub, "link", "set", "br0", "up")
+        for i, (ns, addr) in enumerate(zip(self.peers, self.addresses, strict=True)):
+            self._netns(ns)
+            # created inside the hub with its other end moved straight into the peer's namespace, so that no
+            # interface ever appears in the host's namespace
+            _sh("ip", "-n", self.hub, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _sh("ip", "-n", self.hub, "link", "set", f"v{i}", "master", "br0")
+            _sh("ip", "-n", self.hub, "link", "set", f"v{i}", "up")
+            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            self._tbf(self.hub, f"v{i}")  # what the peer downloads
+            self._tbf(ns, "eth0")  # what the peer uploads
+
+    def close(self) -> None:
+        """Delete every namespace this object created (processes inside must have exited first)."""
+        for ns in reversed(self.created):
+            done = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True, timeout=30)
+            if done.returncode != 0:
+                logger.error("could not delete network namespace %s: %s", ns, done.stderr.strip())
+        self.created.clear()
+
+    @staticmethod
+    def exec_in(ns: str) -> list[str]:
+        """Command prefix that runs a program inside namespace `ns` (it execs: the pid is the program's)."""
+        return ["ip", "netns", "exec", ns]
+
+
+def _start(name: str, cmd: list[str], run_dir: Path) -> PeerProc:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("metrics.jsonl", "peer_summary.json", "bootstrap.maddr"):
+        (run_dir / stale).unlink(missing_ok=True)
+    proc = PeerProc(name, run_dir, None, (run_dir / f"{name}.log").open("w"), cmd=cmd,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc.start()
+    return proc
+
+
+def _bootstrap_maddr(boot: PeerProc, path: Path, timeout_s: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and boot.proc.poll() is None:
+        if path.exists():
+            maddrs = path.read_text().split()
+            found = next((m for m in maddrs if f"/{HUB_ADDR}/" in m), None)
+            if found is None:
+                raise RuntimeError(f"the bootstrap node listens on {maddrs}, not on {HUB_ADDR}")
+            return found
+        time.sleep(0.2)  # polling for the file, with a deadline
+    raise RuntimeError(f"the bootstrap node did not start; see {boot.run_dir / 'bootstrap.log'}")
+
+
+def _merge_rows(path: Path) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("kind") == "merge" and r.get("group_size", 1) > 1]
+
+
+def run_mode(links: SlowLinks, cfg: Config, sets: list[str], out: Path, timeout_s: float) -> dict:
+    """One swarm: a bootstrap node in the hub, peer i in namespace i; returns the run's summary."""
+    n = len(links.peers)
+    procs: list[PeerProc] = []
+    t0 = time.monotonic()
+    try:
+        boot = _start("bootstrap", links.exec_in(links.hub) + [
+            sys.executable, "-m", "p2pdiloco", "bootstrap", "--host", HUB_ADDR, "--port", str(BOOTSTRAP_PORT),
+            "--identity", str(out / "bootstrap.key"), "--maddr-file", str(out / "bootstrap.maddr")], out)
+        procs.append(boot)
+        maddr = _bootstrap_maddr(boot, out / "bootstrap.maddr")
+        for i, (ns, addr) in enumerate(zip(links.peers, links.addresses, strict=True)):
+            # the peer command of `local` (shard, seed, wait for all peers); the later --host wins
+            cmd = links.exec_in(ns) + peer_command(i, n, cfg, maddr, out / "peers" / f"peer{i}", None, sets) + [
+                "--host", addr]
+            procs.append(_start(f"peer{i}", cmd, out / "peers" / f"peer{i}"))
+        deadline = time.monotonic() + timeout_s
+        peers = procs[1:]
+        while any(p.proc.poll() is None for p in peers):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"peers did not finish in {timeout_s:.0f} s; see {out}/peers/*/peer*.log")
+            for p in procs:
+                if p.proc.poll() is None:
+                    p.remember_descendants()
+            time.sleep(0.5)  # waiting for the peers to exit, with a deadline
+    finally:
+        stop_peers(procs)
+    failed = {p.name: p.proc.returncode for p in procs[1:] if p.proc.returncode != 0}
+    if failed:
+        raise RuntimeError(f"peers failed: {failed}; see {out}/peers/*/peer*.log")
+    dirs = [p.run_dir for p in procs[1:]]
+    summary = summarize(out, dirs, cfg.to_dict(), time.monotonic() - t0)
+    merges = [r for d in dirs for r in _merge_rows(d / "metrics.jsonl")]
+    summary["merge_s_mean"] = statistics.mean(r["merge_s"] for r in merges) if merges else None
+    return summary
+
+
+def bench_slowlink(out: Path, peers: int = 2, steps: int = 250, h: int = 25, step_s: float = 0.2,
+                   rate_mbit: float = 10.0, console: Console | None = None) -> dict:
+    """Decoupled and --sync swarms over `rate_mbit` links; prints each mode's compute utilization.
+
+    Args:
+        out: results folder (slowlink.json, one sub-folder per mode).
+        peers: peers, one namespace each.
+        steps: inner steps per peer.
+        h: inner steps per round.
+        step_s: emulated accelerator time per inner step (run.min_step_s), so a round takes h·step_s
+            seconds whatever else the shared cores do.
+        rate_mbit: tbf rate of every link, each direction.
+        console: where the table is printed.
+    """
+    check_can_run()
+    console = console or Console()
+    out.mkdir(parents=True, exist_ok=True)
+    common = SLOWLINK_SETS + [f"run.total_steps={steps}", f"swarm.round_steps={h}", f"run.min_step_s={step_s}"]
+    n_params = count_params(build_model(load_config(None, [parse_set(common)]).model))
+    payload = 2 * (peers - 1) / peers * n_params * 4  # bytes a peer sends (and receives) per merge: RS + AG
+    results: dict = {
+        "machine": machine(), "peers": peers, "steps": steps, "h": h, "step_s": step_s, "rate_mbit": rate_mbit,
+        "n_params": n_params, "payload_bytes_per_merge": payload,
+        "transfer_s_per_merge": payload * 8 / (rate_mbit * 1e6), "round_s": h * step_s, "runs": {},
+    }
+    for ns in remove_stale_namespaces():
+        console.print(f"removed a namespace left by an earlier run: {ns}")
+    modes = {"decoupled": [], "sync": ["swarm.sync=true", "swarm.merge_window_s=60"]}
+    with SlowLinks(peers, rate_mbit) as links:
+        for mode, mode_sets in modes.items():
+            sets = common + mode_sets + [f"swarm.run_id=bench-slowlink-{mode}"]
+            cfg = load_config(None, [parse_set(sets)])
+            console.print(f"[bold]{mode}[/bold]: {peers} peers in namespaces, {rate_mbit:g} Mbit/s links, "
+                          f"{steps} steps, H = {h} ...")
+            summary = run_mode(links, cfg, sets, out / mode, timeout_s=3 * steps * step_s + 300)
+            p = summary["peers"]
+            results["runs"][mode] = {
+                "utilization": statistics.mean(x["compute_s"] / x["train_s"] for x in p),
+                "per_peer_utilization": [x["compute_s"] / x["train_s"] for x in p],
+                "compute_s": statistics.mean(x["compute_s"] for x in p),
+                "train_s": statistics.mean(x["train_s"] for x in p),
+                "merge_wait_s": statistics.mean(x["merge_wait_s"] for x in p),
+                "merges": statistics.mean(x["merges"] for x in p), "rounds": statistics.mean(x["rounds"] for x in p),
+                "bytes_sent": statistics.mean(x["bytes_sent"] for x in p), "merge_s_mean": summary["merge_s_mean"],
+                "eval_loss": summary["eval_loss_final"],
+                "round_compute_s": statistics.mean(x["compute_s"] for x in p) * h / steps,
+            }
+    r = results["runs"]
+    results["decoupled_vs_sync"] = r["decoupled"]["utilization"] / r["sync"]["utilization"]
+    path = write_results(out, "slowlink", results)
+    _print(results, console)
+    console.print(f"wrote {path}")
+    return results
+
+
+def _print(results: dict, console: Console) -> None:
+    r = results["runs"]
+    console.print(f"machine: {results['machine']}")
+    console.print(f"{results['peers']} peers, {results['n_params']:,} parameters, links {results['rate_mbit']:g} Mbit/s "
+                  f"each way; a merge moves {results['payload_bytes_per_merge'] / 1e6:.2f} MB each way per peer = "
+                  f"{results['transfer_s_per_merge']:.2f} s at line rate; a round of {results['h']} steps is "
+                  f"{results['round_s']:.1f} s of emulated compute (measured: decoupled {r['decoupled']['round_compute_s']:.1f} s, "
+                  f"sync {r['sync']['round_compute_s']:.1f} s, the shared cores being slower than the emulation)")
+    console.print("compute utilization (time in inner steps ÷ wall time of the training loop):")
+    for mode in ("decoupled", "sync"):
+        v = r[mode]
+        merge = f"{v['merge_s_mean']:.2f} s" if v["merge_s_mean"] is not None else "-"
+        console.print(f"  {mode:9s}: {v['compute_s']:.1f} s ÷ {v['train_s']:.1f} s = {v['utilization']:.3f}   "
+                      f"({v['merges']:.0f} group merges of {v['rounds']:.0f} rounds, mean merge {merge} from submit "
+                      f"to result, {v['merge_wait_s']:.1f} s blocked on merges incl. the final one, "
+                      f"{v['bytes_sent'] / 1e6:.1f} MB sent)")
+    console.print(f"decoupled ÷ sync utilization: {results['decoupled_vs_sync']:.3f}")
+

@@ -1,0 +1,96 @@
+"""The one narrow interface between the learner and the network: submit a contribution, get a merge result.
+
+The learner never sees a DHT or a socket. `P2PMerger` (in `p2p_merger.py`) implements this over hivemind;
+`p2pdiloco.testing.inmemory.InMemoryMerger` implements it for tests of the learner loop.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Contribution:
+    """What a peer offers to a merge at the end of a round."""
+
+    pseudo_grad: torch.Tensor
+    """Flat fp32 CPU Δ = θg − θ."""
+    weight: float
+    """Tokens processed in this round: the contribution's weight in the average."""
+    global_params: torch.Tensor
+    """Flat fp32 CPU θg the pseudo-gradient was taken against (averaged only when members disagree)."""
+    momentum: torch.Tensor
+    """Flat fp32 CPU outer momentum buffer (travels with θg when members disagree)."""
+    state_digest: str
+    """Hash of (θg, momentum): members compare digests to see whether their global models agree."""
+    state_weight: float
+    """Tokens already merged into θg: how much a member's θg counts when global models are averaged."""
+    round: int = 0
+    """This peer's round counter, for logs."""
+    round_s: float = 0.0
+    """Wall time of the round that produced this contribution (sizes the merge window); 0 if unknown."""
+    final: bool = False
+    """This peer's last contribution of the run: it waits the whole merge window for every live peer, and
+    whoever merges with it ends the run on the same global model (see `MergeResult.final`)."""
+
+
+@dataclass
+class MergeResult:
+    """The outcome of one merge: a group average, or this peer alone."""
+
+    group: list[str]
+    """Peer ids of the merge group in group order; just this peer when it merged alone."""
+    pseudo_grad: torch.Tensor
+    """Weighted average Δ̄ over the group (this peer's own Δ when alone)."""
+    total_weight: float
+    """Sum of the members' weights (tokens)."""
+    global_state: torch.Tensor | None = None
+    """When members' global models disagreed: the averaged θg and momentum concatenated, else None."""
+    state_weight: float = 0.0
+    """With `global_state`: the most tokens any member's θg had absorbed (what the adopted θg now stands for)."""
+    failure: str = ""
+    """Why a group merge was abandoned (and this peer merged alone instead); empty if none failed."""
+    bytes_sent: int = 0
+    """Bytes this peer sent for this merge."""
+    bytes_received: int = 0
+    """Bytes this peer received for this merge."""
+    duration_s: float = 0.0
+    """Seconds from submit to result."""
+    group_id: str = ""
+    """Identifier of the merge group ('' when alone)."""
+    rejected: int = 0
+    """Contributions this peer's guards rejected during this merge (see guards.py)."""
+    final: bool = False
+    """A member's contribution was its last of the run: the run is over for every member of this group, so
+    that the peers still training end on the global model the finishing ones leave with, instead of each
+    drifting off alone after the others have gone."""
+
+    @property
+    def alone(self) -> bool:
+        return len(self.group) <= 1
+
+
+def alone_result(peer_id: str, contribution: Contribution, failure: str = "", **kwargs) -> MergeResult:
+    """A merge with oneself: DiLoCo with one replica still applies its own outer step."""
+    return MergeResult(
+        group=[peer_id], pseudo_grad=contribution.pseudo_grad, total_weight=contribution.weight, failure=failure,
+        final=contribution.final, **kwargs
+    )
+
+
+class Merger(Protocol):
+    """What the learner needs from the network."""
+
+    peer_id: str
+
+    def submit(self, contribution: Contribution) -> Future[MergeResult]:
+        """Start merging `contribution` with whichever peers are ready; the future never raises."""
+        ...
+
+    def close(self) -> None:
+        """Stop taking part in merges (results of merges still in flight are not applied)."""
+        ...

@@ -1,0 +1,157 @@
+"""State download: a joining (or resuming) peer fetches the swarm's global model from a live peer.
+
+What travels: θg and the outer momentum (fp32, concatenated) as the payload, and the counters (round,
+schedule step, tokens absorbed) with a sha256 of the payload in the header. The joiner verifies length,
+checksum and finiteness before it uses anything, and tries the next donor on any failure. Donors serve
+one download at a time and answer "busy" otherwise, so several joiners spread over several donors
+instead of queueing on the freshest one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import hivemind
+import torch
+from hivemind.p2p import PeerID
+
+from p2pdiloco.network.swarm_key import SwarmAuth
+from p2pdiloco.network.wire import ByteCounter, WireError, await_requester_close, recv_msg, send_msg
+
+logger = logging.getLogger(__name__)
+
+
+class StateError(Exception):
+    """A downloaded state that must not be used."""
+
+
+@dataclass
+class GlobalState:
+    """What a peer needs to continue the swarm's run: the global model, outer state and counters."""
+
+    global_params: torch.Tensor
+    """Flat fp32 θg."""
+    momentum: torch.Tensor
+    """Flat fp32 outer momentum."""
+    round: int
+    """Merges the donor has applied."""
+    step: int
+    """The donor's inner step (its position in the learning-rate schedule)."""
+    global_tokens: float
+    """Tokens whose effect reached this θg."""
+
+
+def pack_state(state: GlobalState) -> tuple[dict, bytes]:
+    payload = torch.cat([state.global_params, state.momentum]).float().contiguous().numpy().tobytes()
+    header = {
+        "ok": True, "round": state.round, "step": state.step, "global_tokens": state.global_tokens,
+        "n_params": state.global_params.numel(), "sha256": hashlib.sha256(payload).hexdigest(),
+    }
+    return header, payload
+
+
+def unpack_state(header: dict, payload: bytes, n_params: int) -> GlobalState:
+    """Verify and decode a state reply; raise StateError on anything unexpected."""
+    if header.get("n_params") != n_params or len(payload) != 2 * n_params * 4:
+        raise StateError(f"state of {header.get('n_params')} params / {len(payload)} bytes, expected {n_params}")
+    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise StateError("checksum mismatch")
+    try:
+        round_, step, tokens = int(header["round"]), int(header["step"]), float(header["global_tokens"])
+    except (KeyError, TypeError, ValueError):
+        raise StateError("malformed counters") from None
+    flat = torch.frombuffer(bytearray(payload), dtype=torch.float32)
+    if not torch.isfinite(flat).all():
+        raise StateError("non-finite values")
+    return GlobalState(flat[:n_params].clone(), flat[n_params:].clone(), round_, step, tokens)
+
+
+def donor_order(records: dict[str, dict], me: str, rng: random.Random | None = None) -> list[str]:
+    """Donors to try, freshest first; peers within one round of the freshest are shuffled so that joiners
+    arriving together pick different donors."""
+    rng = rng or random.Random()
+    donors = [(p, r) for p, r in records.items() if p != me and float(r.get("global_tokens") or 0) > 0]
+    if not donors:
+        return []
+    best = max(int(r.get("round") or 0) for _, r in donors)
+    fresh = [p for p, r in donors if int(r.get("round") or 0) >= best - 1]
+    rng.shuffle(fresh)
+    stale = sorted((p for p, r in donors if p not in fresh), key=lambda p: -int(records[p].get("round") or 0))
+    return fresh + stale
+
+
+class StateSync:
+    """Serves this peer's state to joiners, and fetches the swarm's state for this peer.
+
+    Args:
+        dht: this peer's DHT (its p2p daemon carries the streams).
+        run_id: the swarm's name (protocol prefix).
+        n_params: length of the flat parameter vector.
+        provider: returns this peer's current state, or None while it has none worth serving.
+        counter: where bytes sent and received are added.
+        auth: the swarm key's authenticator: requests and replies without a valid tag are refused (None: public).
+    """
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, n_params: int,
+                 provider: Callable[[], GlobalState | None], counter: ByteCounter, auth: SwarmAuth | None = None):
+        self.dht, self.proto, self.n_params, self.provider, self.counter = dht, f"p2pdiloco.{run_id}.state", n_params, provider, counter
+        self.auth = auth or SwarmAuth(None, run_id)
+        self.me = dht.peer_id.to_base58()
+        self._serving = asyncio.Semaphore(1)
+        self._p2p = None
+
+    async def start(self) -> None:
+        self._p2p = await self.dht.replicate_p2p()
+        await self._p2p.add_binary_stream_handler(self.proto, self._on_request)
+
+    async def _on_request(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request, _ = await asyncio.wait_for(recv_msg(reader, 0, self.counter), 5.0)
+            joiner = info.peer_id.to_base58()
+            if not self.auth.verify("state", joiner, self.me, request.get("auth")):
+                logger.warning("refused a state request from %s: no valid swarm key", joiner[-8:])
+                return
+            tag = self.auth.tag("state:reply", self.me, joiner)
+            state = self.provider()
+            if state is None:
+                await send_msg(writer, {"ok": False, "error": "no state yet", "auth": tag}, counter=self.counter)
+            elif self._serving.locked():
+                await send_msg(writer, {"ok": False, "busy": True, "auth": tag}, counter=self.counter)
+            else:
+                async with self._serving:
+                    header, payload = pack_state(state)
+                    await send_msg(writer, {**header, "auth": tag}, payload, self.counter)
+                logger.info("served state of round %d to %s", state.round, info.peer_id.to_base58()[-6:])
+            await await_requester_close(reader)  # closing at once could lose the reply (see wire.py)
+        except Exception as e:  # a joiner that went away mid-download is normal
+            logger.debug("state request failed: %r", e)
+        finally:
+            writer.close()
+
+    async def fetch_from(self, peer: str, timeout: float) -> GlobalState:
+        _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.proto)
+        try:
+            await send_msg(writer, {"auth": self.auth.tag("state", self.me, peer)}, counter=self.counter)
+            header, payload = await asyncio.wait_for(recv_msg(reader, 2 * self.n_params * 4, self.counter), timeout)
+        finally:
+            writer.close()
+        if not self.auth.verify("state:reply", peer, self.me, header.get("auth")):
+            raise StateError("the donor does not hold the swarm key")
+        if not header.get("ok"):
+            raise StateError("donor busy" if header.get("busy") else f"donor refused: {header.get('error')}")
+        return unpack_state(header, payload, self.n_params)
+
+    async def fetch(self, records: dict[str, dict], me: str, timeout: float) -> tuple[GlobalState, str] | None:
+        """Try donors in `donor_order` until one yields a verified state; None if none does."""
+        for donor in donor_order(records, me):
+            try:
+                state = await asyncio.wait_for(self.fetch_from(donor, timeout), timeout)
+                return state, donor
+            except (StateError, WireError, TimeoutError, ConnectionError, OSError, Exception) as e:
+                logger.warning("state download from %s failed (%s); trying the next donor", donor[-6:], e)
+        return None

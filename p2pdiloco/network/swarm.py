@@ -1,0 +1,229 @@
+"""The swarm: start or join a hivemind DHT, publish and read peer records, refuse mismatched configs.
+
+DHT keys are prefixed by the run id, so several swarms can share one bootstrap node:
+``{run_id}_peers`` holds one expiring record per live peer (subkey = peer id),
+``{run_id}_ready`` one record per peer that is looking for a merge group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from typing import Any
+
+import hivemind
+import psutil
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.timed_storage import get_dht_time
+
+from p2pdiloco.config import SwarmConfig, fingerprint_diff
+from p2pdiloco.network.swarm_key import KeyedRecordValidator, SwarmAuth, SwarmKeyError, load_key
+from p2pdiloco.network.traffic import install_dht_counter
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmError(RuntimeError):
+    """The swarm cannot be joined as asked; the message is shown to the user as one line."""
+
+
+def host_maddrs(host: str, port: int) -> list[str]:
+    proto = "ip6" if ":" in host else "ip4"
+    return [f"/{proto}/{host}/tcp/{port}"]
+
+
+def check_maddrs(addrs: list[str], what: str) -> None:
+    """Raise SwarmError naming the first string that is not a full multiaddr with a /p2p/ peer id."""
+    for addr in addrs:
+        try:
+            maddr = Multiaddr(addr)
+        except Exception:
+            raise SwarmError(f"{what} {addr!r} is not a multiaddr (expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...)") from None
+        if what == "initial peer" and "/p2p/" not in str(maddr):
+            raise SwarmError(f"initial peer {addr!r} lacks the /p2p/<peer id> part (copy the full address printed by the node)")
+
+
+def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: bool = False) -> hivemind.DHT:
+    """Start this process's DHT node and join the swarm through `cfg.initial_peers` (if any).
+
+    Raises:
+        SwarmError: bad addresses, or no initial peer reachable within `cfg.join_timeout_s`.
+    """
+    check_maddrs(cfg.initial_peers, "initial peer")
+    check_maddrs(cfg.announce, "announce address")
+    validators = []
+    if cfg.swarm_key:  # a private swarm: only records signed with the key are stored or read
+        try:
+            validators.append(KeyedRecordValidator(load_key(cfg.swarm_key)))
+        except SwarmKeyError as e:
+            raise SwarmError(str(e)) from None
+    t0 = time.monotonic()
+    install_dht_counter()  # before the DHT process forks, so that it counts its own traffic
+    try:
+        return hivemind.DHT(
+            start=True,
+            initial_peers=cfg.initial_peers or None,
+            host_maddrs=host_maddrs(cfg.host, cfg.port),
+            announce_maddrs=cfg.announce or None,
+            identity_path=identity_path,
+            client_mode=client_mode,
+            startup_timeout=cfg.join_timeout_s,
+            await_ready=True,
+            record_validators=validators,
+        )
+    except P2PDaemonError as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        if cfg.initial_peers:
+            waited = time.monotonic() - t0
+            raise SwarmError(
+                f"could not join the swarm through {', '.join(cfg.initial_peers)} "
+                f"({reason}; gave up after {waited:.1f} s)"
+            ) from None
+        raise SwarmError(f"could not start the p2p daemon on {cfg.host}:{cfg.port} ({reason})") from None
+    except TimeoutError:
+        raise SwarmError(f"the DHT did not start within {cfg.join_timeout_s:.0f} s") from None
+
+
+class Reaper:
+    """Ends the DHT process and p2p daemon of this process if it dies without closing them (see reaper.py).
+
+    Args:
+        dht: a started DHT; its process and the processes it started are watched.
+    """
+
+    def __init__(self, dht: hivemind.DHT):
+        targets = []
+        try:
+            root = psutil.Process(dht.pid)
+            for p in [root, *root.children(recursive=True)]:
+                targets.append(f"{p.pid}:{p.create_time()}")
+        except psutil.Error as e:
+            logger.warning("cannot watch the DHT's processes: %r", e)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "p2pdiloco.network.reaper", *targets],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Call after shutting the DHT down: the watchdog kills what is left and exits."""
+        try:
+            self._proc.stdin.close()
+            self._proc.wait(timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            self._proc.kill()
+            self._proc.wait()
+
+
+def swarm_auth(cfg: SwarmConfig) -> SwarmAuth:
+    """The request authenticator of this swarm: keyed if `cfg.swarm_key` names a key file, else open."""
+    try:
+        return SwarmAuth(load_key(cfg.swarm_key) if cfg.swarm_key else None, cfg.run_id)
+    except SwarmKeyError as e:
+        raise SwarmError(str(e)) from None
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    return [str(m) for m in dht.get_visible_maddrs()]
+
+
+def peers_key(run_id: str) -> str:
+    return f"{run_id}_peers"
+
+
+def ready_key(run_id: str) -> str:
+    return f"{run_id}_ready"
+
+
+async def read_subkeys(dht: hivemind.DHT, key: str, timeout: float = 5.0) -> dict[str, dict]:
+    """Unexpired records under `key` as {subkey: value}; {} if none or on timeout. Malformed entries are skipped."""
+    try:
+        found = await asyncio.wait_for(dht.get(key, latest=True, return_future=True), timeout)
+    except TimeoutError:
+        logger.debug("DHT get %s timed out", key)
+        return {}
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    now = get_dht_time()
+    out = {}
+    for subkey, item in found.value.items():
+        value = getattr(item, "value", None)
+        if isinstance(subkey, str) and isinstance(value, dict) and getattr(item, "expiration_time", 0) > now:
+            out[subkey] = value
+    return out
+
+
+async def write_subkey(
+    dht: hivemind.DHT, key: str, subkey: str, value: dict, expiration: float, timeout: float = 5.0
+) -> bool:
+    """Store `value` under (key, subkey) until `expiration` (DHT time).
+
+    The DHT keeps whichever value expires last, so a record meant to replace an earlier one must be given a
+    later expiration than it, or the store is silently refused.
+    """
+    try:
+        return bool(
+            await asyncio.wait_for(dht.store(key, value, expiration, subkey=subkey, return_future=True), timeout)
+        )
+    except TimeoutError:
+        logger.warning("DHT store %s timed out", key)
+        return False
+
+
+def live_records(records: dict[str, dict]) -> dict[str, dict]:
+    """Peer records of peers that have not announced that they left."""
+    return {p: r for p, r in records.items() if not r.get("left")}
+
+
+def check_fingerprint(mine: dict[str, Any], records: dict[str, dict]) -> None:
+    """Raise SwarmError if any live peer's record carries a different config fingerprint."""
+    for peer_id, record in records.items():
+        theirs = record.get("fingerprint")
+        if isinstance(theirs, dict) and theirs != mine:
+            diff = "; ".join(fingerprint_diff(mine, theirs)) or "unknown difference"
+            raise SwarmError(f"this peer's config differs from the swarm's (peer {peer_id[-8:]}): {diff}")
+
+
+class BackgroundLoop:
+    """An asyncio event loop in a daemon thread, for the network side of a peer.
+
+    The training thread hands it coroutines with `submit` and gets concurrent futures back.
+    """
+
+    def __init__(self, name: str = "p2pdiloco-net"):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine, timeout: float | None = None) -> Any:
+        return self.submit(coro).result(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        if not self.loop.is_running():
+            return
+
+        async def _cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.run(_cancel_all(), timeout)
+        except Exception as e:  # shutting down: log, never raise
+            logger.debug("cancelling network tasks: %r", e)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)

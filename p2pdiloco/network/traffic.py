@@ -1,0 +1,138 @@
+"""Byte accounting: what a peer really sent and received, by kind, and its ratio against data-parallel.
+
+Three kinds of traffic:
+
+- ``merge``: p2pdiloco's merge protocols (invites, group notices, pseudo-gradient slices and averages),
+  counted frame by frame in wire.py.
+- ``state``: state downloads served to joiners and fetched when joining, counted the same way.
+- ``dht``: hivemind's DHT requests and responses (peer records, ready records, routing). The DHT runs in
+  its own forked process; `install_dht_counter` wraps the p2p daemon client's unary calls before the fork,
+  so the child counts the protobuf bytes of every request it makes and answers, and `refresh_dht` reads
+  the child's counts through `DHT.run_coroutine`.
+
+All counts are application bytes: libp2p's framing, Noise encryption and TCP/IP headers add a few percent
+on the wire that no counter here sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import hivemind
+
+from p2pdiloco.network.wire import ByteCounter
+
+logger = logging.getLogger(__name__)
+
+_DHT_COUNTER = ByteCounter()
+"""In a DHT process: the bytes of its unary requests and responses (meaningless in the parent)."""
+_installed = False
+
+
+def install_dht_counter() -> None:
+    """Count the DHT's traffic in every DHT process started after this call (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    from hivemind.p2p.p2p_daemon_bindings.p2pclient import Client
+
+    call, add = Client.call_unary_handler, Client.add_unary_handler
+
+    async def counted_call(self, peer_id, proto: str, data: bytes) -> bytes:
+        _DHT_COUNTER.sent += len(data)
+        response = await call(self, peer_id, proto, data)
+        _DHT_COUNTER.received += len(response)
+        return response
+
+    async def counted_add(self, proto: str, handler, balanced: bool = False) -> None:
+        async def counted_handler(request: bytes, remote_id):
+            _DHT_COUNTER.received += len(request)
+            response = await handler(request, remote_id)
+            _DHT_COUNTER.sent += len(response)
+            return response
+
+        await add(self, proto, counted_handler, balanced=balanced)
+
+    Client.call_unary_handler, Client.add_unary_handler = counted_call, counted_add
+    _installed = True
+
+
+async def _dht_counts(dht: hivemind.DHT, node) -> tuple[int, int]:
+    return _DHT_COUNTER.sent, _DHT_COUNTER.received
+
+
+def ddp_bytes_per_step(n_params: int, n_peers: int) -> float:
+    """Bytes one peer sends per step in a ring all-reduce of fp32 gradients: 2·(N−1)/N · params · 4."""
+    return 2 * (n_peers - 1) / n_peers * n_params * 4 if n_peers > 1 else 0.0
+
+
+@dataclass
+class Traffic:
+    """This peer's byte counters, by kind."""
+
+    merge: ByteCounter = field(default_factory=ByteCounter)
+    state: ByteCounter = field(default_factory=ByteCounter)
+    dht: ByteCounter = field(default_factory=ByteCounter)
+
+    async def refresh_dht(self, dht: hivemind.DHT, timeout: float = 5.0) -> None:
+        """Read the DHT process's counts (keeps the last ones if it does not answer in time)."""
+        try:
+            sent, received = await asyncio.wait_for(dht.run_coroutine(_dht_counts, return_future=True), timeout)
+        except Exception as e:  # a slow or shutting-down DHT process: the counts are a few seconds older
+            logger.debug("reading the DHT byte counts failed: %r", e)
+            return
+        self.dht.sent, self.dht.received = sent, received
+
+    async def watch_dht(self, dht: hivemind.DHT, interval: float) -> None:
+        while True:
+            await self.refresh_dht(dht)
+            await asyncio.sleep(interval)
+
+    def sent(self, with_dht: bool = False) -> int:
+        return self.merge.sent + self.state.sent + (self.dht.sent if with_dht else 0)
+
+    def received(self, with_dht: bool = False) -> int:
+        return self.merge.received + self.state.received + (self.dht.received if with_dht else 0)
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {k: {"sent": c.sent, "received": c.received} for k, c in
+                (("merge", self.merge), ("state", self.state), ("dht", self.dht))}
+
+
+def bandwidth_report(traffic: Traffic, inner_steps: int, n_params: int, n_peers: int) -> dict:
+    """Bytes sent per inner step, beside what data-parallel training of the same peers would send.
+
+    Args:
+        traffic: this peer's counters.
+        inner_steps: inner steps this peer ran.
+        n_params: parameters of the model.
+        n_peers: N of the data-parallel baseline (the largest merge group this peer was part of).
+
+    Returns:
+        ``bytes_sent_per_step`` (merges and state), ``ddp_bytes_per_step``, ``bandwidth_ratio_vs_ddp`` (DDP ÷
+        ours; None when nothing was sent or N < 2) and the same with the DHT's bytes included.
+    """
+    steps = max(inner_steps, 1)
+    ddp = ddp_bytes_per_step(n_params, n_peers)
+    ours, ours_dht = traffic.sent() / steps, traffic.sent(with_dht=True) / steps
+    return {
+        "bytes_sent_per_step": ours, "bytes_sent_per_step_with_dht": ours_dht, "ddp_bytes_per_step": ddp,
+        "ddp_peers": n_peers,
+        "bandwidth_ratio_vs_ddp": ddp / ours if ours > 0 and ddp > 0 else None,
+        "bandwidth_ratio_vs_ddp_with_dht": ddp / ours_dht if ours_dht > 0 and ddp > 0 else None,
+    }
+
+
+def swarm_bandwidth(peer_summaries: list[dict]) -> dict:
+    """Run-level ratios from the peers' summaries: all peers' data-parallel bytes ÷ all bytes they sent."""
+    out = {}
+    for suffix in ("", "_with_dht"):
+        ddp = ours = 0.0
+        for p in peer_summaries:
+            steps = p.get("inner_steps", 0)
+            ddp += p.get("ddp_bytes_per_step", 0.0) * steps
+            ours += p.get(f"bytes_sent_per_step{suffix}", 0.0) * steps
+        out[f"bandwidth_ratio_vs_ddp{suffix}"] = ddp / ours if ours > 0 and ddp > 0 else None
+    return out

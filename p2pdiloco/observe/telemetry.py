@@ -1,0 +1,177 @@
+"""What a peer tells the world about itself: its recent throughput, and its counters in Prometheus's text
+exposition format, served over HTTP on the peer's network loop.
+
+The peer writes the format itself (it is a few lines of text), so serving metrics needs no extra package;
+tests parse the output with `prometheus_client`'s parser.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from aiohttp import web
+
+from p2pdiloco.observe.serve import HttpServer
+
+
+class RateMeter:
+    """Recent rate of a cumulative count, e.g. tokens per second over the last `window_s` seconds.
+
+    The training thread calls `add`; the network thread reads `rate` (hence the lock). A peer that stops
+    counting (stalled, waiting for a merge) sees its rate fall towards zero instead of freezing.
+
+    Args:
+        window_s: how far back the rate looks, in seconds.
+        clock: monotonic seconds; tests pass a fake.
+    """
+
+    def __init__(self, window_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.window_s, self.clock = window_s, clock
+        self._samples: deque[tuple[float, float]] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, total: float) -> None:
+        """Note that the cumulative count is now `total`."""
+        now = self.clock()
+        with self._lock:
+            s = self._samples
+            # keep at most ~100 samples per window: a fast GPU steps far more often than that matters
+            if len(s) >= 2 and now - s[-2][0] < self.window_s / 100:
+                s[-1] = (now, total)
+            else:
+                s.append((now, total))
+            # drop samples older than the window, but keep one at or before its start so it spans the window
+            while len(s) > 2 and s[1][0] <= now - self.window_s:
+                s.popleft()
+
+    def rate(self) -> float:
+        """Count per second from the oldest kept sample until now; 0 before two points in time exist."""
+        now = self.clock()
+        with self._lock:
+            if not self._samples:
+                return 0.0
+            (t0, n0), (_, n1) = self._samples[0], self._samples[-1]
+        return (n1 - n0) / (now - t0) if now > t0 else 0.0
+
+
+class Ema:
+    """Exponential moving average with Adam's bias correction: the training loss over roughly the last `span`
+    steps. One batch's loss is too noisy to tell at a glance whether a peer's loss is falling.
+
+    Args:
+        span: steps the average mostly covers (weight 2 / (span + 1) on the newest value).
+    """
+
+    def __init__(self, span: int = 20):
+        self.beta = 1.0 - 2.0 / (span + 1)
+        self._avg, self._n = 0.0, 0
+
+    def add(self, x: float) -> None:
+        self._avg = self.beta * self._avg + (1.0 - self.beta) * x
+        self._n += 1
+
+    @property
+    def value(self) -> float:
+        """The average; NaN before the first value."""
+        return self._avg / (1.0 - self.beta**self._n) if self._n else float("nan")
+
+
+# (name, type, help, snapshot key). Names and units follow Prometheus conventions: base units (seconds,
+# bytes), counters end in _total, Unix times in _timestamp_seconds. Losses are unitless (nats per byte).
+METRICS = [
+    ("p2pdiloco_inner_steps_total", "counter", "Inner optimizer steps taken by this peer.", "step"),
+    ("p2pdiloco_rounds_total", "counter", "Rounds completed: merges applied, alone or in a group.", "round"),
+    ("p2pdiloco_tokens_total", "counter", "Tokens (bytes of text) this peer trained on.", "tokens"),
+    ("p2pdiloco_merges_total", "counter", "Merges with at least one other peer.", "merges"),
+    ("p2pdiloco_merge_failures_total", "counter", "Group merges abandoned; the peer kept its own update.",
+     "merge_failures"),
+    ("p2pdiloco_bytes_sent_total", "counter", "Bytes sent to other peers in merges.", "bytes_sent"),
+    ("p2pdiloco_bytes_received_total", "counter", "Bytes received from other peers in merges.", "bytes_received"),
+    ("p2pdiloco_compute_seconds_total", "counter", "Seconds spent in inner steps.", "compute_s"),
+    ("p2pdiloco_merge_wait_seconds_total", "counter", "Seconds the learner waited for merges (sync mode).",
+     "merge_wait_s"),
+    ("p2pdiloco_tokens_per_second", "gauge", "Tokens per second over the last 30 seconds.", "tokens_per_s"),
+    ("p2pdiloco_mfu", "gauge", "Model FLOPs utilization over the last 30 seconds: (6N + attention) FLOPs per token x "
+     "tokens/s / the device's peak (NaN where the peak is unknown, e.g. CPUs).", "mfu"),
+    ("p2pdiloco_loss", "gauge", "Training loss over about the last 20 inner steps (moving average), in nats per "
+     "byte (NaN before the first step).", "loss"),
+    ("p2pdiloco_eval_loss", "gauge", "Validation loss of the global model at its last evaluation, in nats per byte.",
+     "eval_loss"),
+    ("p2pdiloco_last_merge_seconds", "gauge", "How long the last merge took.", "last_merge_s"),
+    ("p2pdiloco_last_merge_timestamp_seconds", "gauge", "Unix time of the last merge (0 before the first).",
+     "last_merge_time"),
+    ("p2pdiloco_last_merge_group_size", "gauge", "Peers in the last merge group (1: merged alone).",
+     "last_group_size"),
+    ("p2pdiloco_start_time_seconds", "gauge", "Unix time this peer started.", "started"),
+]
+INFO_LABELS = ("peer_id", "name", "run_id", "device", "version")
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _value(v: object) -> str:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return "NaN"
+    if isinstance(v, int):
+        return str(v)
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(v)
+
+
+def _label(v: object) -> str:
+    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def render_prometheus(snapshot: dict) -> str:
+    """This peer's metrics in Prometheus's text exposition format (version 0.0.4).
+
+    Args:
+        snapshot: the heartbeat record (`Learner.record()` plus the static fields), with `peer_id`, `run_id`,
+            `merge_failures`, `compute_s` and `merge_wait_s` added. Missing values are written as NaN.
+
+    Identity goes in one info metric (`p2pdiloco_peer_info`, value 1) rather than in labels on every
+    sample, as Prometheus recommends; the scrape target's own labels tell peers apart.
+    """
+    lines = [
+        "# HELP p2pdiloco_peer_info Who this peer is: its labels carry the identity; the value is always 1.",
+        "# TYPE p2pdiloco_peer_info gauge",
+        "p2pdiloco_peer_info{" + ",".join(f'{k}="{_label(snapshot.get(k, ""))}"' for k in INFO_LABELS) + "} 1",
+    ]
+    for name, kind, help_, key in METRICS:
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {_value(snapshot.get(key))}"]
+    return "\n".join(lines) + "\n"
+
+
+class MetricsServer:
+    """Serves ``/metrics`` (Prometheus text format) from `snapshot()`, on the peer's network loop.
+
+    Args:
+        snapshot: returns the current values (see `render_prometheus`); called once per scrape.
+        host, port: where to listen (port 0: any free one).
+    """
+
+    def __init__(self, snapshot: Callable[[], dict], host: str, port: int):
+        self.snapshot = snapshot
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/", self._index)
+        self.server = HttpServer(app, host, port, "metrics")
+
+    async def start(self) -> str:
+        """Listen; returns the URL of /metrics. Raises ConfigError if the port cannot be used."""
+        return await self.server.start() + "metrics"
+
+    async def stop(self) -> None:
+        await self.server.stop()
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(body=render_prometheus(self.snapshot()).encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _index(self, _request: web.Request) -> web.Response:
+        return web.Response(text="p2pdiloco peer: metrics at /metrics\n")
