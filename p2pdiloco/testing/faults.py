@@ -1,0 +1,60 @@
+"""Deterministic fault injection, keyed by (stage, round): the one hook tests use to break a peer on purpose.
+
+Production code never builds one: the merger and the learner take a `Faults` as an optional argument (as
+torchft's `Manager` takes an `EventInjector`), and with none nothing is injected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+logger = logging.getLogger(__name__)
+
+STALL_S = 3600.0
+"""How long a 'stall' freezes: longer than any merge is waited for, so the merge is abandoned first."""
+
+
+class Faults(dict[tuple[str, int], str]):
+    """{(stage, round): action}.
+
+    Stages: 'exchange' (the merger, before this peer sends its slices), 'serve_part' (the merger, inside the
+    reducer, on the first slice received from another member), 'checkpoint' (the learner reads
+    `faults.get(("checkpoint", round))` itself and dies mid-write). Actions: 'stall' freezes this peer's side
+    of the merge (as SIGSTOP would) until the merge is abandoned; 'kill' SIGKILLs this process on the spot.
+    """
+
+    async def fire(self, stage: str, round_: int, peer: str = "") -> None:
+        """Do what is planned for `stage` of round `round_`, if anything.
+
+        Args:
+            stage: where the caller is (see the class docstring).
+            round_: the caller's round counter.
+            peer: this peer's short id, for the log line.
+        """
+        action = self.get((stage, round_))
+        if action:
+            logger.warning("[%s] injected fault: %s at %s of round %d", peer, action, stage, round_)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "stall":
+            await asyncio.sleep(STALL_S)
+
+
+def faults_from_env(name: str) -> Faults:
+    """The faults planned for the peer called `name`.
+
+    P2PDILOCO_FAULTS="peer2@serve_part:3:kill,peer1@exchange:5:stall" injects faults into the merges of the
+    peers so named; an empty name before '@' is an unnamed peer.
+    """
+    faults = Faults()
+    for item in filter(None, os.environ.get("P2PDILOCO_FAULTS", "").split(",")):
+        who, _, spec = item.partition("@")
+        stage, round_, action = spec.split(":")
+        if who == name:
+            faults[(stage, int(round_))] = action
+    if faults:
+        logger.warning("fault injection enabled for %s: %s", name, faults)
+    return faults
