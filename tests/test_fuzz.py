@@ -11,8 +11,11 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from p2pdiloco.algorithm.codecs import Codec
 from p2pdiloco.algorithm.guards import screen_parts
-from p2pdiloco.network.p2p_merger import MergeFailed, P2PMerger
+from p2pdiloco.network.allreduce import AllReduce
+from p2pdiloco.network.matchmaking import Matchmaker
+from p2pdiloco.network.p2p_merger import MergeFailed
 from p2pdiloco.network.state_sync import GlobalState, StateError, unpack_state
 from p2pdiloco.network.wire import MAX_HEADER_BYTES, WireError, recv_msg
 
@@ -70,19 +73,20 @@ def test_huge_declared_sizes_are_refused_before_reading():
     assert len(b"x" * 0) == 0 and MAX_HEADER_BYTES < 2**32
 
 
-def _bare_merger() -> P2PMerger:
+def _bare_matchmaker() -> Matchmaker:
     """Only the decoding paths: no DHT, no daemon."""
-    m = P2PMerger.__new__(P2PMerger)
-    m.peer_id, m._search, m._groups, m.n_params = "me", None, {}, 16
+    m = Matchmaker.__new__(Matchmaker)
+    m.peer_id, m._search, m._groups = "me", None, {}
     return m
 
 
 @FUZZ
 @given(st.dictionaries(st.text(max_size=12), json_like, max_size=6), st.binary(max_size=80))
 def test_part_headers_from_strangers_are_refused_without_state(header, payload):
-    m = _bare_merger()
+    m = _bare_matchmaker()
+    allreduce = AllReduce(None, m.expected_group, {"d": Codec(), "s": Codec()})
     with pytest.raises(MergeFailed):
-        asyncio.run(m._reduce_part("stranger", header, payload))
+        asyncio.run(allreduce._reduce_part("stranger", header, payload))
     assert m._groups == {}  # nothing was allocated for an unknown group
 
 
@@ -91,7 +95,7 @@ def test_part_headers_from_strangers_are_refused_without_state(header, payload):
                        json_like, max_size=5))
 @example({"members": [[1], [1]], "weights": [1, 1], "state_weights": [1, 1], "need_state": False})
 def test_group_notice_validation_never_raises(header):
-    assert _bare_merger()._valid_notice(header) in (True, False)
+    assert _bare_matchmaker()._valid_notice(header) in (True, False)
 
 
 @FUZZ

@@ -10,8 +10,8 @@ import torch
 from p2pdiloco.algorithm.codecs import get_codec
 from p2pdiloco.algorithm.outer import weighted_average
 from p2pdiloco.config import CODECS, GuardConfig, SwarmConfig
+from p2pdiloco.network.allreduce import slice_bounds
 from p2pdiloco.network.merger import Contribution
-from p2pdiloco.network.p2p_merger import slice_bounds
 from tests.conftest import running_mergers
 
 pytestmark = pytest.mark.integration

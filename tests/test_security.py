@@ -99,9 +99,9 @@ def test_peer_without_the_swarm_key_cannot_merge_fetch_state_or_write_records(ke
     with pytest.raises((WireError, StateError)):
         net_loop.run(syncs[0].fetch_from(ids[2], timeout=5), 10)
     # merges: the stranger's requests are refused outright; keyed peers merge together
-    assert net_loop.run(stranger._rpc(ids[0], "invite", {"group_id": "x"}), 10) is None
+    assert net_loop.run(stranger.rpc.request(ids[0], "invite", {"group_id": "x"}), 10) is None
     with pytest.raises((WireError, MergeFailed)):
-        net_loop.run(stranger._call(ids[0], "part", {"group_id": "x", "tag": "d", "index": 0}, b"\0" * 8), 10)
+        net_loop.run(stranger.rpc.call(ids[0], "part", {"group_id": "x", "tag": "d", "index": 0}, b"\0" * 8), 10)
     vecs = [torch.full((N,), float(i + 1)) for i in range(3)]
     futures = [m.submit(_contribution(v)) for m, v in zip(mergers, vecs, strict=True)]
     results = [f.result(timeout=60) for f in futures]

@@ -10,8 +10,9 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.algorithm.outer import weighted_average
 from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.network.allreduce import slice_bounds
+from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.merger import Contribution
-from p2pdiloco.network.p2p_merger import P2PMerger, slice_bounds
 from p2pdiloco.network.swarm import (
     SwarmError,
     check_fingerprint,
@@ -20,6 +21,7 @@ from p2pdiloco.network.swarm import (
     start_dht,
     write_subkey,
 )
+from p2pdiloco.testing.faults import Faults
 from tests.conftest import running_mergers, start_local_dht, wait_for
 
 pytestmark = pytest.mark.integration
@@ -28,6 +30,14 @@ pytestmark = pytest.mark.integration
 def test_slice_bounds_cover_exactly():
     assert slice_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert slice_bounds(2, 3) == [(0, 1), (1, 2), (2, 2)]
+
+
+def test_slice_bounds_are_how_tensor_split_cuts():
+    for length in range(12):
+        for parts in range(1, 6):
+            x = torch.arange(length)
+            assert [x[lo:hi].tolist() for lo, hi in slice_bounds(length, parts)] == [
+                c.tolist() for c in torch.tensor_split(x, parts)]
 
 
 def test_two_peers_find_each_other_through_bootstrap(bootstrap_dht, net_loop):
@@ -105,20 +115,24 @@ def test_disagreeing_global_models_are_averaged_by_absorbed_tokens(three_mergers
         assert torch.equal(r.global_state, results[0].global_state)
 
 
-def test_member_frozen_mid_merge_fails_the_merge_for_everyone(three_mergers):
-    frozen = three_mergers[2]
-    frozen.faults[("exchange", 7)] = "stall"
-    vecs = [torch.full((1001,), float(i + 1)) for i in range(3)]
-    futures = []
-    for m, v in zip(three_mergers, vecs, strict=True):
-        c = _contribution(v, 1.0)
-        c.round = 7
-        futures.append(m.submit(c))
-    for f, v in zip(futures[:2], vecs[:2], strict=True):
-        r = f.result(timeout=60)
-        assert r.failure, "a merge with a frozen member must be reported as failed"
-        assert r.alone and torch.equal(r.pseudo_grad, v)  # own update kept, no partial average applied
-    futures[2].cancel()
+def test_member_frozen_mid_merge_fails_the_merge_for_everyone(bootstrap_dht, net_loop):
+    cfg = SwarmConfig(run_id="t", merge_window_s=8, merge_timeout_s=4, codec="none")
+    guard = GuardConfig(aggregate="mean", min_cosine=-1)
+    stall = Faults({("exchange", 7): "stall"})
+    with (running_mergers(bootstrap_dht, net_loop, 2, cfg, 1001, guard=guard) as others,
+          running_mergers(bootstrap_dht, net_loop, 1, cfg, 1001, guard=guard, faults=stall) as (frozen,)):
+        three_mergers = [*others, frozen]
+        vecs = [torch.full((1001,), float(i + 1)) for i in range(3)]
+        futures = []
+        for m, v in zip(three_mergers, vecs, strict=True):
+            c = _contribution(v, 1.0)
+            c.round = 7
+            futures.append(m.submit(c))
+        for f, v in zip(futures[:2], vecs[:2], strict=True):
+            r = f.result(timeout=60)
+            assert r.failure, "a merge with a frozen member must be reported as failed"
+            assert r.alone and torch.equal(r.pseudo_grad, v)  # own update kept, no partial average applied
+        futures[2].cancel()
 
 
 def test_a_finishing_peer_waits_the_whole_window_and_its_group_ends_the_run(bootstrap_dht, net_loop):
@@ -141,7 +155,7 @@ def test_a_finishing_peer_waits_the_whole_window_and_its_group_ends_the_run(boot
 
 
 def test_window_grows_after_merges_alone_and_resets_after_a_group():
-    m = P2PMerger.__new__(P2PMerger)  # only the window logic, no network
+    m = Matchmaker.__new__(Matchmaker)  # only the window logic, no network
     m.cfg = SwarmConfig(merge_window_s=10.0, min_window_s=1.0, window_fraction=0.25)
     m._last_submit, m._round_ema, m._alone_streak = 0.0, None, 0
     assert m._window(8.0) == 2.0  # a quarter of the round

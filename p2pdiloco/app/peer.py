@@ -35,6 +35,7 @@ from p2pdiloco.network.swarm import (
 )
 from p2pdiloco.network.traffic import Traffic
 from p2pdiloco.observe.telemetry import MetricsServer
+from p2pdiloco.testing.faults import faults_from_env
 from p2pdiloco.testing.hostile import HostileMerger
 from p2pdiloco.training.accel import pick_device
 from p2pdiloco.training.checkpoint import load_latest
@@ -229,20 +230,6 @@ def keep_previous(path: Path) -> None:
         path.rename(path.with_name(f"{path.stem}-{stamp}{path.suffix}"))
 
 
-def faults_from_env(name: str) -> dict[tuple[str, int], str]:
-    """Test hook: P2PDILOCO_FAULTS="peer2@serve_part:3:kill,peer1@exchange:5:stall" injects faults into the
-    merges of the peers so named (see `P2PMerger._inject`)."""
-    faults = {}
-    for item in filter(None, os.environ.get("P2PDILOCO_FAULTS", "").split(",")):
-        who, _, spec = item.partition("@")
-        stage, round_, action = spec.split(":")
-        if who == name:
-            faults[(stage, int(round_))] = action
-    if faults:
-        logger.warning("fault injection enabled for %s: %s", name, faults)
-    return faults
-
-
 class StartupClock:
     """Where a peer's start-up time goes, in seconds per phase (the `start` line of metrics.jsonl): a restart
     that takes long to train again costs goodput, so it should be plain which part is slow."""
@@ -311,9 +298,9 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         check_fingerprint(fingerprint, live_records(loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30)))
 
         auth = swarm_auth(cfg.swarm)
+        faults = faults_from_env(cfg.run.name)  # a test hook: empty unless P2PDILOCO_FAULTS names this peer
         merger = P2PMerger(dht, cfg.swarm, loop, n_params, auth=auth, guard=cfg.guard,
-                           fingerprint=fingerprint_digest(fingerprint))
-        merger.faults = faults_from_env(cfg.run.name)
+                           fingerprint=fingerprint_digest(fingerprint), faults=faults)
         startup.lap("merger")  # mostly loading the codec's library
         if not cfg.run.resume:
             keep_previous(run_dir / "metrics.jsonl")
@@ -321,7 +308,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         # a hostile peer (benchmarks, tests) corrupts what it submits; the real merger still counts bytes
         learner_merger = HostileMerger(merger, cfg.run.hostile, cfg.run.seed) if cfg.run.hostile else merger
         learner = Learner(cfg, model, sampler.next_batch, val, learner_merger, device, metrics, should_stop=stop,
-                          checkpoint_dir=run_dir / "checkpoints", faults=merger.faults,
+                          checkpoint_dir=run_dir / "checkpoints", faults=faults,
                           t_process_start=t_process_start)
         learner.log_start(startup.laps)  # before any state download: a restart's start-up is its own, in the metrics
         learner.traffic = Traffic(merge=merger.counter)

@@ -1,0 +1,237 @@
+"""Averaging one vector over a formed merge group: a reduce-scatter then all-gather over p2p streams.
+
+As in a butterfly all-reduce, member j owns slice j of the vector, receives that slice from every member, and
+only when it holds all of them sends back the average. A member uses the result only if it received *every*
+averaged slice, so a member that dies mid-merge makes the merge fail, and never leaves anyone a partial
+average (the silent failure mode of hivemind's all-reduce with `next_chunk_timeout`, see DESIGN.md). Every
+member that succeeds holds the same bits, because each slice is averaged once, by its owner, and the owner
+keeps the decoded copy of what it sends.
+
+What an owner does with the parts it receives (screen them, combine them robustly) and what a member accepts
+back is a `SliceReducer`'s business, given to the all-reduce; `PlainReducer` is the unguarded mean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from p2pdiloco.algorithm.codecs import Codec, CodecError, NonFiniteError
+from p2pdiloco.algorithm.outer import weighted_average
+from p2pdiloco.network.matchmaking import Group
+from p2pdiloco.network.rpc import MergeFailed, Rpc
+
+if TYPE_CHECKING:  # passed in by tests, never imported here at run time
+    from p2pdiloco.testing.faults import Faults
+
+logger = logging.getLogger(__name__)
+
+
+def slice_bounds(length: int, parts: int) -> list[tuple[int, int]]:
+    """The wire layout of a vector averaged by `parts` members: [start, end) of each member's slice.
+
+    Exactly `torch.tensor_split`'s sections (the first `length % parts` one value longer), which is how
+    `AllReduce` cuts the vector; every member must cut alike. Computed on the meta device: no memory.
+    """
+    sizes = [s.numel() for s in torch.tensor_split(torch.empty(length, device="meta"), parts)]
+    return [(end - size, end) for size, end in zip(sizes, itertools.accumulate(sizes), strict=True)]
+
+
+class SliceReducer(Protocol):
+    """The policy of an all-reduce: which parts count, how they combine, which averages are accepted."""
+
+    def admit(self, group: Group, sender: str, decode: Callable[[], torch.Tensor], n: int) -> tuple[torch.Tensor, str]:
+        """A received part, decoded by `decode()`, as (values of length n, flag: '' or why it must not count).
+
+        Raises:
+            MergeFailed: the part fails the whole merge.
+        """
+
+    def reduce(self, group: Group, tag: str, me: int, parts: list[torch.Tensor], weights: list[float],
+               flags: dict[int, str]) -> torch.Tensor:
+        """The owner's average of its slice; flags: {member index: reason} decided on arrival.
+
+        Raises:
+            MergeFailed: no average can be given.
+        """
+
+    def accept(self, group: Group, owner: int, averaged: torch.Tensor, mine: torch.Tensor) -> None:
+        """Check the average member `owner` returned for its slice against this peer's own part `mine`.
+
+        Raises:
+            MergeFailed: it must not be applied.
+        """
+
+
+class PlainReducer:
+    """No guards: every part counts, the average is the weighted mean, finite parts and averages only."""
+
+    def admit(self, group: Group, sender: str, decode: Callable[[], torch.Tensor], n: int) -> tuple[torch.Tensor, str]:
+        try:
+            part = decode()
+        except CodecError as e:
+            raise MergeFailed(f"bad part from {sender[-6:]}: {e}") from None
+        if not torch.isfinite(part).all():
+            raise MergeFailed(f"non-finite values from {sender[-6:]}")
+        return part, ""
+
+    def reduce(self, group: Group, tag: str, me: int, parts: list[torch.Tensor], weights: list[float],
+               flags: dict[int, str]) -> torch.Tensor:
+        return weighted_average(parts, weights)
+
+    def accept(self, group: Group, owner: int, averaged: torch.Tensor, mine: torch.Tensor) -> None:
+        pass
+
+
+@dataclass
+class _Slot:
+    """The slice of one vector that this peer reduces for its group.
+
+    `result` resolves to (averaged slice as every member will decode it, its encoded bytes): the owner keeps
+    the decoded copy, not its exact average, so that all members hold the same bits.
+    """
+
+    weights: list[float]
+    parts: list[torch.Tensor | None]
+    result: asyncio.Future
+    codec: Codec
+    """How the average travels back to the members (and how they decode it)."""
+    reduce: Callable[[list, list, dict], torch.Tensor] = lambda parts, weights, flags: weighted_average(parts, weights)
+    """(parts, weights, flags) -> the averaged slice; flags: {member index: reason} decided on arrival."""
+    flags: dict[int, str] = field(default_factory=dict)
+
+    def add(self, index: int, part: torch.Tensor, flag: str = "") -> None:
+        if self.parts[index] is not None:
+            raise MergeFailed(f"duplicate part from member {index}")
+        self.parts[index] = part
+        if flag:
+            self.flags[index] = flag
+        if all(p is not None for p in self.parts) and not self.result.done():
+            try:
+                average = self.reduce(self.parts, self.weights, self.flags)
+            except MergeFailed as e:
+                self.result.set_exception(e)
+                return
+            data = self.codec.encode(average)
+            self.result.set_result((self.codec.decode(data, average.numel()), data))
+
+
+class AllReduce:
+    """Averages vectors over formed groups, and serves the slices this peer owns.
+
+    Args:
+        rpc: requests to the other members (op 'part').
+        expected_group: group id -> the group, once its notice is here (raises MergeFailed for a group this
+            peer is not part of); see `Matchmaker.expected_group`.
+        codecs: how the slices of each tag travel: {'d': pseudo-gradient codec, 's': (θg, momentum) codec}.
+        reducer: what an owner does with the parts of its slice, and what a member accepts back.
+        merge_timeout_s: bound on receiving one part, and on waiting for a slice's average.
+        max_part: largest part payload accepted, in bytes.
+        faults: test hook; stage 'serve_part' fires on each part received from another member, keyed by
+            `round`, which the caller keeps current.
+    """
+
+    def __init__(self, rpc: Rpc, expected_group: Callable[[str], Awaitable[Group]], codecs: dict[str, Codec],
+                 reducer: SliceReducer | None = None, merge_timeout_s: float = 30.0, max_part: int = 0,
+                 faults: Faults | None = None):
+        self.rpc, self.expected_group, self.codecs = rpc, expected_group, codecs
+        self.reducer = reducer or PlainReducer()
+        self.merge_timeout_s, self.max_part, self.faults = merge_timeout_s, max_part, faults
+        self.round = -1
+        """This peer's current round (the key of injected faults)."""
+
+    async def average(self, group: Group, me: int, tag: str, vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Average `vector` over `group`, in which this peer is member `me`.
+
+        Returns:
+            (the average, as every member holds it; `vector` as the others received it: each slice sent
+            through the codec, this peer's own slice exact), the second for error feedback.
+        """
+        vector = vector.detach().float().contiguous().cpu()
+        if vector.numel() != group.lengths[tag]:
+            raise MergeFailed(f"vector of {vector.numel()} values, group expects {group.lengths[tag]}")
+        codec = self.codecs[tag]
+        slices = torch.tensor_split(vector, len(group.members))  # the wire layout: see slice_bounds
+        slot = self._slot(group, tag, me)
+        slot.add(me, slices[me].clone())
+        sent = list(slices)
+
+        async def exchange(j: int) -> torch.Tensor:
+            if j == me:
+                averaged, _ = await asyncio.shield(slot.result)
+                return averaged
+            n = slices[j].numel()
+            data = codec.encode(slices[j])
+            try:
+                sent[j] = codec.decode(data, n)
+            except NonFiniteError:  # our own Δ is not finite: send it anyway, the owner's guards will say so
+                sent[j] = torch.full((n,), float("nan"))
+            header = {"group_id": group.group_id, "tag": tag, "index": me, "codec": codec.name}
+            reply, payload = await self.rpc.call(group.members[j], "part", header, data, codec.encoded_size(n))
+            if not reply.get("ok"):
+                raise MergeFailed(f"member {group.members[j][-6:]} could not reduce its slice: {reply.get('error')}")
+            try:
+                averaged = codec.decode(payload, n)
+            except CodecError as e:
+                raise MergeFailed(f"member {group.members[j][-6:]} returned an undecodable slice: {e}") from None
+            if not torch.isfinite(averaged).all():
+                raise MergeFailed(f"member {group.members[j][-6:]} returned non-finite values")
+            self.reducer.accept(group, j, averaged, slices[j])  # the owner of a slice could return anything
+            return averaged
+
+        parts = await asyncio.gather(*(exchange(j) for j in range(len(group.members))))
+        return torch.cat(parts), torch.cat(sent)
+
+    def _slot(self, group: Group, tag: str, me: int) -> _Slot:
+        if tag not in group.slots:
+            def reduce(parts: list, weights: list, flags: dict) -> torch.Tensor:
+                return self.reducer.reduce(group, tag, me, parts, weights, flags)
+
+            group.slots[tag] = _Slot(list(group.weights_for(tag)), [None] * len(group.members),
+                                     asyncio.get_running_loop().create_future(), self.codecs[tag], reduce)
+        return group.slots[tag]
+
+    # ---- the handler: another member sends us its part of the slice we own ----
+
+    async def on_part(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            header, payload = await asyncio.wait_for(self.rpc.receive(reader, self.max_part), self.merge_timeout_s)
+            sender = info.peer_id.to_base58()
+            if not self.rpc.authorized("part", sender, header):
+                return
+            try:
+                data = await self._reduce_part(sender, header, payload)
+                await self.rpc.reply(reader, writer, "part", sender, {"ok": True}, data)
+            except (MergeFailed, TimeoutError) as e:
+                await self.rpc.reply(reader, writer, "part", sender, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+        except Exception as e:
+            logger.debug("[%s] part exchange failed: %r", self.rpc.peer_id[-6:], e)
+        finally:
+            writer.close()
+
+    async def _reduce_part(self, sender: str, header: dict, payload: bytes) -> bytes:
+        """Add a member's slice to the slot this peer reduces; return the encoded average once all arrived."""
+        gid, tag, index = header.get("group_id"), header.get("tag"), header.get("index")
+        if not isinstance(gid, str) or tag not in ("d", "s") or not isinstance(index, int):
+            raise MergeFailed("malformed part header")
+        codec = self.codecs[tag]
+        if header.get("codec", "none") != codec.name:
+            raise MergeFailed(f"part encoded with {header.get('codec')!r}, this peer merges with {codec.name!r}")
+        group = await self.expected_group(gid)
+        if not 0 <= index < len(group.members) or group.members[index] != sender:
+            raise MergeFailed("sender is not that member of the group")
+        me = group.members.index(self.rpc.peer_id)
+        lo, hi = slice_bounds(group.lengths[tag], len(group.members))[me]
+        part, flag = self.reducer.admit(group, sender, lambda: codec.decode(payload, hi - lo), hi - lo)
+        if self.faults is not None:
+            await self.faults.fire("serve_part", self.round, self.rpc.peer_id[-6:])
+        slot = self._slot(group, tag, me)
+        slot.add(index, part, flag)
+        _, data = await asyncio.wait_for(asyncio.shield(slot.result), self.merge_timeout_s)
+        return data

@@ -1,0 +1,314 @@
+"""Forming a merge group with whichever peers are ready now, through the DHT.
+
+1. **Ready.** The peer writes a `ready` record (with its matchmaking deadline) to the DHT.
+2. **Group.** The peer with the smallest id among those ready is the leader. It invites the others as soon
+   as every live peer is ready, or at its deadline with whoever is. Each peer accepts at most one invite
+   per merge; the leader then sends the final member list, the members' weights and whether their global
+   models disagree (digests differ) to every member. A peer that is not invited in time merges alone.
+
+How long a peer looks is its *window* (see `Matchmaker._window`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import hivemind
+from hivemind.utils.timed_storage import get_dht_time
+
+from p2pdiloco.algorithm.guards import STALE, GuardBook, stale_members
+from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.network.merger import Contribution
+from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed, Rpc
+from p2pdiloco.network.swarm import live_records, peers_key, read_subkeys, ready_key, write_subkey
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.25
+"""How often a peer looking for a group re-reads the ready records."""
+
+
+@dataclass
+class Group:
+    """A formed merge group, as its leader announced it."""
+
+    group_id: str
+    members: list[str]
+    """Peer ids in group order; member j owns slice j of every vector averaged (see allreduce.py)."""
+    weights: list[float]
+    """Each member's weight in the average of Δ (tokens of its round)."""
+    state_weights: list[float]
+    """Each member's weight in the average of (θg, momentum) (tokens its θg has absorbed)."""
+    need_state: bool
+    """The members' global models differ: (θg, momentum) is averaged too."""
+    lengths: dict[str, int]
+    """Vector length per tag: 'd' for the pseudo-gradient, 's' for (θg, momentum)."""
+    final: bool = False
+    """A member is finishing its run (see `MergeResult.final`)."""
+    slots: dict = field(default_factory=dict)
+    """The all-reduce's state per tag while this group merges (see `AllReduce`)."""
+
+    def weights_for(self, tag: str) -> list[float]:
+        return self.weights if tag == "d" else self.state_weights
+
+
+@dataclass
+class _Search:
+    """This peer's current search for a group."""
+
+    contribution: Contribution
+    deadline: float
+    leading: bool = False
+    accepted_gid: str = ""
+    leader: str = ""
+    invited: asyncio.Event = field(default_factory=asyncio.Event)
+    group: asyncio.Future | None = None
+
+
+class Matchmaker:
+    """Finds this peer a merge group, leads one, or answers another leader's invite.
+
+    Args:
+        dht: this peer's running DHT.
+        cfg: swarm settings (run id, window sizes, sync mode).
+        rpc: requests to other peers (invites, group notices).
+        book: banned peers are neither invited nor followed; stale members are recorded there.
+        guard: guard settings (whether stale members are left out, and how far behind is stale).
+        fingerprint: digest of the run config; invites from leaders with another one are declined.
+        lengths: vector length per tag, the same on every peer (see `Group.lengths`).
+    """
+
+    def __init__(self, dht: hivemind.DHT, cfg: SwarmConfig, rpc: Rpc, book: GuardBook, guard: GuardConfig,
+                 fingerprint: str, lengths: dict[str, int]):
+        self.dht, self.cfg, self.rpc, self.book, self.guard = dht, cfg, rpc, book, guard
+        self.fingerprint, self.lengths = fingerprint, lengths
+        self.peer_id = rpc.peer_id
+        self._search: _Search | None = None
+        self._groups: dict[str, asyncio.Future] = {}
+        self._closed = False
+        self._ready_expiration = 0.0
+        self._last_submit = time.monotonic()
+        self._round_ema: float | None = None
+        self._alone_streak = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    def close(self) -> None:
+        """Stop looking: a search in progress ends alone."""
+        self._closed = True
+
+    def record(self, alone: bool) -> None:
+        """The outcome of this peer's last merge: merges alone in a row widen the window (see `_window`)."""
+        self._alone_streak = self._alone_streak + 1 if alone else 0
+
+    def forget(self, group_id: str) -> None:
+        """The merge of `group_id` is over: parts for it are refused from now on."""
+        self._groups.pop(group_id, None)
+
+    async def expected_group(self, group_id: str) -> Group:
+        """The group `group_id`, once its notice is here.
+
+        Raises:
+            MergeFailed: this peer neither is in that group nor accepted an invite to it.
+            TimeoutError: the leader's notice did not come in time.
+        """
+        search = self._search
+        if group_id not in self._groups and (search is None or search.accepted_gid != group_id):
+            raise MergeFailed("unknown group")  # checked first so that strangers cannot make us hold state
+        self._group_future(group_id)  # our own group notice may still be on its way
+        return await asyncio.wait_for(asyncio.shield(self._groups[group_id]), RPC_TIMEOUT_S)
+
+    async def find_group(self, c: Contribution) -> Group | None:
+        """A group to merge `c` with, or None: merge alone."""
+        window = self._window(c.round_s)
+        if c.final:  # the last merge of this peer's run: worth the whole window to leave with everyone live
+            window = max(window, self.cfg.merge_window_s)
+        search = _Search(contribution=c, deadline=get_dht_time() + window)
+        self._search = search
+        me = self.peer_id
+        silent: set[str] = set()
+        try:
+            await self._write_ready({"looking": True, "deadline": search.deadline}, ttl=window + 5)
+            while not self._closed:
+                if search.accepted_gid:
+                    return await self._await_group(search)
+                records = live_records(await read_subkeys(self.dht, peers_key(self.cfg.run_id)))
+                records = {p: r for p, r in records.items() if p not in self.book.banned}  # not ours to wait for
+                live = len(records)
+                ready = {
+                    p: r for p, r in (await read_subkeys(self.dht, ready_key(self.cfg.run_id))).items()
+                    if r.get("looking") and p in records and p not in silent
+                }  # a crashed peer's stale ready record must not make it everyone's leader
+                ready[me] = {"deadline": search.deadline}
+                now = get_dht_time()
+                leader = min(ready)
+                if search.accepted_gid:
+                    return await self._await_group(search)
+                if leader == me:
+                    if len(ready) > 1 and (len(ready) >= live or now >= search.deadline):
+                        return await self._lead(search, sorted(p for p in ready if p != me))
+                    if now >= search.deadline or live <= 1:
+                        return None
+                else:
+                    leader_deadline = float(ready[leader].get("deadline", search.deadline))
+                    if now >= search.deadline + window:
+                        return None
+                    if now >= max(search.deadline, leader_deadline) + RPC_TIMEOUT_S:
+                        silent.add(leader)  # it never invited us: look past it (the next one may lead)
+                        continue
+                try:
+                    await asyncio.wait_for(search.invited.wait(), POLL_S)
+                except TimeoutError:
+                    pass
+            return None
+        finally:
+            self._search = None
+            # withdraw the ready record in the background: the exchange should not wait for the DHT
+            task = asyncio.create_task(self._write_ready({"looking": False}, ttl=window + 5))
+            self._tasks.add(task)  # keep a reference until it is done, or it may be collected mid-flight
+            task.add_done_callback(self._tasks.discard)
+
+    async def _write_ready(self, value: dict, ttl: float) -> None:
+        # each version of our ready record must expire later than the last, or the DHT keeps the old one
+        self._ready_expiration = max(get_dht_time() + ttl, self._ready_expiration + 1e-3)
+        await write_subkey(self.dht, ready_key(self.cfg.run_id), self.peer_id, value, self._ready_expiration)
+
+    def _window(self, round_s: float) -> float:
+        """How long to wait for others to become ready.
+
+        Sync mode waits up to merge_window_s, for everyone. Decoupled mode waits a fraction of this peer's
+        recent round time (an EMA of the rounds' wall times as the learner reports them, else of the time
+        between submits), in the spirit of Decoupled DiLoCo's grace window: long enough that peers finishing
+        their round at about the same time meet, short enough that nobody's merges are held up by a slow or
+        vanished peer. No constant to retune per model or link.
+        """
+        now = time.monotonic()
+        interval = round_s if round_s > 0 else now - self._last_submit
+        self._last_submit = now
+        self._round_ema = interval if self._round_ema is None else 0.5 * self._round_ema + 0.5 * interval
+        if self.cfg.sync:
+            return self.cfg.merge_window_s
+        # Peers whose rounds drifted apart by more than the window would never meet again: after each
+        # merge alone the window doubles (up to merge_window_s) until a group forms, then it resets.
+        base = max(self.cfg.min_window_s, self.cfg.window_fraction * self._round_ema)
+        return min(self.cfg.merge_window_s, base * 2 ** min(self._alone_streak, 8))
+
+    async def _lead(self, search: _Search, candidates: list[str]) -> Group | None:
+        search.leading = True  # from here on, invites from others are declined
+        gid = secrets.token_hex(8)
+        c = search.contribution
+        candidates = [p for p in candidates if p not in self.book.banned]
+        replies = await asyncio.gather(*(self.rpc.request(p, "invite", {"group_id": gid, "fp": self.fingerprint})
+                                         for p in candidates))
+        members, weights, state_weights, digests = [self.peer_id], [c.weight], [c.state_weight], [c.state_digest]
+        rounds, finals = [c.round], [c.final]
+        for peer, reply in zip(candidates, replies, strict=True):
+            if reply and reply.get("accept") is True:
+                try:
+                    w, sw, d = float(reply["weight"]), float(reply["state_weight"]), str(reply["digest"])
+                    r = int(reply.get("round", c.round))
+                except (KeyError, TypeError, ValueError):
+                    continue
+                if w >= 0 and sw >= 0 and math.isfinite(w) and math.isfinite(sw):
+                    members.append(peer)
+                    weights.append(w)
+                    state_weights.append(sw)
+                    digests.append(d)
+                    rounds.append(r)
+                    finals.append(reply.get("final") is True)
+        if self.guard.enabled:  # members far behind the group contribute stale updates: leave them out
+            stale = stale_members(rounds, self.guard.max_round_lag)
+            for i in reversed(range(1, len(members))):
+                if stale[i]:
+                    self.book.reject(members[i], STALE, gid, f"round {rounds[i]}", strike=False)
+                    for column in (members, weights, state_weights, digests, finals):
+                        del column[i]
+        if len(members) == 1:
+            return None
+        final = any(finals)
+        group = Group(gid, members, weights, state_weights, len(set(digests)) > 1, dict(self.lengths), final)
+        self._group_future(gid).set_result(group)
+        notice = {"group_id": gid, "members": members, "weights": weights, "state_weights": state_weights,
+                  "need_state": group.need_state, "final": final}
+        await asyncio.gather(*(self.rpc.request(p, "group", notice) for p in members[1:]))
+        logger.info("[%s] leading merge group %s of %d peers", self.peer_id[-6:], gid, len(members))
+        return group
+
+    async def _await_group(self, search: _Search) -> Group | None:
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._group_future(search.accepted_gid)), RPC_TIMEOUT_S)
+        except TimeoutError:
+            logger.info("[%s] leader %s never sent the group; merging alone", self.peer_id[-6:], search.leader[-6:])
+            self._groups.pop(search.accepted_gid, None)
+            return None
+
+    def _group_future(self, gid: str) -> asyncio.Future:
+        if gid not in self._groups:
+            self._groups[gid] = asyncio.get_running_loop().create_future()
+        return self._groups[gid]
+
+    # ---- handlers: what other peers' leaders ask of us ----
+
+    async def on_invite(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            header, _ = await asyncio.wait_for(self.rpc.receive(reader), RPC_TIMEOUT_S)
+            search, gid, leader = self._search, header.get("group_id"), info.peer_id.to_base58()
+            reply = {"accept": False}
+            if not self.rpc.authorized("invite", leader, header):
+                return
+            if leader in self.book.banned:
+                reply["error"] = "banned"
+            elif header.get("fp", "") != self.fingerprint:
+                reply["error"] = "config fingerprint differs"
+            elif search is not None and not search.leading and not search.accepted_gid and isinstance(gid, str) and gid:
+                search.accepted_gid, search.leader = gid, leader
+                search.invited.set()
+                c = search.contribution
+                reply = {"accept": True, "weight": c.weight, "state_weight": c.state_weight, "digest": c.state_digest,
+                         "round": c.round, "final": c.final}
+            await self.rpc.reply(reader, writer, "invite", leader, reply)
+        except Exception as e:
+            logger.debug("[%s] bad invite: %r", self.peer_id[-6:], e)
+        finally:
+            writer.close()
+
+    async def on_group(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            header, _ = await asyncio.wait_for(self.rpc.receive(reader), RPC_TIMEOUT_S)
+            gid = header.get("group_id")
+            search = self._search
+            if not self.rpc.authorized("group", info.peer_id.to_base58(), header):
+                return
+            ok = (
+                search is not None and gid == search.accepted_gid and info.peer_id.to_base58() == search.leader
+                and self._valid_notice(header)
+            )
+            if ok:
+                group = Group(
+                    gid, [str(m) for m in header["members"]], [float(w) for w in header["weights"]],
+                    [float(w) for w in header["state_weights"]], bool(header["need_state"]), dict(self.lengths),
+                    header.get("final") is True,
+                )
+                fut = self._group_future(gid)
+                if not fut.done():
+                    fut.set_result(group)
+            await self.rpc.reply(reader, writer, "group", info.peer_id.to_base58(), {"ok": ok})
+        except Exception as e:
+            logger.debug("[%s] bad group notice: %r", self.peer_id[-6:], e)
+        finally:
+            writer.close()
+
+    def _valid_notice(self, h: dict) -> bool:
+        members, weights, sw = h.get("members"), h.get("weights"), h.get("state_weights")
+        return (
+            isinstance(members, list) and isinstance(weights, list) and isinstance(sw, list)
+            and 2 <= len(members) == len(weights) == len(sw) and all(isinstance(m, str) for m in members)
+            and len(set(members)) == len(members) and self.peer_id in members
+            and all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
+                    for w in weights + sw)
+            and isinstance(h.get("need_state"), bool)
+        )

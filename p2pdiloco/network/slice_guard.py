@@ -1,0 +1,68 @@
+"""The guards of guards.py applied inside the all-reduce: the owner of a slice screens every member's part and
+combines those it accepts robustly; a member checks each average returned to it. Rejections are counted in
+this peer's `GuardBook`, by member id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from p2pdiloco.algorithm.codecs import CodecError, NonFiniteError
+from p2pdiloco.algorithm.guards import BANNED, NONFINITE, SHAPE, GuardBook, check_average, screen_parts
+from p2pdiloco.algorithm.outer import weighted_average
+from p2pdiloco.algorithm.robust import aggregate
+from p2pdiloco.config import GuardConfig
+from p2pdiloco.network.matchmaking import Group
+from p2pdiloco.network.rpc import MergeFailed
+
+
+class SliceGuard:
+    """A `SliceReducer` (see allreduce.py) with guards on.
+
+    Args:
+        guard: the bounds and the aggregation rule.
+        book: where rejections and strikes are counted; banned members' parts are left out.
+    """
+
+    def __init__(self, guard: GuardConfig, book: GuardBook):
+        self.guard, self.book = guard, book
+
+    def admit(self, group: Group, sender: str, decode: Callable[[], torch.Tensor], n: int) -> tuple[torch.Tensor, str]:
+        flag = BANNED if sender in self.book.banned else ""
+        try:
+            part = decode()
+        except CodecError as e:
+            # a malformed part is left out of the average instead of failing everyone's merge
+            part = torch.full((n,), float("nan"))
+            flag = flag or (NONFINITE if isinstance(e, NonFiniteError) else SHAPE)
+        return part, flag
+
+    def reduce(self, group: Group, tag: str, me: int, parts: list[torch.Tensor], weights: list[float],
+               flags: dict[int, str]) -> torch.Tensor:
+        """This peer's slice of the group average: screen every member's part, then combine those accepted.
+
+        Runs once per slice, on its owner, so whatever it decides every member receives the same bits.
+        """
+        g = self.guard
+        reasons = screen_parts(parts, me, g.norm_bound, g.min_cosine)
+        reasons = [flags.get(i) or r for i, r in enumerate(reasons)]
+        for i, reason in enumerate(reasons):
+            if reason:
+                self.book.reject(group.members[i], reason, group.group_id, f"(slice {tag})", strike=i != me)
+        keep = [i for i, r in enumerate(reasons) if not r]
+        for i in keep:
+            self.book.accept(group.members[i], group.group_id)
+        if not keep:
+            raise MergeFailed("every contribution to this slice was rejected")
+        kept, kept_w = [parts[i] for i in keep], [weights[i] for i in keep]
+        if tag == "s":  # global models are averaged by tokens absorbed, so that a fresh peer adopts the swarm's
+            return weighted_average(kept, kept_w)
+        return aggregate(g.aggregate, kept, kept_w, g.robust_min_group, g.trim_fraction)
+
+    def accept(self, group: Group, owner: int, averaged: torch.Tensor, mine: torch.Tensor) -> None:
+        bad = check_average(averaged, mine, self.guard.norm_bound)
+        if bad:
+            self.book.reject(group.members[owner], bad, group.group_id, "in its averaged slice")
+            raise MergeFailed(f"member {group.members[owner][-6:]} returned a bad average ({bad})")
