@@ -28,7 +28,6 @@ from p2pdiloco.config import Config
 from p2pdiloco.network.merger import Contribution, Merger, MergeResult
 from p2pdiloco.network.state_sync import GlobalState
 from p2pdiloco.network.traffic import Traffic, bandwidth_report
-from p2pdiloco.observe.telemetry import Ema, RateMeter
 from p2pdiloco.training.accel import (
     autocast_for,
     compute_dtype,
@@ -39,6 +38,7 @@ from p2pdiloco.training.accel import (
 )
 from p2pdiloco.training.accel import pick_device as pick_device  # re-exported: callers found it here first
 from p2pdiloco.training.checkpoint import load_optimizer_state, optimizer_state_tensors, save_checkpoint
+from p2pdiloco.training.meters import Ema, RateMeter
 from p2pdiloco.training.optim import build_inner_optimizer
 
 logger = logging.getLogger(__name__)
