@@ -231,6 +231,8 @@ class Learner:
             return get_dht_time() >= self._round_deadline
         return self.c.steps_in_round >= self.cfg.swarm.round_steps
 
+    # ---- merge scheduling: submit, poll, wait; the outer step when a merge lands ----
+
     def submit_round(self, final: bool = False) -> None:
         """Hand Δ to the merger and start the next round at once; the merge runs in the background.
 
