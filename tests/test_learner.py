@@ -9,8 +9,10 @@ from p2pdiloco.algorithm.outer import outer_step
 from p2pdiloco.config import load_config, parse_set
 from p2pdiloco.network.merger import MergeResult
 from p2pdiloco.testing.inmemory import InMemoryMerger
-from p2pdiloco.training.learner import Learner, MetricsLog, load_flat_
+from p2pdiloco.training.flat import load_flat_
+from p2pdiloco.training.learner import Learner
 from p2pdiloco.training.model import build_model
+from p2pdiloco.training.reporting import MetricsLog
 
 
 def _cfg(**sets):

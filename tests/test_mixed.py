@@ -14,8 +14,9 @@ from p2pdiloco.training.checkpoint import (
     optimizer_state_tensors,
     save_checkpoint,
 )
-from p2pdiloco.training.learner import Learner, MetricsLog
+from p2pdiloco.training.learner import Learner
 from p2pdiloco.training.model import build_model
+from p2pdiloco.training.reporting import MetricsLog
 
 
 def _cfg(*extra):

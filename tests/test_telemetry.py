@@ -8,7 +8,8 @@ import urllib.request
 import pytest
 
 from p2pdiloco.config import ConfigError
-from p2pdiloco.observe.telemetry import Ema, MetricsServer, RateMeter, render_prometheus
+from p2pdiloco.observe.telemetry import MetricsServer, render_prometheus
+from p2pdiloco.training.meters import Ema, RateMeter
 
 
 class FakeClock:

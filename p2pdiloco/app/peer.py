@@ -48,8 +48,10 @@ from p2pdiloco.training.distributed import (
     rank_shard,
     run_follower,
 )
-from p2pdiloco.training.learner import Learner, MetricsLog, load_flat_
+from p2pdiloco.training.flat import load_flat_
+from p2pdiloco.training.learner import Learner
 from p2pdiloco.training.model import build_model, count_params
+from p2pdiloco.training.reporting import MetricsLog
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ per-worker batch (so equal tokens, and the same global batch N·B per step):
 - decoupled p2pdiloco: the same N peers and H, merges in the background while training goes on.
 
 All three are evaluated on the same validation batches (`run.eval_batches` of the val split) by the same
-function (`learner.evaluate_model`); DiLoCo's figure is its peers' global models after the last merge.
+function (`evaluation.evaluate_model`); DiLoCo's figure is its peers' global models after the last merge.
 Rounds are step-counted (`swarm.round_steps`), so what the algorithm does does not depend on CPU speed,
 except in decoupled mode, where the steps taken while a merge is in flight depend on how long it takes:
 peers' inner steps are therefore padded to an emulated accelerator time (`run.min_step_s`), as in the

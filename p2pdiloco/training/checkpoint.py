@@ -19,6 +19,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from p2pdiloco.network.state_sync import GlobalState
+
 logger = logging.getLogger(__name__)
 
 PATTERN = "ckpt-*.safetensors"
@@ -175,3 +177,30 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: list[torch.Tensor],
             raise ValueError(f"checkpoint has no optimizer state for parameter {i}")
         opt.state[p] = state
     return True
+
+
+def save_learner_checkpoint(folder: Path, state: GlobalState, tokens: int, opt: torch.optim.Optimizer,
+                            params: list[torch.Tensor], config: dict, kill_midway: bool = False) -> Path:
+    """A learner's checkpoint: θg, outer momentum, inner optimizer state and counters, named by `state.round`.
+
+    Args:
+        folder: where checkpoints live.
+        state: the learner's global state now (its counters included).
+        tokens: tokens this peer has trained on (survives a resume).
+        opt, params: the inner optimizer and the model's parameters, in order.
+        config: the run's config as a dict, for the record.
+        kill_midway: test hook (see `save_checkpoint`).
+    """
+    tensors = {"global_params": state.global_params, "momentum": state.momentum,
+               **optimizer_state_tensors(opt, params)}
+    meta = {"round": state.round, "step": state.step, "tokens": tokens, "global_tokens": state.global_tokens,
+            "config": config}
+    return save_checkpoint(folder, state.round, tensors, meta, kill_midway=kill_midway)
+
+
+def learner_state(tensors: dict[str, torch.Tensor], meta: dict) -> tuple[GlobalState, int]:
+    """The global state and token count of a learner's checkpoint (inverse of `save_learner_checkpoint`,
+    less the optimizer state, which `load_optimizer_state` restores)."""
+    state = GlobalState(tensors["global_params"], tensors["momentum"], int(meta["round"]), int(meta["step"]),
+                        float(meta["global_tokens"]))
+    return state, int(meta.get("tokens", 0))

@@ -200,8 +200,9 @@ def run_follower(cfg: Config, ctx: UnitContext, device: torch.device) -> None:
     """A rank > 0: the same data (its own slice), model and optimizer as rank 0, stepping when rank 0 says."""
     from p2pdiloco.training.checkpoint import load_latest
     from p2pdiloco.training.data import BatchSampler, load_text
-    from p2pdiloco.training.learner import Learner, MetricsLog
+    from p2pdiloco.training.learner import Learner
     from p2pdiloco.training.model import build_model
+    from p2pdiloco.training.reporting import MetricsLog
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the unit stops; we follow it
     data = load_text(cfg.data, min_bytes=2 * (cfg.model.seq_len + 1))

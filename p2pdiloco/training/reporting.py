@@ -1,0 +1,284 @@
+"""What a learner tells the world: its metrics lines, its heartbeat record and its end-of-run summary.
+
+The learner owns the loop and updates `Counters`; a `Reporter` reads them (and the meters it keeps) to write
+`metrics.jsonl`, fill the heartbeat, and add up throughput, MFU and bandwidth at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from p2pdiloco.config import Config
+from p2pdiloco.network.merger import MergeResult
+from p2pdiloco.network.traffic import Traffic, bandwidth_report
+from p2pdiloco.training.accel import compute_dtype, flops_per_token, mfu, peak_flops, peak_memory
+from p2pdiloco.training.meters import Ema, RateMeter
+
+logger = logging.getLogger(__name__)
+
+
+class MetricsLog:
+    """Append-only JSON lines, flushed per line so that a crash loses at most the line being written."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", buffering=1)
+
+    def write(self, **fields) -> None:
+        self._file.write(json.dumps({"t": time.time(), **fields}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class Counters:
+    """A learner's counts since it started (some survive a resume or are adopted from the swarm, as noted)."""
+
+    step: int = 0
+    round: int = 0
+    tokens: int = 0
+    tokens_in_round: int = 0
+    steps_in_round: int = 0
+    merges: int = 0
+    merge_failures: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    compute_s: float = 0.0
+    merge_wait_s: float = 0.0
+    global_tokens: float = 0.0
+    """Tokens whose effect reached this peer's global model (its weight when global models are averaged)."""
+    last_group_size: int = 1
+    max_group_size: int = 1
+    """Largest merge group this peer was part of: N of the data-parallel baseline in the bandwidth ratio."""
+    last_merge_s: float = 0.0
+    last_merge_time: float = 0.0
+    """Wall-clock time (Unix seconds) when the last merge was applied; 0 before the first."""
+    steps_run: int = 0
+    """Inner steps this process ran (`step` is the position in the schedule, which a joiner adopts)."""
+    tokens_run: int = 0
+    """Tokens this learner unit trained on since this process started (`tokens` survives a resume)."""
+    compute_in_round: float = 0.0
+    join_s: float | None = None
+    """Seconds from process start to the first merge with other peers."""
+
+    def add_step(self, tokens: int, compute_s: float) -> None:
+        """Count one inner step on `tokens` tokens that took `compute_s` seconds."""
+        self.compute_s += compute_s
+        self.compute_in_round += compute_s
+        self.steps_run += 1
+        self.step += 1
+        self.steps_in_round += 1
+        self.tokens += tokens
+        self.tokens_in_round += tokens
+        self.tokens_run += tokens
+
+    def add_merge(self, result: MergeResult) -> None:
+        """Count an applied merge (a round completed)."""
+        self.round += 1
+        self.global_tokens += result.total_weight
+        self.merges += 0 if result.alone else 1
+        self.merge_failures += 1 if result.failure else 0
+        self.bytes_sent += result.bytes_sent
+        self.bytes_received += result.bytes_received
+        self.last_group_size = len(result.group)
+        self.max_group_size = max(self.max_group_size, len(result.group))
+        self.last_merge_s = result.duration_s
+        self.last_merge_time = time.time()
+
+
+class Reporter:
+    """A learner's metrics lines, heartbeat record and summary.
+
+    Args:
+        cfg: the run's config.
+        counters: the learner's counters (the learner updates them, the reporter only reads them, but for
+            `join_s`).
+        metrics: where metrics lines go.
+        peer_id: this peer's id.
+        device: where inner steps run.
+        n_params: the model's parameter count.
+        t_process_start: time.monotonic() when the peer process started (for `process_s` and `join_s`);
+            default now.
+    """
+
+    def __init__(self, cfg: Config, counters: Counters, metrics: MetricsLog, peer_id: str, device: torch.device,
+                 n_params: int, t_process_start: float | None = None):
+        self.cfg, self.c, self.metrics, self.peer_id, self.device = cfg, counters, metrics, peer_id, device
+        self.tag = peer_id[-6:]
+        self.n_params = n_params
+        self.flops_per_token = flops_per_token(cfg.model, n_params)
+        self.peak_flops = peak_flops(device, cfg.run.peak_flops)
+        self.t_start = time.monotonic()
+        self.t_process_start = t_process_start if t_process_start is not None else self.t_start
+        self.traffic: Traffic | None = None
+        """This peer's byte counters by kind (merges, state transfers, DHT), when it has a real network."""
+        self.data_parallel = 1
+        """Processes whose batches each inner step averages (for MFU)."""
+        self.loss_avg = Ema(span=20)
+        self.throughput = RateMeter()
+        self.eval_loss_initial = float("nan")
+        self.eval_loss_final = float("nan")
+        self.last_eval_loss = float("nan")
+        self._loss_sum, self._loss_n, self._t_log, self._tokens_log = 0.0, 0, time.monotonic(), 0
+        self._started = False
+
+    # ---- metrics lines ----
+
+    def start(self, startup: dict[str, float] | None = None) -> None:
+        """The metrics' `start` line, once, as early as the peer can write it (before a state download, so that
+        everything from the process start on belongs to this incarnation when a metrics file holds several).
+
+        Args:
+            startup: seconds per start-up phase so far, for the record.
+        """
+        if not self._started:
+            self._started = True
+            self.metrics.write(kind="start", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round,
+                               process_s=time.monotonic() - self.t_process_start, peer_id=self.peer_id,
+                               **({"startup": startup} if startup else {}))
+
+    def training_starts(self, eval_loss: float) -> None:
+        """Before the first inner step: the global model's eval loss, and the throughput meter's first point."""
+        self.eval_loss_initial = self.last_eval_loss = eval_loss
+        self.metrics.write(kind="eval", elapsed_s=self.elapsed(), step=self.c.step, tokens=self.c.tokens,
+                           eval_loss=eval_loss)
+        logger.info("[%s] eval loss at start %.4f", self.tag, eval_loss)
+        self.throughput.add(self.c.tokens)
+
+    def training_ends(self, eval_loss: float) -> None:
+        """After the last merge: the global model's final eval loss."""
+        self.eval_loss_final = self.last_eval_loss = eval_loss
+        self.metrics.write(kind="eval", elapsed_s=self.elapsed(), step=self.c.step, tokens=self.c.tokens,
+                           eval_loss=eval_loss, final=True)
+
+    def inner_step(self, loss: float, lr: float) -> None:
+        """After an inner step (counters already updated): the meters, and a `train` line every `run.log_every`."""
+        self.throughput.add(self.c.tokens)
+        self.loss_avg.add(loss)
+        self._loss_sum += loss
+        self._loss_n += 1
+        if self.c.step % self.cfg.run.log_every == 0:
+            self._log_train(lr)
+
+    def _log_train(self, lr: float) -> None:
+        now = time.monotonic()
+        tps = (self.c.tokens - self._tokens_log) / max(now - self._t_log, 1e-9)
+        self.metrics.write(
+            kind="train", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round, tokens=self.c.tokens,
+            loss=self._loss_sum / max(self._loss_n, 1), lr=lr, tokens_per_s=tps,
+            model_flops_per_s=tps * self.flops_per_token, mfu=self.mfu(tps),
+            bytes_sent=self.bytes_io()[0], bytes_received=self.bytes_io()[1], merges=self.c.merges,
+        )
+        self._loss_sum, self._loss_n, self._t_log, self._tokens_log = 0.0, 0, now, self.c.tokens
+
+    def merge(self, result: MergeResult, round_compute_s: float, global_digest: str,
+              eval_loss: float | None) -> None:
+        """After a merge is applied: `join_s` on the first group merge, and the `merge` line.
+
+        Args:
+            result: the merge.
+            round_compute_s: inner-step seconds that produced this peer's contribution.
+            global_digest: the new global model's digest.
+            eval_loss: the new global model's eval loss, if it was evaluated this round.
+        """
+        if not result.alone and self.c.join_s is None:
+            self.c.join_s = time.monotonic() - self.t_process_start
+        if eval_loss is not None:
+            self.last_eval_loss = eval_loss
+        self.metrics.write(
+            kind="merge", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round, tokens=self.c.tokens,
+            group_size=len(result.group), group_id=result.group_id, merges=self.c.merges, failure=result.failure,
+            merge_s=result.duration_s, bytes_sent=self.bytes_io()[0], bytes_received=self.bytes_io()[1],
+            global_digest=global_digest, adopted_state=result.global_state is not None, eval_loss=eval_loss,
+            round_compute_s=round_compute_s, rejected=result.rejected, final=result.final,
+            **({"traffic": self.traffic.snapshot()} if self.traffic else {}),
+        )
+        logger.info(
+            "[%s] round %d: merged with %d peer(s) in %.2f s%s%s", self.tag, self.c.round,
+            len(result.group), result.duration_s, f" (failed: {result.failure})" if result.failure else "",
+            f", eval loss {eval_loss:.4f}" if eval_loss is not None else "",
+        )
+
+    # ---- the heartbeat and the summary ----
+
+    def record(self) -> dict:
+        """What this peer tells the swarm in its heartbeat (called from the network thread).
+
+        Losses in nats per byte (None until known; `loss` a moving average over about 20 inner steps, since one
+        batch's loss is noisy), `tokens_per_s` over the last 30 s, byte counts since the start, `last_merge_s`
+        the duration and `last_merge_time` the Unix time of the last applied merge.
+        """
+        return {
+            "step": self.c.step, "round": self.c.round, "tokens": self.c.tokens, "loss": _finite(self.loss_avg.value),
+            "eval_loss": _finite(self.last_eval_loss), "tokens_per_s": self.throughput.rate(),
+            "global_tokens": self.c.global_tokens, "merges": self.c.merges,
+            "bytes_sent": self.bytes_io()[0], "bytes_received": self.bytes_io()[1],
+            "last_group_size": self.c.last_group_size, "last_merge_s": self.c.last_merge_s,
+            "last_merge_time": self.c.last_merge_time, "mfu": self.mfu(self.throughput.rate()),
+        }
+
+    def summary(self, train_s: float, global_digest: str, ended_with_swarm: bool) -> dict:
+        """This peer's run in one dict (summary.json).
+
+        Args:
+            train_s: seconds from the first inner step to the end of the loop.
+            global_digest: the final global model's digest.
+            ended_with_swarm: the run ended on a group merge with a finishing peer.
+        """
+        return {
+            "peer_id": self.peer_id, "inner_steps": self.c.steps_run, "step": self.c.step, "tokens": self.c.tokens,
+            "join_s": self.c.join_s, "ended_with_swarm": ended_with_swarm,
+            "rounds": self.c.round, "merges": self.c.merges, "merge_failures": self.c.merge_failures,
+            "bytes_sent": self.bytes_io()[0], "bytes_received": self.bytes_io()[1],
+            "wall_s": self.elapsed(), "compute_s": self.c.compute_s, "merge_wait_s": self.c.merge_wait_s,
+            "train_s": train_s, "steps_per_s": self.c.steps_run / train_s if train_s > 0 else 0.0,
+            "mode": "sync" if self.cfg.swarm.sync else "decoupled",
+            "eval_loss_initial": self.eval_loss_initial, "eval_loss_final": self.eval_loss_final,
+            "global_digest": global_digest, "device": str(self.device),
+            "codec": self.cfg.swarm.codec, **self.bandwidth(), **self.efficiency(),
+        }
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        """Model FLOPs utilization at `tokens_per_s` (accel.mfu); None where the device's peak is unknown."""
+        return mfu(tokens_per_s, self.flops_per_token, self.peak_flops, self.data_parallel)
+
+    def efficiency(self) -> dict:
+        """Throughput, MFU and peak memory over the whole run, for the summary."""
+        tps = self.c.tokens_run / self.c.compute_s if self.c.compute_s > 0 else 0.0
+        return {
+            "tokens_per_s": tps, "model_flops_per_s": tps * self.flops_per_token, "mfu": self.mfu(tps),
+            "peak_flops": self.peak_flops, "flops_per_token": self.flops_per_token,
+            "precision": str(compute_dtype(self.device, self.cfg.run.precision)).removeprefix("torch."),
+            "optimizer": self.cfg.inner.optimizer, "processes": self.data_parallel, **peak_memory(self.device),
+        }
+
+    def bandwidth(self) -> dict:
+        """Traffic by kind and the ratio against data-parallel (see traffic.py); merges only without counters."""
+        traffic = self.traffic
+        if traffic is None:
+            traffic = Traffic()
+            traffic.merge.sent, traffic.merge.received = self.c.bytes_sent, self.c.bytes_received
+        return {"traffic": traffic.snapshot(),
+                **bandwidth_report(traffic, self.c.steps_run, self.n_params, self.c.max_group_size)}
+
+    def bytes_io(self) -> tuple[int, int]:
+        """(sent, received) on p2pdiloco's protocols (merges and state transfers; merges alone without counters)."""
+        if self.traffic is not None:
+            return self.traffic.sent(), self.traffic.received()
+        return self.c.bytes_sent, self.c.bytes_received
+
+    def elapsed(self) -> float:
+        """Seconds since the learner was built."""
+        return time.monotonic() - self.t_start
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
