@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from p2pdiloco import __version__
-from p2pdiloco.config import CODECS, Config, ConfigError, SwarmConfig, load_config, parse_set
+from p2pdiloco.config import CODECS, HOSTILE_KINDS, Config, ConfigError, SwarmConfig, load_config, parse_set
 
 logger = logging.getLogger("p2pdiloco")
 
@@ -148,14 +148,12 @@ def parse_slow(items: list[str], n_peers: int) -> dict[int, float]:
 
 def parse_hostile(items: list[str], n_peers: int) -> dict[int, str]:
     """``["2:nan"]`` -> ``{2: "nan"}``: peer 2 corrupts its contributions with NaNs (see hostile.py)."""
-    from p2pdiloco.testing.hostile import KINDS
-
     hostile = {}
     for item in items:
         index, _, kind = item.partition(":")
-        if not index.isdigit() or not 0 <= int(index) < n_peers or kind not in KINDS:
+        if not index.isdigit() or not 0 <= int(index) < n_peers or kind not in HOSTILE_KINDS:
             raise ConfigError(f"--hostile {item!r}: expected INDEX:KIND with 0 <= INDEX < --peers and KIND one of "
-                              f"{', '.join(KINDS)}")
+                              f"{', '.join(HOSTILE_KINDS)}")
         hostile[int(index)] = kind
     return hostile
 
@@ -211,7 +209,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     if args.swarm_key:
         sets.append(f"swarm.swarm_key={cfg.swarm.swarm_key}")
     slow = parse_slow(args.slow or [], args.peers)
-    peer_sets = {i: [f"run.hostile={kind}"] for i, kind in parse_hostile(args.hostile or [], args.peers).items()}
+    peer_sets = {i: [f"emulate.hostile={kind}"] for i, kind in parse_hostile(args.hostile or [], args.peers).items()}
     run_dir = Path(cfg.run.run_dir)
     _stop_on_signals()
     chaos = None
@@ -347,8 +345,9 @@ def add_watch_args(p: argparse.ArgumentParser) -> None:
     """The swarm a read-only client (status, dashboard) watches."""
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
                    help="bootstrap node or live peer multiaddrs")
-    p.add_argument("--run-id", default=SwarmConfig.run_id, metavar="NAME",
-                   help=f"the swarm's run id (default {SwarmConfig.run_id})")
+    default_run_id = SwarmConfig.model_fields["run_id"].default
+    p.add_argument("--run-id", default=default_run_id, metavar="NAME",
+                   help=f"the swarm's run id (default {default_run_id})")
     p.add_argument("--swarm-key", metavar="FILE", help="a private swarm's key file")
 
 

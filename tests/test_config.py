@@ -1,8 +1,8 @@
-"""Config loading: TOML tables map onto the dataclasses, flags override, bad input is named."""
+"""Config loading: TOML tables map onto the typed models, flags override, bad input is named."""
 
 import pytest
 
-from p2pdiloco.config import ConfigError, fingerprint_diff, load_config, parse_set
+from p2pdiloco.config import ALIASES, Config, ConfigError, fingerprint_diff, load_config, parse_set
 
 
 def test_defaults_and_toml_and_overrides(tmp_path):
@@ -48,3 +48,43 @@ def test_fingerprint_diff_names_the_key():
     b = load_config(None, [parse_set(["model.n_layer=4"])]).fingerprint()
     assert fingerprint_diff(a, b) == ["model.n_layer: 2 here, 4 in the swarm"]
     assert fingerprint_diff(a, a) == []
+
+
+def test_old_emulation_keys_are_aliases_of_the_emulate_section(tmp_path):
+    assert ALIASES == {
+        "run.slow_factor": "emulate.slow_factor",
+        "run.min_step_s": "emulate.min_step_s",
+        "run.hostile": "emulate.hostile",
+    }
+    path = tmp_path / "c.toml"
+    path.write_text('[run]\nslow_factor = 2.5\nmin_step_s = 0.1\nhostile = "nan"\n')
+    from_toml = load_config(path)
+    from_flags = load_config(None, [parse_set(["run.slow_factor=2.5", "run.min_step_s=0.1", "run.hostile=nan"])])
+    new_keys = load_config(None, [parse_set(["emulate.slow_factor=2.5", "emulate.min_step_s=0.1",
+                                             "emulate.hostile=nan"])])
+    for cfg in (from_toml, from_flags, new_keys):
+        assert (cfg.emulate.slow_factor, cfg.emulate.min_step_s, cfg.emulate.hostile) == (2.5, 0.1, "nan")
+        assert cfg.run == Config().run and not hasattr(cfg.run, "slow_factor")
+    assert load_config(path, [parse_set(["emulate.slow_factor=3"])]).emulate.slow_factor == 3.0  # flags win
+    with pytest.raises(ConfigError, match="emulate.slow_factor must be >= 1"):
+        load_config(None, [parse_set(["run.slow_factor=0.5"])])
+    with pytest.raises(ConfigError, match="emulate.hostile must be nan, scale, noise or signflip"):
+        load_config(None, [parse_set(["run.hostile=evil"])])
+
+
+def test_bad_values_in_every_section_are_one_line_config_errors():
+    for item, message in [
+        ("guard.aggregate=median", "guard.aggregate must be mean, centered_clip, trimmed_mean or rda"),
+        ("swarm.codec=int2", "swarm.codec must be one of none, fp16, bf16, int8, int4"),
+        ("run.precision=fp8", "run.precision must be one of auto, fp32, bf16"),
+        ("inner.optimizer=sgd", "inner.optimizer must be one of adamw, adamw8bit"),
+        ("outer.lr=0", "learning rates must be positive"),
+        ("run.cpu_affinity=a,b", "run.cpu_affinity must be comma-separated CPU ids"),
+        ("swarm.min_window_s=20", "need 0 < swarm.min_window_s <= merge_window_s"),
+        ("outer.nesterov=maybe", "config key 'outer.nesterov' expects bool"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as e:
+            load_config(None, [parse_set([item])])
+        assert "\n" not in str(e.value), item
+    with pytest.raises(ConfigError, match="unknown config key 'model.x'"):
+        Config(model={"x": 1})  # the models check when built directly, too

@@ -1,7 +1,6 @@
 """The shipped presets: loadable by name, equal to the operator-facing copies in peers/, and of the sizes
 their headers promise (counted on the meta device: no memory is allocated for the 1B model)."""
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -53,7 +52,8 @@ def test_cli_preset_flag(capsys):
 def test_every_preset_names_every_config_key():
     for name in preset_names():
         text = preset_path(name).read_text()
-        for section in dataclasses.fields(Config):
-            for f in dataclasses.fields(getattr(Config(), section.name)):
-                if f.name not in ("resume", "hostile"):  # one restart; a test and bench role: not a swarm property
-                    assert f"\n{f.name} = " in text, f"{name}.toml lacks {section.name}.{f.name}"
+        for section, info in Config.model_fields.items():
+            assert f"\n[{section}]\n" in text, f"{name}.toml lacks [{section}]"
+            for key in info.annotation.model_fields:
+                if key not in ("resume", "hostile"):  # one restart; a test and bench role: not a swarm property
+                    assert f"\n{key} = " in text, f"{name}.toml lacks {section}.{key}"

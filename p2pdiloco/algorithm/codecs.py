@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from p2pdiloco.config import CODECS
+from p2pdiloco.algorithm.names import CODECS
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def _nf4_map() -> torch.Tensor:
 
 
 def get_codec(name: str) -> Codec:
-    """The codec called `name` (one of config.CODECS)."""
+    """The codec called `name` (one of `CODECS`)."""
     if name == "none":
         return Codec()
     if name in ("fp16", "bf16"):

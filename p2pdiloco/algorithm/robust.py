@@ -19,10 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from p2pdiloco.algorithm.names import AGGREGATORS
 from p2pdiloco.algorithm.outer import weighted_average
-
-AGGREGATORS = ("mean", "centered_clip", "trimmed_mean", "rda")
-"""Names accepted by `aggregate` (config field guard.aggregate)."""
 
 
 def _normalized(weights: Sequence[float], n: int) -> list[float]:

@@ -154,7 +154,7 @@ def peer_command(i: int, n: int, cfg: Config, initial_peer: str, run_dir: Path, 
     for s in sets:
         cmd += ["--set", s]
     if slow_factor != 1.0:
-        cmd += ["--set", f"run.slow_factor={slow_factor}"]
+        cmd += ["--set", f"emulate.slow_factor={slow_factor}"]
     if cfg.run.metrics_port:  # one port each: peer i serves on metrics_port + i
         cmd += ["--set", f"run.metrics_port={cfg.run.metrics_port + i}"]
     return cmd

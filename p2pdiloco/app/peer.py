@@ -308,7 +308,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
             keep_previous(run_dir / "metrics.jsonl")
         metrics = MetricsLog(run_dir / "metrics.jsonl")
         # a hostile peer (benchmarks, tests) corrupts what it submits; the real merger still counts bytes
-        learner_merger = HostileMerger(merger, cfg.run.hostile, cfg.run.seed) if cfg.run.hostile else merger
+        learner_merger = HostileMerger(merger, cfg.emulate.hostile, cfg.run.seed) if cfg.emulate.hostile else merger
         learner = Learner(cfg, model, sampler.next_batch, val, learner_merger, device, metrics, should_stop=stop,
                           checkpoint_dir=run_dir / "checkpoints", faults=faults,
                           t_process_start=t_process_start)
@@ -343,7 +343,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         summary = learner.run()
         loop.run(learner.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's
         summary.update(name=cfg.run.name, n_params=n_params, **learner.bandwidth(), guard=merger.book.report(),
-                       hostile=cfg.run.hostile)
+                       hostile=cfg.emulate.hostile)
         write_json_atomic(run_dir / "peer_summary.json", summary)
         if not stop():  # a peer told to stop mid-round still has its last merged state in the checkpoints
             learner.checkpoint()

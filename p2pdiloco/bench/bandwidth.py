@@ -27,7 +27,7 @@ TARGET_RATIO = 1000.0
 
 
 def _cell(out: Path, codec: str, h: int, steps: int, quiet: Console) -> dict:
-    sets = [s for s in BENCH_MODEL_SETS if not s.startswith(("run.total_steps", "run.min_step_s"))] + [
+    sets = [s for s in BENCH_MODEL_SETS if not s.startswith(("run.total_steps", "emulate.min_step_s"))] + [
         f"run.total_steps={steps}", f"swarm.round_steps={h}", f"swarm.codec={codec}", "swarm.sync=true",
         "swarm.merge_window_s=60", "run.threads=1", "run.eval_every_rounds=0", "run.eval_batches=32",
         f"swarm.run_id=bench-bw-{codec}-{h}",

@@ -56,7 +56,7 @@ def bench_byzantine(out: Path, steps: int = 60, round_steps: int = 10, peers: in
             cfg = load_config(None, [parse_set(sets)])
             console.print(f"[bold]{name}[/bold]: {peers} peers, {steps} steps ...")
             t0 = time.monotonic()
-            peer_sets = {HOSTILE_INDEX: [f"run.hostile={kind}"]} if kind != "clean" else None
+            peer_sets = {HOSTILE_INDEX: [f"emulate.hostile={kind}"]} if kind != "clean" else None
             summary = run_local(peers, cfg, out / name, None, sets, console=quiet, reraise_interrupt=True, peer_sets=peer_sets)
             if summary["peers_finished"] != peers:
                 raise RuntimeError(f"{name}: only {summary['peers_finished']} of {peers} peers finished; see {out / name}")

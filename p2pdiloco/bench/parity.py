@@ -12,7 +12,7 @@ All three are evaluated on the same validation batches (`run.eval_batches` of th
 function (`evaluation.evaluate_model`); DiLoCo's figure is its peers' global models after the last merge.
 Rounds are step-counted (`swarm.round_steps`), so what the algorithm does does not depend on CPU speed,
 except in decoupled mode, where the steps taken while a merge is in flight depend on how long it takes:
-peers' inner steps are therefore padded to an emulated accelerator time (`run.min_step_s`), as in the
+peers' inner steps are therefore padded to an emulated accelerator time (`emulate.min_step_s`), as in the
 other benchmarks.
 """
 
@@ -64,7 +64,7 @@ def bench_parity(out: Path, steps: int = 3000, h: int = 50, peers: int = 4, step
         steps: inner steps per worker (each worker sees steps × data.batch_size sequences).
         h: inner steps per DiLoCo round.
         peers: workers: data-parallel ranks and DiLoCo peers.
-        step_s: emulated accelerator time per DiLoCo inner step (run.min_step_s).
+        step_s: emulated accelerator time per DiLoCo inner step (emulate.min_step_s).
         console: where the table is printed.
     """
     console = console or Console()
@@ -88,7 +88,7 @@ def bench_parity(out: Path, steps: int = 3000, h: int = 50, peers: int = 4, step
         "decoupled": [],
     }
     for mode, mode_sets in modes.items():
-        sets = common + mode_sets + [f"run.min_step_s={step_s}", f"swarm.run_id=bench-parity-{mode}"]
+        sets = common + mode_sets + [f"emulate.min_step_s={step_s}", f"swarm.run_id=bench-parity-{mode}"]
         cfg = load_config(None, [parse_set(sets)])
         console.print(f"[bold]{mode} DiLoCo[/bold]: {peers} peers, {steps} steps, H = {h} ...")
         t0 = time.monotonic()

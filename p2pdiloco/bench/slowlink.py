@@ -230,7 +230,7 @@ def bench_slowlink(out: Path, peers: int = 2, steps: int = 250, h: int = 25, ste
         peers: peers, one namespace each.
         steps: inner steps per peer.
         h: inner steps per round.
-        step_s: emulated accelerator time per inner step (run.min_step_s), so a round takes h·step_s
+        step_s: emulated accelerator time per inner step (emulate.min_step_s), so a round takes h·step_s
             seconds whatever else the shared cores do.
         rate_mbit: tbf rate of every link, each direction.
         console: where the table is printed.
@@ -238,7 +238,7 @@ def bench_slowlink(out: Path, peers: int = 2, steps: int = 250, h: int = 25, ste
     check_can_run()
     console = console or Console()
     out.mkdir(parents=True, exist_ok=True)
-    common = SLOWLINK_SETS + [f"run.total_steps={steps}", f"swarm.round_steps={h}", f"run.min_step_s={step_s}"]
+    common = SLOWLINK_SETS + [f"run.total_steps={steps}", f"swarm.round_steps={h}", f"emulate.min_step_s={step_s}"]
     n_params = count_params(build_model(load_config(None, [parse_set(common)]).model))
     payload = 2 * (peers - 1) / peers * n_params * 4  # bytes a peer sends (and receives) per merge: RS + AG
     results: dict = {

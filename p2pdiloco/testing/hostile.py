@@ -1,4 +1,4 @@
-"""Hostile peers on demand (`p2pdiloco local --hostile INDEX:KIND`, config field run.hostile).
+"""Hostile peers on demand (`p2pdiloco local --hostile INDEX:KIND`, config field emulate.hostile).
 
 A hostile peer runs the ordinary code but corrupts its own pseudo-gradient before it offers it to a merge,
 as a broken accelerator or a peer with bad intent would. It changes nothing in other peers' processes:
@@ -12,11 +12,11 @@ from concurrent.futures import Future
 
 import torch
 
+from p2pdiloco.config import HOSTILE_KINDS as KINDS
 from p2pdiloco.network.merger import Contribution, Merger, MergeResult
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("nan", "scale", "noise", "signflip")
 SCALE = 1000.0
 """The `scale` kind multiplies Δ by this."""
 

@@ -202,9 +202,9 @@ class Learner:
         return lr
 
     def pace(self, compute_s: float) -> None:
-        """Emulate a slower accelerator (run.slow_factor) or a fixed step time (run.min_step_s) by sleeping."""
-        run = self.cfg.run
-        target = max(run.min_step_s, compute_s) * run.slow_factor
+        """Emulate a slower accelerator (emulate.slow_factor) or a fixed step time (emulate.min_step_s) by sleeping."""
+        emulate = self.cfg.emulate
+        target = max(emulate.min_step_s, compute_s) * emulate.slow_factor
         if target > compute_s:
             time.sleep(target - compute_s)
 

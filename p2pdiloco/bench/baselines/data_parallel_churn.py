@@ -1,6 +1,6 @@
 """The data-parallel baseline under churn, for `bench churn`: what lockstep training does when a rank dies.
 
-N gloo ranks train like `data_parallel.py` (DDP averages gradients every step), paced to `run.min_step_s`
+N gloo ranks train like `data_parallel.py` (DDP averages gradients every step), paced to `emulate.min_step_s`
 per step as the peers are, and rank 0 saves a checkpoint every `checkpoint_every` steps. A supervisor
 kills a random rank with SIGKILL every `kill_every` seconds. As an elastic launcher (torchrun) would, it
 then stops the whole job (the survivors' collectives fail or hang), waits `restart_delay` seconds for the
@@ -81,8 +81,8 @@ def _rank_main(rank: int, world: int, init_file: str, sets: list[str], out: str,
             t0 = time.monotonic()
             rank_step(ddp, opt, sampler, step, cfg)
             spent = time.monotonic() - t0
-            if cfg.run.min_step_s > spent:  # the same emulated step time as the peers
-                time.sleep(cfg.run.min_step_s - spent)
+            if cfg.emulate.min_step_s > spent:  # the same emulated step time as the peers
+                time.sleep(cfg.emulate.min_step_s - spent)
             compute += time.monotonic() - t0
             step += 1
             if step % checkpoint_every == 0 or step == cfg.run.total_steps:
@@ -130,7 +130,7 @@ def run_data_parallel_churn(sets: list[str], ranks: int, out: Path, kill_every: 
     """Run the baseline under churn and return its goodput, kills and final eval loss.
 
     Args:
-        sets: config overrides (`run.total_steps`, `run.min_step_s`, the model and data), as for the peers.
+        sets: config overrides (`run.total_steps`, `emulate.min_step_s`, the model and data), as for the peers.
         ranks: processes.
         out: folder for the rendezvous, checkpoint, progress lines and logs (emptied first).
         kill_every: seconds between kills (0: never).

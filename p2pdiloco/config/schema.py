@@ -1,0 +1,461 @@
+"""The run configuration as typed models: one small model per component, composed into `Config`.
+
+Every check on a value lives here, in the models' validators; `load.py` only reads TOML and flags and hands
+the tables over. A bad value raises `ConfigError` with a one-line message that names the key.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from p2pdiloco.algorithm.names import AGGREGATORS, CODECS
+
+OPTIMIZERS = ("adamw", "adamw8bit")
+"""Inner optimizers (see optim.py)."""
+PRECISIONS = ("auto", "fp32", "bf16")
+"""Inner-step compute precisions (see accel.py)."""
+HOSTILE_KINDS = ("nan", "scale", "noise", "signflip")
+"""How a hostile peer corrupts its contributions (see testing/hostile.py; config field emulate.hostile)."""
+
+__all__ = [
+    "AGGREGATORS", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "Config", "ConfigError", "DataConfig",
+    "EmulateConfig", "GuardConfig", "InnerOptConfig", "ModelConfig", "OuterOptConfig", "RunConfig", "SwarmConfig",
+    "as_config_error", "coerce",
+]
+
+
+class ConfigError(ValueError):
+    """Bad user input in a config file or a flag; the CLI prints it as one line."""
+
+
+def coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Convert a TOML or command-line value to the field's type, or raise ConfigError.
+
+    Args:
+        value: what the TOML file or the ``--set`` flag gave (flags give strings; a list may be "a,b").
+        annotation: the field's type: bool, int, float, str or list of one of them.
+        key: ``section.key``, for the error message.
+    """
+    hint = annotation
+    origin = typing.get_origin(hint)
+    try:
+        if origin in (list,):
+            (item_type,) = typing.get_args(hint)
+            if isinstance(value, str):
+                value = [v for v in value.split(",") if v]
+            if not isinstance(value, list):
+                raise TypeError
+            return [coerce(v, item_type, key) for v in value]
+        if origin in (typing.Union, types.UnionType):
+            raise TypeError  # no optional fields today
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                return value.lower() in ("true", "1", "yes", "on")
+            raise TypeError
+        if hint is int:
+            if isinstance(value, bool):
+                raise TypeError
+            if isinstance(value, float) and not value.is_integer():
+                raise TypeError
+            return int(value)
+        if hint is float:
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        if hint is str:
+            if not isinstance(value, str | int | float):
+                raise TypeError
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    else:
+        raise ConfigError(f"config key {key!r} has an unsupported type")
+    raise ConfigError(f"config key {key!r} expects {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def as_config_error(error: ValidationError, section: str = "") -> ConfigError:
+    """The first problem pydantic found, as the one-line ConfigError a validator raised (or one made from it).
+
+    Args:
+        error: what pydantic raised.
+        section: the table the failing model stands for ("" for the whole `Config`), to name the key.
+    """
+    first = error.errors()[0]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, ConfigError):
+        return cause
+    key = ".".join(str(part) for part in ([section] if section else []) + list(first["loc"]))
+    if first["type"] == "extra_forbidden":
+        return ConfigError(f"unknown config key {key!r}")
+    return ConfigError(f"config key {key!r}: {first['msg']}")
+
+
+class _Model(BaseModel):
+    """Unknown keys are errors; each field's docstring is its description; failures are ConfigErrors."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise as_config_error(e, getattr(self, "SECTION", "")) from None
+
+
+class _Section(_Model):
+    """One TOML table: values are coerced as flags and TOML give them, then checked by `checks`."""
+
+    SECTION: ClassVar[str] = ""
+    """The table's name in TOML files and in ``--set section.key=value``."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _coerce(cls, value: Any, info: ValidationInfo) -> Any:
+        name = info.field_name or ""
+        return coerce(value, cls.model_fields[name].annotation, f"{cls.SECTION}.{name}")
+
+    @model_validator(mode="after")
+    def _check(self) -> _Section:
+        for ok, message in self.checks():
+            if not ok:
+                raise ConfigError(message)
+        return self
+
+    def checks(self) -> Iterator[tuple[bool, str]]:
+        """(condition, message if it is false) pairs, evaluated in order; the first false one is raised."""
+        return iter(())
+
+
+class ModelConfig(_Section):
+    """A decoder-only transformer over byte tokens."""
+
+    SECTION: ClassVar[str] = "model"
+
+    n_layer: int = 2
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    seq_len: int = 128
+    """Context length in tokens (bytes)."""
+    dropout: float = 0.0
+    """Dropout probability inside blocks."""
+    init_seed: int = 1234
+    """Seed of the initial weights; the same on every peer so that all start from one global model."""
+    vocab_size: int = 256
+    """Byte-level tokens: always 256."""
+
+    def checks(self) -> Iterator[tuple[bool, str]]:
+        yield self.n_layer >= 1, "model.n_layer must be >= 1"
+        yield self.n_head >= 1 and self.d_model >= 1, "model.n_head and model.d_model must be >= 1"
+        yield self.d_model % self.n_head == 0, "model.d_model must be divisible by model.n_head"
+        yield self.seq_len >= 2, "model.seq_len must be >= 2"
+        yield self.vocab_size == 256, "model.vocab_size must be 256 (byte tokens)"
+
+
+def _int_list(text: str, sep: str) -> list[int] | None:
+    """The integers in `text` separated by `sep`, or None if one is not an integer."""
+    try:
+        return [int(x) for x in text.split(sep)]
+    except ValueError:
+        return None
+
+
+class DataConfig(_Section):
+    """Where training text comes from and how a peer picks its part of it."""
+
+    SECTION: ClassVar[str] = "data"
+
+    paths: list[str] = Field(default_factory=list)
+    """Text files or folders; empty means the running Python's standard library sources."""
+    val_fraction: float = 0.02
+    """Share of files held out for validation (chosen by file-name hash, the same on every peer)."""
+    max_bytes: int = 24_000_000
+    """Read at most this many bytes of text (keeps start-up fast on laptops)."""
+    shard: str = ""
+    """'i/n' reads the i-th of n disjoint parts of the training text; empty: a seed-shuffled order of all."""
+    batch_size: int = 16
+    """Sequences per inner step."""
+
+    def checks(self) -> Iterator[tuple[bool, str]]:
+        yield 0 < self.val_fraction < 1, "data.val_fraction must be in (0, 1)"
+        yield self.batch_size >= 1, "data.batch_size must be >= 1"
+        yield self.max_bytes >= 1, "data.max_bytes must be >= 1"
+        if self.shard:
+            parts = _int_list(self.shard, "/")
+            if parts is None or len(parts) != 2:
+                yield False, f"data.shard must look like 'i/n', got {self.shard!r}"
+            else:
+                yield 0 <= parts[0] < parts[1], f"data.shard {self.shard!r}: need 0 <= i < n"
+
+
+class InnerOptConfig(_Section):
+    """AdamW for the inner steps, with linear warmup then cosine decay over the whole run."""
+
+    SECTION: ClassVar[str] = "inner"
+
+    lr: float = 2e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    warmup_steps: int = 30
+    """Inner steps of linear warmup."""
+    min_lr_ratio: float = 0.1
+    """Learning rate at the end of the cosine, as a fraction of the peak."""
+    grad_clip: float = 1.0
+    """Clip the gradient's global L2 norm to this (0 disables)."""
+    optimizer: str = "adamw"
+    """adamw (torch, fp32 state) or adamw8bit (bitsandbytes' 8-bit state: 2 bytes per parameter instead of 8)."""
+
+    def checks(self) -> Iterator[tuple[bool, str]]:
+        yield self.lr > 0, "learning rates must be positive"
+        yield (self.optimizer in OPTIMIZERS,
+               f"inner.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+
+
+class OuterOptConfig(_Section):
+    """Nesterov SGD applied to the merged pseudo-gradient (DiLoCo, arXiv 2311.08105)."""
+
+    SECTION: ClassVar[str] = "outer"
+
+    lr: float = 0.7
+    """Outer learning rate."""
+    momentum: float = 0.9
+    """Outer momentum."""
+    nesterov: bool = True
+    """Use Nesterov momentum."""
+
+    def checks(self) -> Iterator[tuple[bool, str]]:
+        yield self.lr > 0, "learning rates must be positive"
+        yield 0 <= self.momentum < 1, "outer.momentum must be in [0, 1)"
+
+
+class SwarmConfig(_Section):
+    """How a peer finds the swarm and merges with it."""
+
+    SECTION: ClassVar[str] = "swarm"
+
+    run_id: str = "p2pdiloco"
+    """Name of the swarm; prefixes every DHT key and protocol name."""
+    initial_peers: list[str] = Field(default_factory=list)
+    """Multiaddrs of a bootstrap node or any live peer; empty starts a new swarm."""
+    host: str = "0.0.0.0"
+    """Interface to listen on."""
+    port: int = 0
+    """TCP port to listen on (0 picks a free one)."""
+    announce: list[str] = Field(default_factory=list)
+    """Multiaddrs to announce instead of the listening ones (public address behind NAT)."""
+    round_steps: int = 50
+    """Inner steps per round (H in DiLoCo); used when round_seconds is 0."""
+    round_seconds: float = 0.0
+    """If > 0, rounds are timed instead: a round ends at the next multiple of this many seconds of DHT time,
+    so peers of any speed submit on the swarm's cadence and a slow peer simply runs fewer steps."""
+    sync: bool = False
+    """Synchronous DiLoCo (the baseline): wait for the merge, and wait for every live peer to be ready."""
+    merge_window_s: float = 15.0
+    """Upper bound on the wait for other peers to become ready for a merge (the whole wait in sync mode)."""
+    window_fraction: float = 0.25
+    """Decoupled mode: wait for others at most this fraction of this peer's recent round time (Decoupled
+    DiLoCo's grace window), clamped to [min_window_s, merge_window_s]."""
+    min_window_s: float = 1.0
+    """Lower bound of the adaptive merge window."""
+    merge_timeout_s: float = 60.0
+    """Longest one exchange phase of a merge (Δ; then (θg, momentum) if members disagree) may take before
+    the merge is abandoned and not applied."""
+    heartbeat_s: float = 2.0
+    """Seconds between peer records in the DHT; a record expires after three of these."""
+    join_timeout_s: float = 20.0
+    """Give up on unreachable initial peers after this many seconds."""
+    wait_for_peers: int = 0
+    """Before the first inner step, wait until this many peers (this one included) are live; 0 does not wait."""
+    wait_for_peers_s: float = 120.0
+    """Longest wait for `wait_for_peers`; after it the peer starts with whoever is there."""
+    codec: str = "int4"
+    """How pseudo-gradients travel in merges: none (fp32), fp16, bf16, int8 (8-bit blockwise), int4 (4-bit NF4
+    blockwise; the default: fewest bytes within 2% of fp32's loss at every H in `p2pdiloco bench bandwidth`)."""
+    error_feedback: bool = True
+    """Add each round's quantization residual to the next round's pseudo-gradient (lossy codecs only)."""
+    swarm_key: str = ""
+    """File with the private swarm's secret key (`p2pdiloco keygen`); empty: a public swarm."""
+
+    def checks(self) -> Iterator[tuple[bool, str]]:
+        yield self.round_steps >= 1, "swarm.round_steps must be >= 1"
+        yield self.merge_window_s > 0 and self.merge_timeout_s > 0, "merge times must be positive"
+        yield self.round_seconds >= 0, "swarm.round_seconds must be >= 0"
+        yield 0 < self.window_fraction <= 1, "swarm.window_fraction must be in (0, 1]"
+        yield 0 < self.min_window_s <= self.merge_window_s, "need 0 < swarm.min_window_s <= merge_window_s"
+        yield self.heartbeat_s > 0, "swarm.heartbeat_s must be > 0"
+        yield self.join_timeout_s > 0, "swarm.join_timeout_s must be > 0"
+        yield self.wait_for_peers >= 0 and self.wait_for_peers_s >= 0, "swarm.wait_for_peers* must be >= 0"
+        yield self.codec in CODECS, f"swarm.codec must be one of {', '.join(CODECS)}, got {self.codec!r}"
+
+
+class GuardConfig(_Section):
+    """Checks on every received contribution, and how a merge group's contributions are combined."""
+
+    SECTION: ClassVar[str] = "guard"
+
+    enabled: bool = True
+    """Screen contributions (finite, norm, direction, staleness) and ban repeat offenders; off: plain mean."""
+    norm_bound: float = 4.0
+    """Reject a part whose L2 norm exceeds this many times the group's median norm (0 disables)."""
+    min_cosine: float = -1.0
+    """Reject a part whose cosine to the coordinate-wise median of the other members' parts is below this; -1,
+    the default, disables the check. Honest parts measured 0.35-0.96 in short sync runs, but in `bench churn`
+    (4 decoupled peers, 2 s rounds, int4) honest peers fell below 0.1 within the first minute and banned each
+    other (docs/security.md); pure noise is ~1/sqrt(slice length), ~0."""
+    max_round_lag: int = 0
+    """Leave out members whose round counter lags the group's median by more than this (0, the default, disables).
+    Off by default: round counters only grow by one per merge, so a peer that fell behind (frozen for a while,
+    or slower under step-based rounds) never catches up and, once excluded, stays excluded for the whole run."""
+    ban_after: int = 3
+    """Ban a peer for the rest of the run after this many consecutive merges with a rejected contribution (0: never)."""
+    aggregate: str = "centered_clip"
+    """How the accepted parts are combined: centered_clip, trimmed_mean, mean, or rda (radial-directional)."""
+    robust_min_group: int = 3
+    """Use the robust rule (centered_clip, trimmed_mean) only in groups of at least this many members."""
+    trim_fraction: float = 0.2
+    """trimmed_mean: share of values dropped at each end of every coordinate."""
+
+    def checks(self) -> Iterator[tuple[bool, str]]:
+        yield (self.norm_bound >= 0 and -1 <= self.min_cosine <= 1,
+               "guard.norm_bound must be >= 0 and guard.min_cosine in [-1, 1]")
+        rules = f"{', '.join(AGGREGATORS[:-1])} or {AGGREGATORS[-1]}"
+        yield self.aggregate in AGGREGATORS, f"guard.aggregate must be {rules}, got {self.aggregate!r}"
+        yield 0 <= self.trim_fraction < 0.5, "guard.trim_fraction must be in [0, 0.5)"
+        yield self.max_round_lag >= 0 and self.ban_after >= 0, "guard.max_round_lag and ban_after must be >= 0"
+
+
+class RunConfig(_Section):
+    """One peer's run: length, device, output."""
+
+    SECTION: ClassVar[str] = "run"
+
+    total_steps: int = 1000
+    """Inner steps this peer runs before it stops (the learning-rate schedule spans them)."""
+    run_dir: str = "runs/latest"
+    """Folder for metrics, checkpoints and plots."""
+    device: str = "auto"
+    """auto (cuda > mps > xpu > cpu), or a torch device string."""
+    precision: str = "auto"
+    """Inner-step compute: auto (bf16 autocast on CUDA with bf16 and on XPU, fp32 elsewhere), fp32 or bf16."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for the MFU estimate; 0 looks the GPU up by name (unknown on CPU: no MFU)."""
+    seed: int = 0
+    """Seed of this peer's data order."""
+    eval_batches: int = 8
+    """Validation batches per evaluation of the global model."""
+    log_every: int = 10
+    """Write a metrics line every this many inner steps."""
+    name: str = ""
+    """Optional public name of this peer."""
+    threads: int = 0
+    """torch CPU threads (0 keeps torch's default)."""
+    eval_every_rounds: int = 1
+    """Evaluate the global model after every this many merges (0: only at start and end)."""
+    time_limit_s: float = 0.0
+    """Stop training after this many seconds (0: no limit); benchmarks use it to compare at equal wall time."""
+    checkpoint_every: int = 5
+    """Save a checkpoint every this many merges (0: only at the end)."""
+    resume: bool = False
+    """Continue from the newest good checkpoint in run_dir (and take the swarm's state if it is ahead)."""
+    cpu_affinity: str = ""
+    """Comma-separated CPU ids to pin this peer to (Linux), e.g. "0"; empty leaves it to the OS."""
+    metrics_port: int = 0
+    """Serve Prometheus metrics at http://metrics_host:metrics_port/metrics; 0 serves none."""
+    metrics_host: str = "127.0.0.1"
+    """Interface for metrics_port; 0.0.0.0 lets a Prometheus on another machine scrape this peer."""
+
+    def checks(self) -> Iterator[tuple[bool, str]]:
+        yield self.total_steps >= 1, "run.total_steps must be >= 1"
+        yield self.time_limit_s >= 0, "run.time_limit_s must be >= 0"
+        yield self.eval_every_rounds >= 0, "run.eval_every_rounds must be >= 0"
+        yield self.log_every >= 1, "run.log_every must be >= 1"
+        yield self.checkpoint_every >= 0, "run.checkpoint_every must be >= 0"
+        yield self.eval_batches >= 1, "run.eval_batches must be >= 1"
+        yield 0 <= self.metrics_port <= 65535, "run.metrics_port must be in [0, 65535]"
+        yield (self.precision in PRECISIONS,
+               f"run.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        yield self.peak_flops >= 0, "run.peak_flops must be >= 0"
+        if self.cpu_affinity:
+            yield (_int_list(self.cpu_affinity, ",") is not None,
+                   f"run.cpu_affinity must be comma-separated CPU ids, got {self.cpu_affinity!r}")
+
+
+class EmulateConfig(_Section):
+    """Emulation and testing knobs for benchmarks and tests on one machine: a slower accelerator, a fixed
+    step time, a hostile peer. A real peer leaves them at their defaults; they are no property of the swarm."""
+
+    SECTION: ClassVar[str] = "emulate"
+
+    slow_factor: float = 1.0
+    """Emulate an accelerator this many times slower: each inner step is padded with sleep."""
+    min_step_s: float = 0.0
+    """Pad each inner step to at least this long (emulated accelerator time, so that benchmark peers sharing
+    few cores do not compete for them); 0 disables."""
+    hostile: str = ""
+    """Corrupt this peer's own contributions (nan, scale, noise, signflip); empty: an honest peer."""
+
+    def checks(self) -> Iterator[tuple[bool, str]]:
+        yield self.slow_factor >= 1, "emulate.slow_factor must be >= 1"
+        yield self.min_step_s >= 0, "emulate.min_step_s must be >= 0"
+        kinds = f"{', '.join(HOSTILE_KINDS[:-1])} or {HOSTILE_KINDS[-1]}"
+        yield self.hostile in ("", *HOSTILE_KINDS), f"emulate.hostile must be {kinds}, got {self.hostile!r}"
+
+
+class Config(_Model):
+    """Everything one peer needs, one table per component."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The transformer (the same on every peer of a swarm)."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Training text and this peer's part of it."""
+    inner: InnerOptConfig = Field(default_factory=InnerOptConfig)
+    """The inner optimizer and its schedule."""
+    outer: OuterOptConfig = Field(default_factory=OuterOptConfig)
+    """The outer optimizer (the same on every peer of a swarm)."""
+    swarm: SwarmConfig = Field(default_factory=SwarmConfig)
+    """Joining the swarm and merging with it."""
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+    """Screening and combining contributions (the same on every peer of a swarm)."""
+    run: RunConfig = Field(default_factory=RunConfig)
+    """This peer's run: length, device, output."""
+    emulate: EmulateConfig = Field(default_factory=EmulateConfig)
+    """Benchmark and test knobs: emulated slowness, step time, a hostile peer."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every section's values, as plain dicts (what summaries and checkpoints record)."""
+        return self.model_dump()
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What must be equal on every peer of a swarm for their contributions to mean the same thing: the model,
+        the tokenizer, how payloads are encoded, the outer optimizer, the round cadence and merge mode, and the
+        rules that screen and combine contributions (every slice owner must apply the same ones)."""
+        s = self.swarm
+        return {
+            "model": self.model.model_dump(), "tokenizer": "bytes",
+            "codec": {"codec": s.codec, "error_feedback": s.error_feedback},
+            "outer": self.outer.model_dump(),
+            "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync},
+            "guard": self.guard.model_dump(),
+        }
