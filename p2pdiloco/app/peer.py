@@ -35,8 +35,7 @@ from p2pdiloco.network.swarm import (
 )
 from p2pdiloco.network.traffic import Traffic
 from p2pdiloco.observe.telemetry import MetricsServer
-from p2pdiloco.testing.faults import faults_from_env
-from p2pdiloco.testing.hostile import HostileMerger
+from p2pdiloco.testing.hooks import peer_hooks  # the one door to test doubles and fault injection
 from p2pdiloco.training.accel import pick_device
 from p2pdiloco.training.checkpoint import load_latest
 from p2pdiloco.training.data import BatchSampler, eval_batches, load_text
@@ -300,17 +299,15 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         check_fingerprint(fingerprint, live_records(loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30)))
 
         auth = swarm_auth(cfg.swarm)
-        faults = faults_from_env(cfg.run.name)  # a test hook: empty unless P2PDILOCO_FAULTS names this peer
+        hooks = peer_hooks(cfg)  # no faults and no hostile wrapper unless a test or benchmark asked for them
         merger = P2PMerger(dht, cfg.swarm, loop, n_params, auth=auth, guard=cfg.guard,
-                           fingerprint=fingerprint_digest(fingerprint), faults=faults)
+                           fingerprint=fingerprint_digest(fingerprint), faults=hooks.faults)
         startup.lap("merger")  # mostly loading the codec's library
         if not cfg.run.resume:
             keep_previous(run_dir / "metrics.jsonl")
         metrics = MetricsLog(run_dir / "metrics.jsonl")
-        # a hostile peer (benchmarks, tests) corrupts what it submits; the real merger still counts bytes
-        learner_merger = HostileMerger(merger, cfg.emulate.hostile, cfg.run.seed) if cfg.emulate.hostile else merger
-        learner = Learner(cfg, model, sampler.next_batch, val, learner_merger, device, metrics, should_stop=stop,
-                          checkpoint_dir=run_dir / "checkpoints", faults=faults,
+        learner = Learner(cfg, model, sampler.next_batch, val, hooks.wrap_merger(merger), device, metrics,
+                          should_stop=stop, checkpoint_dir=run_dir / "checkpoints", faults=hooks.faults,
                           t_process_start=t_process_start)
         learner.log_start(startup.laps)  # before any state download: a restart's start-up is its own, in the metrics
         learner.traffic = Traffic(merge=merger.counter)

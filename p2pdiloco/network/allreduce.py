@@ -18,17 +18,15 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from p2pdiloco.algorithm.codecs import Codec, CodecError, NonFiniteError
 from p2pdiloco.algorithm.outer import weighted_average
 from p2pdiloco.network.matchmaking import Group
+from p2pdiloco.network.merger import FaultHook
 from p2pdiloco.network.rpc import MergeFailed, Rpc
-
-if TYPE_CHECKING:  # passed in by tests, never imported here at run time
-    from p2pdiloco.testing.faults import Faults
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +137,7 @@ class AllReduce:
 
     def __init__(self, rpc: Rpc, expected_group: Callable[[str], Awaitable[Group]], codecs: dict[str, Codec],
                  reducer: SliceReducer | None = None, merge_timeout_s: float = 30.0, max_part: int = 0,
-                 faults: Faults | None = None):
+                 faults: FaultHook | None = None):
         self.rpc, self.expected_group, self.codecs = rpc, expected_group, codecs
         self.reducer = reducer or PlainReducer()
         self.merge_timeout_s, self.max_part, self.faults = merge_timeout_s, max_part, faults

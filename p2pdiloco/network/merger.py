@@ -94,3 +94,11 @@ class Merger(Protocol):
     def close(self) -> None:
         """Stop taking part in merges (results of merges still in flight are not applied)."""
         ...
+
+
+class FaultHook(Protocol):
+    """Where a test breaks a merge on purpose (`p2pdiloco.testing.faults.Faults` is one); production passes none."""
+
+    async def fire(self, stage: str, round_: int, peer: str = "") -> None:
+        """Do what is planned for `stage` of round `round_` (stall, kill), if anything."""
+        ...

@@ -24,7 +24,6 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import hivemind
 import torch
@@ -34,15 +33,12 @@ from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.config import GuardConfig, SwarmConfig
 from p2pdiloco.network.allreduce import AllReduce, PlainReducer
 from p2pdiloco.network.matchmaking import Matchmaker
-from p2pdiloco.network.merger import Contribution, MergeResult, alone_result
+from p2pdiloco.network.merger import Contribution, FaultHook, MergeResult, alone_result
 from p2pdiloco.network.rpc import MergeFailed, Rpc
 from p2pdiloco.network.slice_guard import SliceGuard
 from p2pdiloco.network.swarm import BackgroundLoop
 from p2pdiloco.network.swarm_key import SwarmAuth
 from p2pdiloco.network.wire import ByteCounter, WireError
-
-if TYPE_CHECKING:  # passed in by tests, never imported here at run time
-    from p2pdiloco.testing.faults import Faults
 
 __all__ = ["MergeFailed", "P2PMerger"]
 
@@ -65,7 +61,7 @@ class P2PMerger:
 
     def __init__(self, dht: hivemind.DHT, cfg: SwarmConfig, loop: BackgroundLoop, n_params: int,
                  auth: SwarmAuth | None = None, guard: GuardConfig | None = None, fingerprint: str = "",
-                 faults: Faults | None = None):
+                 faults: FaultHook | None = None):
         self.dht, self.cfg, self._loop, self.n_params = dht, cfg, loop, n_params
         self.peer_id = dht.peer_id.to_base58()
         self.auth = auth or SwarmAuth(None, cfg.run_id)

@@ -1,0 +1,41 @@
+"""The one door from a peer process to the testing aids.
+
+A peer process calls `peer_hooks(cfg)` once and passes what it returns on: the faults to inject (empty
+unless P2PDILOCO_FAULTS names this peer) and a wrapper for the merger the learner talks to (the merger
+itself unless `emulate.hostile` makes this peer corrupt what it submits). Nothing else in the production
+code imports `p2pdiloco.testing`, so test doubles and fault injection stay out of its paths.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from p2pdiloco.config import Config
+from p2pdiloco.network.merger import Merger
+from p2pdiloco.testing.faults import Faults, faults_from_env
+from p2pdiloco.testing.hostile import HostileMerger
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerHooks:
+    """What a test or benchmark asked of one peer process."""
+
+    faults: Faults
+    """{(stage, round): action} for the merger and the learner; empty: nothing is injected."""
+    hostile: str = ""
+    """A hostile kind (see hostile.py): every contribution this peer submits is corrupted; '' for none."""
+    seed: int = 0
+    """Seed of the hostile kind's noise."""
+
+    def wrap_merger(self, merger: Merger) -> Merger:
+        """The merger the learner submits to: `merger` itself, or a hostile wrapper around it (the real merger
+        still counts the bytes)."""
+        return HostileMerger(merger, self.hostile, self.seed) if self.hostile else merger
+
+
+def peer_hooks(cfg: Config) -> PeerHooks:
+    """The hooks of the peer configured by `cfg` (named `cfg.run.name` in P2PDILOCO_FAULTS)."""
+    return PeerHooks(faults=faults_from_env(cfg.run.name), hostile=cfg.emulate.hostile, seed=cfg.run.seed)
