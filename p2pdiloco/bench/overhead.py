@@ -11,7 +11,7 @@ import torch
 from rich.console import Console
 
 from p2pdiloco.app.local import run_local
-from p2pdiloco.bench.common import machine, write_results
+from p2pdiloco.bench.common import BENCH_DATA, machine, write_results
 from p2pdiloco.config import Config, load_config, parse_set
 from p2pdiloco.training.data import BatchSampler, load_text
 from p2pdiloco.training.model import build_model
@@ -52,7 +52,7 @@ def bench_overhead(out: Path, steps: int = 600, console: Console | None = None) 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise RuntimeError("bench overhead needs 2 CPUs: one per peer, so the measured peer has a core to itself")
-    sets = [f"run.total_steps={steps}", "run.eval_every_rounds=0", "run.threads=1", "data.max_bytes=4000000",
+    sets = [f"run.total_steps={steps}", "run.eval_every_rounds=0", "run.threads=1", *BENCH_DATA,
             "swarm.round_steps=50", "swarm.run_id=bench-overhead"]
     cfg = load_config(None, [parse_set(sets)])
     console.print(f"plain torch loop, {steps} steps on CPU {cpus[0]} ...")
