@@ -29,7 +29,7 @@ def _norm(x: torch.Tensor) -> float:
 
 
 def coordinate_median_midpoint(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Coordinate-wise median: for an even count, the mean of the two middle values (for two parts: their mean).
+    """Coordinate-wise median; for an even count the mean of the two middle values (of two parts: their mean).
 
     Not robust.coordinate_median_low (torch.median's lower middle): with two other parts, the lower middle
     would take each coordinate's smaller value, a reference that points towards neither part, so the

@@ -33,7 +33,7 @@ def _normalized(weights: Sequence[float], n: int) -> list[float]:
 
 
 def coordinate_median_low(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Coordinate-wise median: for an even count, the lower one of the two middle values (as torch.median does).
+    """Coordinate-wise median; for an even count the lower of the two middle values (as torch.median does).
 
     Not guards.coordinate_median_midpoint, which takes the mean of the two middles: this one is CenteredClip's
     start, and changing it would change the result of every CenteredClip merge of an even-sized group.

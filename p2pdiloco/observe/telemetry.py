@@ -109,8 +109,8 @@ METRICS = [
 ]
 INFO_LABELS = ("peer_id", "name", "run_id", "device", "version")
 INFO_HELP = "Who this peer is: its labels carry the identity; the value is always 1."
-# generate_latest writes the classic text format, version 0.0.4; prometheus_client's CONTENT_TYPE_LATEST says
-# 1.0.0 in recent releases, and scrapers (Prometheus >= 3) pick the parser from this header: name the version written
+# generate_latest writes the classic text format, version 0.0.4, but prometheus_client's CONTENT_TYPE_LATEST
+# says 1.0.0 in recent releases; scrapers (Prometheus >= 3) pick their parser by this header, so name 0.0.4
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -129,7 +129,8 @@ class SnapshotCollector:
 
     Args:
         snapshot: returns the heartbeat record (`Learner.record()` plus the static fields), with `peer_id`,
-            `run_id`, `merge_failures`, `compute_s` and `merge_wait_s` added. Missing values are written as NaN.
+            `run_id`, `merge_failures`, `compute_s` and `merge_wait_s` added. Missing values are written as
+            NaN.
     """
 
     def __init__(self, snapshot: Callable[[], dict]):
@@ -138,7 +139,8 @@ class SnapshotCollector:
     def collect(self):
         snapshot = self.snapshot()
         # InfoMetricFamily appends _info to the name; the text format writes it as a gauge
-        yield InfoMetricFamily("p2pdiloco_peer", INFO_HELP, value={k: str(snapshot.get(k, "")) for k in INFO_LABELS})
+        identity = {k: str(snapshot.get(k, "")) for k in INFO_LABELS}
+        yield InfoMetricFamily("p2pdiloco_peer", INFO_HELP, value=identity)
         for name, kind, help_, key in METRICS:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(name, help_, value=_number(snapshot.get(key)))
