@@ -44,6 +44,16 @@ def _plain_loop(cfg: Config, steps: int) -> float:
     return steps / (time.monotonic() - t0)
 
 
+def _plain_loop_on(cpu: int, cfg: Config, steps: int) -> float:
+    """`_plain_loop` pinned to CPU `cpu` (the measured peer's); this process's CPUs are restored after."""
+    original = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        return _plain_loop(cfg, steps)
+    finally:
+        os.sched_setaffinity(0, original)
+
+
 def bench_overhead(out: Path, steps: int = 600, console: Console | None = None) -> dict:
     """Peer 0 of a 2-peer swarm pinned to CPU 0 (peer 1 to CPU 1) vs a plain loop pinned to CPU 0, run
     before and after the swarm (not at the same time), one thread each, evaluation off inside the loop."""
@@ -56,23 +66,14 @@ def bench_overhead(out: Path, steps: int = 600, console: Console | None = None) 
             "swarm.round_steps=50", "swarm.run_id=bench-overhead"]
     cfg = load_config(None, [parse_set(sets)])
     console.print(f"plain torch loop, {steps} steps on CPU {cpus[0]} ...")
-    original = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {cpus[0]})
-    try:
-        plain_before = _plain_loop(cfg, steps)
-    finally:
-        os.sched_setaffinity(0, original)
+    plain_before = _plain_loop_on(cpus[0], cfg, steps)
     console.print(f"swarm of 2 peers (peer0 on CPU {cpus[0]}, peer1 on CPU {cpus[1]}), {steps} steps ...")
     quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115
     summary = run_local(2, cfg, out / "swarm", None, sets, console=quiet, reraise_interrupt=True,
                         peer_sets={0: [f"run.cpu_affinity={cpus[0]}"], 1: [f"run.cpu_affinity={cpus[1]}"]})
     if summary["peers_finished"] != 2:
         raise RuntimeError(f"swarm run failed; see {out / 'swarm'}")
-    os.sched_setaffinity(0, {cpus[0]})
-    try:
-        plain_after = _plain_loop(cfg, steps)
-    finally:
-        os.sched_setaffinity(0, original)
+    plain_after = _plain_loop_on(cpus[0], cfg, steps)
     plain = (plain_before + plain_after) / 2
     peer0 = next(p for p in summary["peers"] if p["name"] == "peer0")
     results = {
