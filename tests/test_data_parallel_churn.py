@@ -20,7 +20,7 @@ def test_steps_after_the_checkpoint_a_restart_resumed_from_are_lost():
 
 def test_a_killed_rank_stops_the_job_and_every_rank_restarts_from_the_checkpoint(tmp_path):
     sets = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "data.batch_size=4",
-            "data.max_bytes=200000", "run.total_steps=80", "run.min_step_s=0.05", "run.eval_batches=2",
+            "data.max_bytes=200000", "run.total_steps=80", "emulate.min_step_s=0.05", "run.eval_batches=2",
             "inner.warmup_steps=2"]
     before = run_children()
     got = run_data_parallel_churn(sets, 2, tmp_path, kill_every=2.0, restart_delay=0.5, checkpoint_every=10,
@@ -37,7 +37,7 @@ def test_a_killed_rank_stops_the_job_and_every_rank_restarts_from_the_checkpoint
 
 def test_without_kills_the_baseline_wastes_only_its_start_up(tmp_path):
     sets = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "data.batch_size=4",
-            "data.max_bytes=200000", "run.total_steps=40", "run.min_step_s=0.05", "run.eval_batches=2"]
+            "data.max_bytes=200000", "run.total_steps=40", "emulate.min_step_s=0.05", "run.eval_batches=2"]
     got = run_data_parallel_churn(sets, 2, tmp_path, kill_every=0.0, checkpoint_every=10, timeout_s=120)
     assert got["kills"] == 0 and got["incarnations"] == 1
     assert got["reached_s"] >= 2 * 40 * 0.05 * 0.99 and got["goodput"] < 1

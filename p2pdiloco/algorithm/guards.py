@@ -24,17 +24,17 @@ NONFINITE, NORM, DIRECTION, STALE, BANNED, SHAPE = "nonfinite", "norm", "directi
 """Rejection reasons, as counted in metrics."""
 
 
-def check_shape(payload_bytes: int, expected_values: int, itemsize: int = 4) -> str:
-    """'' if a raw fp32 payload holds exactly `expected_values` values, else SHAPE."""
-    return "" if payload_bytes == expected_values * itemsize else SHAPE
-
-
 def _norm(x: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(x.float()))
 
 
-def median_of(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Coordinate-wise median, the mean of the two middle values for an even count (for two parts: their mean)."""
+def coordinate_median_midpoint(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Coordinate-wise median; for an even count the mean of the two middle values (of two parts: their mean).
+
+    Not robust.coordinate_median_low (torch.median's lower middle): with two other parts, the lower middle
+    would take each coordinate's smaller value, a reference that points towards neither part, so the
+    direction check would judge against a vector no member sent.
+    """
     values = torch.stack([p.float() for p in parts]).sort(dim=0).values
     n = len(parts)
     return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
@@ -73,7 +73,7 @@ def screen_parts(parts: Sequence[torch.Tensor], own: int, norm_bound: float, min
     for i in finite:
         if reasons[i]:
             continue
-        reference = median_of([parts[j] for j in finite if j != i])
+        reference = coordinate_median_midpoint([parts[j] for j in finite if j != i])
         n_i, r_norm = _norm(parts[i]), _norm(reference)
         if n_i == 0 or r_norm == 0:
             continue  # a zero part moves nothing; a zero reference gives no direction to judge by

@@ -30,8 +30,12 @@ def _normalized(weights: Sequence[float], n: int) -> list[float]:
     return [float(w) / total for w in weights]
 
 
-def coordinate_median(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Coordinate-wise median (the lower one of the two middle values for an even count, as torch does)."""
+def coordinate_median_low(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Coordinate-wise median; for an even count the lower of the two middle values (as torch.median does).
+
+    Not guards.coordinate_median_midpoint, which takes the mean of the two middles: this one is CenteredClip's
+    start, and changing it would change the result of every CenteredClip merge of an even-sized group.
+    """
     return torch.stack([p.float() for p in parts]).median(dim=0).values
 
 
@@ -50,7 +54,7 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], tau: 
         raise ValueError("need at least one tensor")
     w = _normalized(weights, len(parts))
     xs = [p.float() for p in parts]
-    v = coordinate_median(xs)
+    v = coordinate_median_low(xs)
     if tau is None:
         tau = float(torch.tensor([torch.linalg.vector_norm(x - v).item() for x in xs]).median())
     if tau <= 0:

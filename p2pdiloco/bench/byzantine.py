@@ -16,13 +16,12 @@ from pathlib import Path
 from rich.console import Console
 
 from p2pdiloco.app.local import run_local
-from p2pdiloco.bench.common import machine, write_results
+from p2pdiloco.bench.common import BENCH_EVAL, BENCH_MODEL, machine, write_results
 from p2pdiloco.config import load_config, parse_set
 from p2pdiloco.testing.hostile import KINDS
 
 BYZANTINE_SETS = [
-    "model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.seq_len=64", "data.batch_size=8",
-    "data.max_bytes=4000000", "run.eval_batches=16", "run.eval_every_rounds=0", "run.log_every=10",
+    *BENCH_MODEL, *BENCH_EVAL, "run.log_every=10",
     "inner.warmup_steps=10", "swarm.sync=true", "swarm.merge_window_s=30", "run.checkpoint_every=0",
     "swarm.merge_timeout_s=10",  # a merge of this model takes < 1 s; a failing one (guards off) should not take 60
 ]

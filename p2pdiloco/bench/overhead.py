@@ -11,7 +11,7 @@ import torch
 from rich.console import Console
 
 from p2pdiloco.app.local import run_local
-from p2pdiloco.bench.common import machine, write_results
+from p2pdiloco.bench.common import BENCH_DATA, machine, write_results
 from p2pdiloco.config import Config, load_config, parse_set
 from p2pdiloco.training.data import BatchSampler, load_text
 from p2pdiloco.training.model import build_model
@@ -44,6 +44,16 @@ def _plain_loop(cfg: Config, steps: int) -> float:
     return steps / (time.monotonic() - t0)
 
 
+def _plain_loop_on(cpu: int, cfg: Config, steps: int) -> float:
+    """`_plain_loop` pinned to CPU `cpu` (the measured peer's); this process's CPUs are restored after."""
+    original = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        return _plain_loop(cfg, steps)
+    finally:
+        os.sched_setaffinity(0, original)
+
+
 def bench_overhead(out: Path, steps: int = 600, console: Console | None = None) -> dict:
     """Peer 0 of a 2-peer swarm pinned to CPU 0 (peer 1 to CPU 1) vs a plain loop pinned to CPU 0, run
     before and after the swarm (not at the same time), one thread each, evaluation off inside the loop."""
@@ -52,27 +62,18 @@ def bench_overhead(out: Path, steps: int = 600, console: Console | None = None) 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise RuntimeError("bench overhead needs 2 CPUs: one per peer, so the measured peer has a core to itself")
-    sets = [f"run.total_steps={steps}", "run.eval_every_rounds=0", "run.threads=1", "data.max_bytes=4000000",
+    sets = [f"run.total_steps={steps}", "run.eval_every_rounds=0", "run.threads=1", *BENCH_DATA,
             "swarm.round_steps=50", "swarm.run_id=bench-overhead"]
     cfg = load_config(None, [parse_set(sets)])
     console.print(f"plain torch loop, {steps} steps on CPU {cpus[0]} ...")
-    original = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {cpus[0]})
-    try:
-        plain_before = _plain_loop(cfg, steps)
-    finally:
-        os.sched_setaffinity(0, original)
+    plain_before = _plain_loop_on(cpus[0], cfg, steps)
     console.print(f"swarm of 2 peers (peer0 on CPU {cpus[0]}, peer1 on CPU {cpus[1]}), {steps} steps ...")
     quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115
     summary = run_local(2, cfg, out / "swarm", None, sets, console=quiet, reraise_interrupt=True,
                         peer_sets={0: [f"run.cpu_affinity={cpus[0]}"], 1: [f"run.cpu_affinity={cpus[1]}"]})
     if summary["peers_finished"] != 2:
         raise RuntimeError(f"swarm run failed; see {out / 'swarm'}")
-    os.sched_setaffinity(0, {cpus[0]})
-    try:
-        plain_after = _plain_loop(cfg, steps)
-    finally:
-        os.sched_setaffinity(0, original)
+    plain_after = _plain_loop_on(cpus[0], cfg, steps)
     plain = (plain_before + plain_after) / 2
     peer0 = next(p for p in summary["peers"] if p["name"] == "peer0")
     results = {

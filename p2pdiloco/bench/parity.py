@@ -27,14 +27,12 @@ from rich.console import Console
 
 from p2pdiloco.app.local import run_local
 from p2pdiloco.bench.baselines.data_parallel import run_data_parallel
-from p2pdiloco.bench.common import machine, write_results
+from p2pdiloco.bench.common import BENCH_EVAL, BENCH_MODEL, machine, write_results
 from p2pdiloco.config import load_config, parse_set
 
 # The straggler benchmark's small model (~110k parameters), so that N workers fit on 2 cores.
 PARITY_SETS = [
-    "model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.seq_len=64", "data.batch_size=8",
-    "data.max_bytes=4000000", "run.eval_batches=16", "run.eval_every_rounds=0", "run.log_every=50",
-    "inner.warmup_steps=50", "run.checkpoint_every=0",
+    *BENCH_MODEL, *BENCH_EVAL, "run.log_every=50", "inner.warmup_steps=50", "run.checkpoint_every=0",
 ]
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from rich.console import Console
 
 from p2pdiloco.app.local import PeerProc, peer_command, stop_peers, summarize
-from p2pdiloco.bench.common import machine, write_results
+from p2pdiloco.bench.common import BENCH_DATA, machine, write_results
 from p2pdiloco.config import Config, ConfigError, load_config, parse_set
 from p2pdiloco.training.model import build_model, count_params
 
@@ -40,7 +40,7 @@ NS_PREFIX = "p2pdsl"
 """Namespace names are p2pdsl<pid>-hub and p2pdsl<pid>-p<i>; the pid tells a crashed run's leftovers."""
 
 SLOWLINK_SETS = [
-    "data.max_bytes=4000000", "run.eval_batches=4", "run.eval_every_rounds=0", "run.log_every=25",
+    *BENCH_DATA, "run.eval_batches=4", "run.eval_every_rounds=0", "run.log_every=25",
     "run.checkpoint_every=0",
 ]
 

@@ -1,8 +1,6 @@
-"""What a peer tells the world about itself: its counters in Prometheus's text exposition format, served
-over HTTP on the peer's network loop (the meters behind them live in training/meters.py).
-
-The peer writes the format itself (it is a few lines of text), so serving metrics needs no extra package;
-tests parse the output with `prometheus_client`'s parser.
+"""What a peer tells the world about itself: its counters in Prometheus's text exposition format (written
+by `prometheus_client`), served over HTTP on the peer's network loop (the meters behind them live in
+training/meters.py).
 """
 
 from __future__ import annotations
@@ -11,6 +9,8 @@ import math
 from collections.abc import Callable
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from p2pdiloco.observe.serve import HttpServer
 
@@ -43,55 +43,66 @@ METRICS = [
     ("p2pdiloco_start_time_seconds", "gauge", "Unix time this peer started.", "started"),
 ]
 INFO_LABELS = ("peer_id", "name", "run_id", "device", "version")
+INFO_HELP = "Who this peer is: its labels carry the identity; the value is always 1."
+# generate_latest writes the classic text format, version 0.0.4, but prometheus_client's CONTENT_TYPE_LATEST
+# says 1.0.0 in recent releases; scrapers (Prometheus >= 3) pick their parser by this header, so name 0.0.4
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def _value(v: object) -> str:
+def _number(v: object) -> float:
+    """A sample's value: NaN for anything missing or not a number (a bool is not a count)."""
     if isinstance(v, bool) or not isinstance(v, int | float):
-        return "NaN"
-    if isinstance(v, int):
-        return str(v)
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(v)
+        return math.nan
+    return float(v)
 
 
-def _label(v: object) -> str:
-    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def render_prometheus(snapshot: dict) -> str:
-    """This peer's metrics in Prometheus's text exposition format (version 0.0.4).
-
-    Args:
-        snapshot: the heartbeat record (`Learner.record()` plus the static fields), with `peer_id`, `run_id`,
-            `merge_failures`, `compute_s` and `merge_wait_s` added. Missing values are written as NaN.
+class SnapshotCollector:
+    """A `prometheus_client` collector that reads every value from `snapshot()` at each scrape.
 
     Identity goes in one info metric (`p2pdiloco_peer_info`, value 1) rather than in labels on every
     sample, as Prometheus recommends; the scrape target's own labels tell peers apart.
+
+    Args:
+        snapshot: returns the heartbeat record (`Learner.record()` plus the static fields), with `peer_id`,
+            `run_id`, `merge_failures`, `compute_s` and `merge_wait_s` added. Missing values are written as
+            NaN.
     """
-    lines = [
-        "# HELP p2pdiloco_peer_info Who this peer is: its labels carry the identity; the value is always 1.",
-        "# TYPE p2pdiloco_peer_info gauge",
-        "p2pdiloco_peer_info{" + ",".join(f'{k}="{_label(snapshot.get(k, ""))}"' for k in INFO_LABELS) + "} 1",
-    ]
-    for name, kind, help_, key in METRICS:
-        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {_value(snapshot.get(key))}"]
-    return "\n".join(lines) + "\n"
+
+    def __init__(self, snapshot: Callable[[], dict]):
+        self.snapshot = snapshot
+
+    def collect(self):
+        snapshot = self.snapshot()
+        # InfoMetricFamily appends _info to the name; the text format writes it as a gauge
+        identity = {k: str(snapshot.get(k, "")) for k in INFO_LABELS}
+        yield InfoMetricFamily("p2pdiloco_peer", INFO_HELP, value=identity)
+        for name, kind, help_, key in METRICS:
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(name, help_, value=_number(snapshot.get(key)))
+
+
+def metrics_registry(snapshot: Callable[[], dict]) -> CollectorRegistry:
+    """A registry of its own holding only this peer's metrics (not the process-wide default one)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(snapshot))
+    return registry
+
+
+def render_prometheus(snapshot: dict) -> str:
+    """This peer's metrics in Prometheus's text exposition format (version 0.0.4); see `SnapshotCollector`."""
+    return generate_latest(metrics_registry(lambda: snapshot)).decode()
 
 
 class MetricsServer:
     """Serves ``/metrics`` (Prometheus text format) from `snapshot()`, on the peer's network loop.
 
     Args:
-        snapshot: returns the current values (see `render_prometheus`); called once per scrape.
+        snapshot: returns the current values (see `SnapshotCollector`); called once per scrape.
         host, port: where to listen (port 0: any free one).
     """
 
     def __init__(self, snapshot: Callable[[], dict], host: str, port: int):
-        self.snapshot = snapshot
+        self.registry = metrics_registry(snapshot)
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/", self._index)
@@ -105,7 +116,7 @@ class MetricsServer:
         await self.server.stop()
 
     async def _metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(body=render_prometheus(self.snapshot()).encode(), headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE})
 
     async def _index(self, _request: web.Request) -> web.Response:
         return web.Response(text="p2pdiloco peer: metrics at /metrics\n")

@@ -1,0 +1,256 @@
+"""What each `p2pdiloco` command does, once its flags are parsed (see p2pdiloco/cli.py for the flags).
+
+Each parses its config, builds, runs and closes; the heavy imports (torch, hivemind) happen inside the
+command that needs them, so `p2pdiloco --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from p2pdiloco.config import HOSTILE_KINDS, Config, ConfigError, load_config, parse_set
+
+logger = logging.getLogger("p2pdiloco")
+
+
+def config_path(args: argparse.Namespace) -> str | None:
+    """The TOML file that --config or --preset names, if any."""
+    if args.preset:
+        from p2pdiloco.config.presets import preset_path
+
+        if args.config:
+            raise ConfigError("give --config or --preset, not both")
+        return str(preset_path(args.preset))
+    return args.config
+
+
+def config_from_args(args: argparse.Namespace, extra: dict | None = None) -> Config:
+    flags: dict[str, dict] = {}
+    if args.run_dir:
+        flags.setdefault("run", {})["run_dir"] = args.run_dir
+    if args.run_id:
+        flags.setdefault("swarm", {})["run_id"] = args.run_id
+    if args.data:
+        flags.setdefault("data", {})["paths"] = args.data
+    if args.device:
+        flags.setdefault("run", {})["device"] = args.device
+    if args.sync:
+        flags.setdefault("swarm", {})["sync"] = True
+    if args.swarm_key:
+        flags.setdefault("swarm", {})["swarm_key"] = str(Path(args.swarm_key).resolve())
+    for section, values in (extra or {}).items():
+        flags.setdefault(section, {}).update(values)
+    return load_config(config_path(args), [flags, parse_set(args.sets)])
+
+
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    from p2pdiloco.app.bootstrap import run_bootstrap
+
+    run_bootstrap(args.host, args.port, Path(args.identity), args.announce or [],
+                  Path(args.maddr_file) if args.maddr_file else None, print_fn=lambda line: print(line, flush=True),
+                  swarm_key=args.swarm_key or "")
+    return 0
+
+
+def cmd_peer(args: argparse.Namespace) -> int:
+    from p2pdiloco.app.local import summarize
+    from p2pdiloco.app.peer import StopFlag, run_peer
+
+    if args.nproc > 1 and "RANK" not in os.environ:  # under torchrun, RANK is set and this process is one rank
+        from p2pdiloco.training.distributed import launch_unit, strip_nproc
+
+        return launch_unit(args.nproc, strip_nproc(args.argv))
+    extra: dict[str, dict] = {"swarm": {}, "run": {}}
+    if args.initial_peers:
+        extra["swarm"]["initial_peers"] = args.initial_peers
+    if args.host:
+        extra["swarm"]["host"] = args.host
+    if args.port is not None:
+        extra["swarm"]["port"] = args.port
+    if args.announce:
+        extra["swarm"]["announce"] = args.announce
+    if args.name:
+        extra["run"]["name"] = args.name
+    if args.resume:
+        extra["run"]["resume"] = True
+    if args.steps is not None:
+        extra["run"]["total_steps"] = args.steps
+    if args.metrics_port is not None:
+        extra["run"]["metrics_port"] = args.metrics_port
+    cfg = config_from_args(args, extra)
+    stop = StopFlag()
+    stop.install()
+    summary = run_peer(cfg, stop, announce=lambda line: print(line, flush=True))
+    if summary is None:  # a follower rank of a learner unit: rank 0 writes the results
+        return 0
+    run_dir = Path(cfg.run.run_dir)
+    if not args.in_local:  # a peer of `local` leaves the run's summary and plot to it
+        summarize(run_dir, [run_dir], cfg.to_dict(), summary["wall_s"])
+        try:
+            from p2pdiloco.observe.plot import plot_run
+
+            plot_run(run_dir)
+        except Exception as e:  # a plot must not lose the run's results
+            logger.warning("plotting failed: %r", e)
+    print(json.dumps({k: summary[k] for k in ("inner_steps", "rounds", "merges", "eval_loss_initial",
+                                               "eval_loss_final")}), flush=True)
+    return 0
+
+
+def parse_slow(items: list[str], n_peers: int) -> dict[int, float]:
+    """``["3:4"]`` -> ``{3: 4.0}``: peer 3 runs 4x slower."""
+    slow = {}
+    for item in items:
+        index, sep, factor = item.partition(":")
+        try:
+            i, f = int(index), float(factor)
+        except ValueError:
+            raise ConfigError(f"--slow expects INDEX:FACTOR, e.g. 3:4, got {item!r}") from None
+        if not sep or not 0 <= i < n_peers or f < 1:
+            raise ConfigError(f"--slow {item!r}: need 0 <= INDEX < --peers and FACTOR >= 1")
+        slow[i] = f
+    return slow
+
+
+def parse_hostile(items: list[str], n_peers: int) -> dict[int, str]:
+    """``["2:nan"]`` -> ``{2: "nan"}``: peer 2 corrupts its contributions with NaNs (see hostile.py)."""
+    hostile = {}
+    for item in items:
+        index, _, kind = item.partition(":")
+        if not index.isdigit() or not 0 <= int(index) < n_peers or kind not in HOSTILE_KINDS:
+            raise ConfigError(f"--hostile {item!r}: expected INDEX:KIND with 0 <= INDEX < --peers and KIND one of "
+                              f"{', '.join(HOSTILE_KINDS)}")
+        hostile[int(index)] = kind
+    return hostile
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from p2pdiloco.network.swarm_key import SwarmKeyError, write_new_key
+
+    try:
+        path = write_new_key(args.file)
+    except SwarmKeyError as e:
+        raise ConfigError(str(e)) from None
+    print(f"wrote a new swarm key to {path} (mode 0600); give it to every peer of the run over a private "
+          f"channel and start them with --swarm-key {path}")
+    return 0
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM stop `local` and the benches as Ctrl+C does (peers stopped and reaped).
+
+    SIGINT gets an explicit handler too: a process started in the background by a non-interactive shell (nohup,
+    `cmd &`, many CI runners) inherits SIGINT *ignored*, and Python then installs no KeyboardInterrupt handler,
+    so `kill -INT` would leave the swarm running. Forked children (the DHT process) keep the default behaviour.
+    """
+    owner = os.getpid()
+
+    def on_signal(signum, _frame):
+        if os.getpid() != owner:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt  # what the default handler would have done in the child
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    from p2pdiloco.app.local import Chaos, run_local
+
+    if args.peers < 1:
+        raise ConfigError("--peers must be >= 1")
+    extra = {"run": {"total_steps": args.steps}} if args.steps is not None else {}
+    cfg = config_from_args(args, extra)
+    sets = list(args.sets)
+    if args.data:
+        sets.append("data.paths=" + ",".join(str(Path(p).resolve()) for p in args.data))
+    if args.device:
+        sets.append(f"run.device={args.device}")
+    if args.sync:
+        sets.append("swarm.sync=true")
+    if args.swarm_key:
+        sets.append(f"swarm.swarm_key={cfg.swarm.swarm_key}")
+    slow = parse_slow(args.slow or [], args.peers)
+    peer_sets = {i: [f"emulate.hostile={kind}"] for i, kind in parse_hostile(args.hostile or [], args.peers).items()}
+    run_dir = Path(cfg.run.run_dir)
+    stop_on_signals()
+    chaos = None
+    if args.chaos:
+        if args.kill_every <= 0 or args.restart_delay < 0:
+            raise ConfigError("--kill-every must be > 0 and --restart-delay >= 0")
+        chaos = Chaos(args.kill_every, args.restart_delay, log=run_dir / "chaos.jsonl")
+        (run_dir / "chaos.jsonl").unlink(missing_ok=True)
+    summary = run_local(args.peers, cfg, run_dir, config_path(args), sets, slow=slow, chaos=chaos, peer_sets=peer_sets,
+                        dashboard_port=args.dashboard_port if args.dashboard else None)
+    ok = summary["peers_finished"] == args.peers
+    print(f"summary: {run_dir / 'summary.json'}")
+    if summary["eval_loss_final"] is not None:
+        print(f"eval loss {summary['eval_loss_initial']:.4f} -> {summary['eval_loss_final']:.4f} "
+              f"({summary['peers_finished']}/{args.peers} peers finished)")
+    return 0 if ok else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from p2pdiloco.observe.status import fetch_status, format_status, to_json
+
+    status = fetch_status(args.initial_peers, args.run_id, args.timeout, swarm_key=args.swarm_key or "")
+    if args.json:
+        print(to_json(status), flush=True)
+    if not status["peers"]:
+        print(f"p2pdiloco status: error: no live peers in swarm {args.run_id!r} seen within {args.timeout:.0f} s "
+              "(is --run-id the swarm's?)", file=sys.stderr)
+        return 1
+    if not args.json:
+        print(format_status(status), flush=True)
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from p2pdiloco.observe.dashboard import run_dashboard
+
+    stop = threading.Event()
+    owner = os.getpid()
+
+    def on_signal(signum, _frame):
+        if os.getpid() != owner:
+            # the DHT process is forked from this one and inherits this handler; there, a SIGTERM (hivemind's
+            # "terminate it the hard way" after a slow shutdown) must end the process, not set a copied flag
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    run_dashboard(args.initial_peers, args.run_id, args.host, args.port, args.refresh, stop,
+                  announce=lambda line: print(line, flush=True), swarm_key=args.swarm_key or "")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from p2pdiloco.observe.plot import plot_run
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir} is not a folder (expected a run folder, e.g. runs/latest)")
+    if not args.verbose:  # the error line below says it; plot_run's own warning would say it twice
+        logging.getLogger("p2pdiloco.observe.plot").setLevel(logging.ERROR)
+    written = plot_run(run_dir)
+    if not written:
+        print(f"p2pdiloco plot: error: nothing to plot in {run_dir}: no loss points in peers/*/metrics.jsonl "
+              "or metrics.jsonl", file=sys.stderr)
+        return 1
+    for path in written:
+        print(path)
+    return 0

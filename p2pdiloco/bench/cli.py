@@ -1,0 +1,67 @@
+"""`p2pdiloco bench WHICH`: run one benchmark with the flags the command line gave (see p2pdiloco/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from p2pdiloco.app.commands import stop_on_signals
+from p2pdiloco.config import CODECS, ConfigError
+
+
+def _round_lengths(text: str | None) -> tuple[int, ...]:
+    """--h "50,100" -> (50, 100); ConfigError on anything but positive integers."""
+    if not text:
+        return ()
+    try:
+        hs = tuple(int(h) for h in text.split(","))
+    except ValueError:
+        hs = ()
+    if not hs or any(h < 1 for h in hs):
+        raise ConfigError(f"--h takes positive integers separated by commas, got {text!r}")
+    return hs
+
+
+def _one_round_length(text: str | None) -> int | None:
+    hs = _round_lengths(text)
+    if len(hs) > 1:
+        raise ConfigError("this benchmark takes one --h")
+    return hs[0] if hs else None
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    stop_on_signals()  # benches run local swarms (and slowlink its namespaces): stop and clean them up
+    out = Path(args.out or f"runs/bench-{args.which}")
+    if args.which == "straggler":
+        from p2pdiloco.bench.straggler import bench_straggler
+
+        bench_straggler(out, seconds=args.seconds)
+    elif args.which == "churn":
+        from p2pdiloco.bench.churn import bench_churn
+
+        bench_churn(out, minutes=args.minutes, kill_every=args.kill_every)
+    elif args.which == "bandwidth":
+        from p2pdiloco.bench.bandwidth import HS, bench_bandwidth
+
+        codecs = tuple(args.codecs.split(",")) if args.codecs else CODECS
+        if any(c not in CODECS for c in codecs):
+            raise ConfigError(f"--codecs takes a comma-separated list of {', '.join(CODECS)}")
+        bench_bandwidth(out, steps=args.steps or 1000, hs=_round_lengths(args.h) or HS, codecs=codecs)
+    elif args.which == "parity":
+        from p2pdiloco.bench.parity import bench_parity
+
+        bench_parity(out, steps=args.steps or 3000, h=_one_round_length(args.h) or 50, peers=args.peers or 4)
+    elif args.which == "slowlink":
+        from p2pdiloco.bench.slowlink import bench_slowlink
+
+        bench_slowlink(out, steps=args.steps or 250, h=_one_round_length(args.h) or 25, peers=args.peers or 2,
+                       rate_mbit=args.rate_mbit)
+    elif args.which == "byzantine":
+        from p2pdiloco.bench.byzantine import bench_byzantine
+
+        bench_byzantine(out, steps=args.steps or 60)
+    else:
+        from p2pdiloco.bench.overhead import bench_overhead
+
+        bench_overhead(out, steps=args.steps or 600)
+    return 0
