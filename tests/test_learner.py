@@ -61,7 +61,7 @@ def test_two_learners_merge_every_round_and_agree(tmp_path):
     assert torch.equal(learners[0].global_params, learners[1].global_params)
     assert torch.equal(learners[0].momentum, learners[1].momentum)
     # the heartbeat record: what `status`, the dashboard and /metrics show of this peer
-    record = learners[0].record()
+    record = learners[0].report.record()
     assert record["step"] == 20 and record["round"] == 4 and record["merges"] == 4 and record["tokens"] == 20 * 4 * 16
     assert record["last_group_size"] == 2 and record["last_merge_time"] > 0 and record["tokens_per_s"] > 0
     assert record["eval_loss"] == summaries[0]["eval_loss_final"] and record["loss"] > 0

@@ -147,7 +147,7 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
     state, donor = got
     learner.adopt_state(state)
     metrics.write(kind="join", donor=donor, round=state.round, step=state.step,
-                  download_s=time.monotonic() - t0, global_digest=learner.global_digest())
+                  download_s=time.monotonic() - t0, global_digest=learner.g.digest())
     logger.info("[%s] downloaded the swarm's state (round %d, step %d) from %s in %.2f s", peer_id[-6:],
                 state.round, state.step, donor[-6:], time.monotonic() - t0)
 
@@ -202,7 +202,7 @@ class Heartbeat:
 def telemetry_snapshot(learner: Learner, static: dict) -> dict:
     """What /metrics reports: the heartbeat record, plus counters too dull for the DHT record."""
     c = learner.c
-    return {**static, **learner.record(), "merge_failures": c.merge_failures, "compute_s": c.compute_s,
+    return {**static, **learner.report.record(), "merge_failures": c.merge_failures, "compute_s": c.compute_s,
             "merge_wait_s": c.merge_wait_s}
 
 
@@ -310,13 +310,13 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
                           should_stop=stop, checkpoint_dir=run_dir / "checkpoints", faults=hooks.faults,
                           t_process_start=t_process_start)
         learner.log_start(startup.laps)  # before any state download: a restart's start-up is its own, in the metrics
-        learner.traffic = Traffic(merge=merger.counter)
+        learner.report.traffic = Traffic(merge=merger.counter)
         if unit.world_size > 1:
             UnitSync(unit, device).attach(learner)
-        state_sync = StateSync(dht, cfg.swarm.run_id, n_params, lambda: learner.shared, learner.traffic.state,
+        state_sync = StateSync(dht, cfg.swarm.run_id, n_params, lambda: learner.shared, learner.report.traffic.state,
                                auth=auth)
         loop.run(state_sync.start(), timeout=30)
-        loop.submit(learner.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
+        loop.submit(learner.report.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
         if cfg.run.resume:
             resume_from_checkpoint(learner, run_dir / "checkpoints", announce)
         join_swarm_state(learner, state_sync, loop, dht, cfg, peer_id, metrics)
@@ -326,7 +326,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
             "device": str(device) if unit.world_size == 1 else f"{device} x{unit.world_size}",
             "fingerprint": fingerprint, "started": time.time(),
         }
-        heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer_id, lambda: {**static, **learner.record()},
+        heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer_id, lambda: {**static, **learner.report.record()},
                               cfg.swarm.heartbeat_s)
         loop.submit(heartbeat.run())
         if cfg.run.metrics_port:
@@ -338,8 +338,8 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
             live = wait_for_peers(loop, dht, cfg, stop)
             logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)
         summary = learner.run()
-        loop.run(learner.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's
-        summary.update(name=cfg.run.name, n_params=n_params, **learner.bandwidth(), guard=merger.book.report(),
+        loop.run(learner.report.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's
+        summary.update(name=cfg.run.name, n_params=n_params, **learner.report.bandwidth(), guard=merger.book.report(),
                        hostile=cfg.emulate.hostile)
         write_json_atomic(run_dir / "peer_summary.json", summary)
         if not stop():  # a peer told to stop mid-round still has its last merged state in the checkpoints

@@ -3,6 +3,7 @@
 TOML files (``peers/*.toml``) map onto it one to one: a ``[model]`` table sets `ModelConfig` fields and so
 on. Command-line flags and ``--set section.key=value`` override what the file says.
 
+- `base.py`: coercion of TOML and flag values, one-line errors, the `_Section` base that runs `checks`.
 - `schema.py`: the models, the allowed values, and every check on a value.
 - `load.py`: TOML files, ``--set`` flags, and the old keys that still work (`ALIASES`).
 - `fingerprint.py`: comparing what every peer of a swarm must agree on.

@@ -10,7 +10,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from p2pdiloco.config.schema import Config, ConfigError, coerce
+from p2pdiloco.config.base import ConfigError, coerce
+from p2pdiloco.config.schema import Config
 
 ALIASES: dict[str, str] = {
     "run.slow_factor": "emulate.slow_factor",

@@ -133,7 +133,7 @@ class UnitSync:
         """Wrap the learner's model in DDP (a collective: every rank calls it at the same point)."""
         ids = [self.device.index] if self.device.type == "cuda" else None
         learner.train_model = DistributedDataParallel(learner.model, device_ids=ids)
-        learner.data_parallel = self.ctx.world_size
+        learner.report.data_parallel = self.ctx.world_size
         if self.ctx.is_main:
             learner.unit = self
         self._synced = learner.shared

@@ -11,7 +11,6 @@ format is checkpoint.py's.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -20,19 +19,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco.algorithm.outer import cosine_lr, outer_step, pseudo_gradient, rebase, state_digest
+from p2pdiloco.algorithm.outer import pseudo_gradient, rebase
 from p2pdiloco.config import Config
 from p2pdiloco.network.merger import Contribution, Merger, MergeResult
 from p2pdiloco.network.state_sync import GlobalState
-from p2pdiloco.network.traffic import Traffic
 from p2pdiloco.training.accel import autocast_for
 from p2pdiloco.training.checkpoint import learner_state, load_optimizer_state, save_learner_checkpoint
 from p2pdiloco.training.evaluation import evaluate_flat
 from p2pdiloco.training.flat import flat_params, load_flat_
-from p2pdiloco.training.optim import build_inner_optimizer
+from p2pdiloco.training.global_model import GlobalModel
+from p2pdiloco.training.optim import InnerSchedule, build_inner_optimizer
 from p2pdiloco.training.reporting import Counters, MetricsLog, Reporter
+from p2pdiloco.training.rounds import RoundClock
 
 logger = logging.getLogger(__name__)
 
@@ -115,27 +114,21 @@ class Learner:
         self.cfg, self.model, self.next_batch, self.val_batches = cfg, model, next_batch, val_batches
         self.merger, self.device, self.metrics, self.should_stop = merger, device, metrics, should_stop
         self.opt = build_inner_optimizer(model.parameters(), cfg.inner, device)
+        self.schedule = InnerSchedule(cfg.inner, cfg.run.total_steps)
         self.train_model: torch.nn.Module = model
         """What inner steps run forward through: `model`, or its DDP wrapper in a multi-process unit."""
         self.unit = None
         """A multi-process learner unit's hook (distributed.py): `lead` before each inner step, `release` at the end."""
-        self.global_params = self._local_params()
-        self.momentum = torch.zeros_like(self.global_params)
+        self.g = GlobalModel(self._local_params(), cfg.outer)
         self.c = Counters()
-        self.report = Reporter(cfg, self.c, metrics, merger.peer_id, device, self.global_params.numel(),
-                               t_process_start)
+        self.report = Reporter(cfg, self.c, metrics, merger.peer_id, device, self.g.params.numel(), t_process_start)
+        """Metrics lines, the heartbeat record, the summary and the bandwidth report (reporting.py)."""
         self.checkpoint_dir, self.faults = checkpoint_dir, faults or {}
         self.shared = self.snapshot()
         self.tag = merger.peer_id[-6:]
         self.in_flight: InFlight | None = None
-        self.t_train = time.monotonic()
+        self.clock = RoundClock(cfg.swarm, cfg.run.time_limit_s)
         self.train_s = 0.0
-        self._round_deadline = 0.0
-        self._round_started = time.monotonic()
-        self._moments_fresh = True
-        """The inner optimizer has no moments from earlier training (a new process, not a checkpoint)."""
-        self._rewarm_from: int | None = None
-        """The step at which this peer adopted the swarm's state with fresh moments (see `inner_lr`)."""
         self.ended_with_swarm = False
         """A group merge included another peer's last contribution: the run is over (see `MergeResult.final`)."""
 
@@ -146,7 +139,7 @@ class Learner:
         finished; returns this peer's summary."""
         self.log_start()
         self.report.training_starts(eval_loss=self.evaluate_global())
-        self.t_train = time.monotonic()
+        self.clock.start_training()
         self.start_round()
         while not self.at_end() and not self.should_stop():
             if self.unit is not None:  # the other processes of this unit step with us, from our θ
@@ -157,7 +150,7 @@ class Learner:
                 self.submit_round(final=self.at_end())
                 if self.cfg.swarm.sync:
                     self.wait_merge()
-        self.train_s = time.monotonic() - self.t_train
+        self.train_s = time.monotonic() - self.clock.t_train
         self.finish()
         if self.unit is not None:
             self.unit.release(self)
@@ -181,25 +174,13 @@ class Learner:
         self.opt.step()
         loss_value = float(loss.detach())
         self.pace(time.monotonic() - t0)
-        self.c.add_step(tokens=x.numel() * self.data_parallel, compute_s=time.monotonic() - t0)
+        self.c.add_step(tokens=x.numel() * self.report.data_parallel, compute_s=time.monotonic() - t0)
         self.report.inner_step(loss_value, lr)
         return loss_value
 
     def inner_lr(self) -> float:
-        """The run-wide schedule's lr at this step, re-warmed after joining a swarm with empty AdamW moments.
-
-        A joiner adopts the swarm's step (deep into the schedule) but starts with zero moments; Adam's first
-        bias-corrected updates are then ±lr on every coordinate, a shock to the model it just downloaded.
-        It ramps the lr up linearly again over `inner.warmup_steps` from where it joined.
-        """
-        inner = self.cfg.inner
-        lr = cosine_lr(self.c.step, inner.lr, inner.warmup_steps, self.cfg.run.total_steps, inner.min_lr_ratio)
-        if self._rewarm_from is not None and inner.warmup_steps > 0:
-            since = self.c.step - self._rewarm_from
-            if since < inner.warmup_steps:
-                return lr * (since + 1) / inner.warmup_steps
-            self._rewarm_from = None
-        return lr
+        """The lr of this inner step (see `InnerSchedule`)."""
+        return self.schedule.lr(self.c.step)
 
     def pace(self, compute_s: float) -> None:
         """Emulate a slower accelerator (emulate.slow_factor) or a fixed step time (emulate.min_step_s) by sleeping."""
@@ -210,26 +191,17 @@ class Learner:
 
     def start_round(self) -> None:
         self.c.steps_in_round = 0
-        self._round_started = time.monotonic()
-        T = self.cfg.swarm.round_seconds
-        if T > 0:  # end on the swarm-wide cadence: the next multiple of T in DHT time
-            self._round_deadline = (math.floor(get_dht_time() / T) + 1) * T
+        self.clock.start_round()
 
     def at_end(self) -> bool:
         """This peer's run is over: its step budget or time limit is reached, or it merged with a finishing peer."""
-        return self.c.step >= self.cfg.run.total_steps or self.out_of_time() or self.ended_with_swarm
-
-    def out_of_time(self) -> bool:
-        limit = self.cfg.run.time_limit_s
-        return limit > 0 and time.monotonic() - self.t_train >= limit
+        return self.c.step >= self.cfg.run.total_steps or self.clock.out_of_time() or self.ended_with_swarm
 
     def round_done(self) -> bool:
         """True when this round should be submitted; never while a merge is still in flight."""
         if self.in_flight is not None or self.c.steps_in_round == 0 or self.ended_with_swarm:
             return False
-        if self.cfg.swarm.round_seconds > 0:
-            return get_dht_time() >= self._round_deadline
-        return self.c.steps_in_round >= self.cfg.swarm.round_steps
+        return self.clock.round_over(self.c.steps_in_round)
 
     # ---- merge scheduling: submit, poll, wait; the outer step when a merge lands ----
 
@@ -241,14 +213,14 @@ class Learner:
         """
         local = self._local_params()
         contribution = Contribution(
-            pseudo_grad=pseudo_gradient(self.global_params, local),
+            pseudo_grad=pseudo_gradient(self.g.params, local),
             weight=float(self.c.tokens_in_round),
-            global_params=self.global_params,
-            momentum=self.momentum,
-            state_digest=self.global_digest(),
+            global_params=self.g.params,
+            momentum=self.g.momentum,
+            state_digest=self.g.digest(),
             state_weight=self.c.global_tokens,
             round=self.c.round,
-            round_s=time.monotonic() - self._round_started,
+            round_s=self.clock.round_s(),
             final=final,
         )
         self.in_flight = InFlight(self.merger.submit(contribution), local, contribution, time.monotonic(),
@@ -297,7 +269,7 @@ class Learner:
         if result.final and not result.alone and not flight.contribution.final:
             self.ended_with_swarm = True  # the steps taken since this contribution are not in any global model
             logger.info("[%s] merged with a peer that finished its run: ending at step %d", self.tag, self.c.step)
-        self.report.merge(result, flight.compute_s, self.global_digest(), self.scheduled_eval())
+        self.report.merge(result, flight.compute_s, self.g.digest(), self.scheduled_eval())
         if self.checkpoint_due():
             self.checkpoint()
 
@@ -310,19 +282,13 @@ class Learner:
                 θ ← θg + (θ − θ_at_submit); in sync mode there are none, so θ ← θg exactly. None
                 restarts from θg regardless.
         """
-        n = self.global_params.numel()
-        if result.global_state is not None:  # members disagreed: adopt the group's averaged global model
-            self.global_params = result.global_state[:n].clone()
-            self.momentum = result.global_state[n:].clone()
+        if result.global_state is not None:  # members disagreed: the group's averaged global model is adopted
             self.c.global_tokens = max(self.c.global_tokens, result.state_weight)
-        outer = self.cfg.outer
-        self.global_params, self.momentum = outer_step(
-            self.global_params, self.momentum, result.pseudo_grad, outer.lr, outer.momentum, outer.nesterov
-        )
+        self.g.merge(result)
         if local_at_submit is None:
-            load_flat_(self.model, self.global_params)
+            load_flat_(self.model, self.g.params)
         else:
-            load_flat_(self.model, rebase(self.global_params, self._local_params(), local_at_submit))
+            load_flat_(self.model, rebase(self.g.params, self._local_params(), local_at_submit))
         self.c.add_merge(result)
         self.shared = self.snapshot()
 
@@ -331,18 +297,15 @@ class Learner:
     def snapshot(self) -> GlobalState:
         """This peer's global state as of its last merge (tensors are replaced, never mutated, so the
         network thread may read the returned object while training goes on)."""
-        return GlobalState(self.global_params, self.momentum, self.c.round, self.c.step, self.c.global_tokens)
+        return GlobalState(self.g.params, self.g.momentum, self.c.round, self.c.step, self.c.global_tokens)
 
     def adopt_state(self, state: GlobalState) -> None:
         """Continue from the swarm's state (a joiner, or a resumed peer that finds the swarm ahead)."""
-        if state.global_params.numel() != self.global_params.numel():
-            raise ValueError("state does not fit this model")
-        self.global_params, self.momentum = state.global_params.clone(), state.momentum.clone()
-        load_flat_(self.model, self.global_params)
+        self.g.adopt(state.global_params, state.momentum)
+        load_flat_(self.model, self.g.params)
         self.c.round, self.c.step, self.c.global_tokens = state.round, state.step, state.global_tokens
         self.shared = self.snapshot()
-        if self._moments_fresh and state.step > 0:
-            self._rewarm_from = state.step
+        self.schedule.joined_at(state.step)
 
     def checkpoint_due(self) -> bool:
         """A checkpoint is due after this round's merge (every `run.checkpoint_every` rounds)."""
@@ -361,10 +324,7 @@ class Learner:
         self.adopt_state(state)
         self.c.tokens = tokens
         if load_optimizer_state(self.opt, list(self.model.parameters()), tensors):
-            self._moments_fresh, self._rewarm_from = False, None
-
-    def global_digest(self) -> str:
-        return state_digest(self.global_params, self.momentum)
+            self.schedule.moments_restored()
 
     def _local_params(self) -> torch.Tensor:
         return flat_params(self.model)
@@ -373,7 +333,7 @@ class Learner:
 
     def evaluate_global(self) -> float:
         """Validation loss of the global model θg (the local model may have moved on since the last merge)."""
-        return evaluate_flat(self.model, self.global_params, self.val_batches, self.device, self.cfg.run.precision)
+        return evaluate_flat(self.model, self.g.params, self.val_batches, self.device, self.cfg.run.precision)
 
     def scheduled_eval(self) -> float | None:
         """`evaluate_global` every `run.eval_every_rounds` rounds, else None."""
@@ -388,30 +348,14 @@ class Learner:
 
     def summary(self) -> dict:
         """This peer's run in one dict (see `Reporter.summary`)."""
-        return self.report.summary(self.train_s, self.global_digest(), self.ended_with_swarm)
-
-    def record(self) -> dict:
-        """What this peer tells the swarm in its heartbeat (see `Reporter.record`)."""
-        return self.report.record()
-
-    def bandwidth(self) -> dict:
-        """Traffic by kind and the ratio against data-parallel (see `Reporter.bandwidth`)."""
-        return self.report.bandwidth()
+        return self.report.summary(self.train_s, self.g.digest(), self.ended_with_swarm)
 
     @property
-    def traffic(self) -> Traffic | None:
-        """This peer's byte counters by kind (merges, state transfers, DHT), when it has a real network."""
-        return self.report.traffic
-
-    @traffic.setter
-    def traffic(self, traffic: Traffic | None) -> None:
-        self.report.traffic = traffic
+    def global_params(self) -> torch.Tensor:
+        """Flat fp32 θg as of the last merge (read-only: `g` steps it)."""
+        return self.g.params
 
     @property
-    def data_parallel(self) -> int:
-        """Processes whose batches each inner step averages (tokens per step = batch tokens × this)."""
-        return self.report.data_parallel
-
-    @data_parallel.setter
-    def data_parallel(self, n: int) -> None:
-        self.report.data_parallel = n
+    def momentum(self) -> torch.Tensor:
+        """Flat fp32 outer momentum as of the last merge."""
+        return self.g.momentum

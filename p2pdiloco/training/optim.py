@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
+from p2pdiloco.algorithm.outer import cosine_lr
 from p2pdiloco.config import ConfigError, InnerOptConfig
 
 logger = logging.getLogger(__name__)
@@ -62,3 +63,43 @@ def supports_8bit(device: torch.device) -> bool:
             logger.debug("bitsandbytes AdamW8bit on %s: %r", device.type, e)
             _SUPPORT[device.type] = False
     return _SUPPORT[device.type]
+
+
+class InnerSchedule:
+    """The inner optimizer's lr: warmup + cosine over the whole run, re-warmed after joining with empty moments.
+
+    A joiner adopts the swarm's step (deep into the schedule) but starts with zero AdamW moments; Adam's first
+    bias-corrected updates are then ±lr on every coordinate, a shock to the model it just downloaded. So
+    after such a join the lr ramps up linearly again over `warmup_steps` from where it joined.
+
+    Args:
+        cfg: the inner optimizer's settings (peak lr, warmup, floor).
+        total_steps: the run's length in inner steps.
+    """
+
+    def __init__(self, cfg: InnerOptConfig, total_steps: int):
+        self.cfg, self.total_steps = cfg, total_steps
+        self.moments_fresh = True
+        """The optimizer has no moments from earlier training (a new process, not a checkpoint)."""
+        self.rewarm_from: int | None = None
+        """The step at which this peer adopted the swarm's state with fresh moments."""
+
+    def lr(self, step: int) -> float:
+        """The lr of inner step `step`."""
+        c = self.cfg
+        lr = cosine_lr(step, c.lr, c.warmup_steps, self.total_steps, c.min_lr_ratio)
+        if self.rewarm_from is not None and c.warmup_steps > 0:
+            since = step - self.rewarm_from
+            if since < c.warmup_steps:
+                return lr * (since + 1) / c.warmup_steps
+            self.rewarm_from = None
+        return lr
+
+    def joined_at(self, step: int) -> None:
+        """This peer continues from the swarm's state at `step`: re-warm if its moments are fresh."""
+        if self.moments_fresh and step > 0:
+            self.rewarm_from = step
+
+    def moments_restored(self) -> None:
+        """The optimizer's moments came from a checkpoint: no re-warm is needed."""
+        self.moments_fresh, self.rewarm_from = False, None

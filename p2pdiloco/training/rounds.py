@@ -1,0 +1,53 @@
+"""When a round ends and when a run runs out of time: the learner's clock.
+
+A round is `swarm.round_steps` inner steps, or, with `swarm.round_seconds = T`, lasts until the next
+multiple of T in DHT time, so that peers of different speeds reach their merges together (each with as
+many steps as it managed: Async Local-SGD's dynamic local updates, arXiv 2401.09135).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from hivemind.utils.timed_storage import get_dht_time
+
+from p2pdiloco.config import SwarmConfig
+
+
+class RoundClock:
+    """Round boundaries and the run's time limit.
+
+    Args:
+        swarm: round length (`round_steps`, or `round_seconds` when > 0).
+        time_limit_s: seconds of training after which the run ends (0: none).
+    """
+
+    def __init__(self, swarm: SwarmConfig, time_limit_s: float):
+        self.swarm, self.time_limit_s = swarm, time_limit_s
+        self.t_train = time.monotonic()
+        self.round_started = time.monotonic()
+        self._deadline = 0.0
+
+    def start_training(self) -> None:
+        """The time limit counts from now."""
+        self.t_train = time.monotonic()
+
+    def start_round(self) -> None:
+        self.round_started = time.monotonic()
+        T = self.swarm.round_seconds
+        if T > 0:  # end on the swarm-wide cadence: the next multiple of T in DHT time
+            self._deadline = (math.floor(get_dht_time() / T) + 1) * T
+
+    def round_over(self, steps_in_round: int) -> bool:
+        """The round that has taken `steps_in_round` inner steps so far has reached its end."""
+        if self.swarm.round_seconds > 0:
+            return get_dht_time() >= self._deadline
+        return steps_in_round >= self.swarm.round_steps
+
+    def round_s(self) -> float:
+        """Wall time since this round started."""
+        return time.monotonic() - self.round_started
+
+    def out_of_time(self) -> bool:
+        return self.time_limit_s > 0 and time.monotonic() - self.t_train >= self.time_limit_s
