@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--codecs", metavar="C,C,...", help="bandwidth: codecs to try (default all)")
     be.add_argument("--peers", type=int, help="parity: workers (default 4); slowlink: peers (default 2)")
     be.add_argument("--rate-mbit", type=float, default=10.0, help="slowlink: link rate each way (default 10)")
-    be.add_argument("--minutes", type=float, default=5.0, help="churn: length of each of its 3 runs")
+    be.add_argument("--minutes", type=float, default=5.0, help="churn: length of each of its 4 runs (3 swarms and the data-parallel baseline)")
     be.add_argument("--kill-every", type=float, default=60.0, help="churn: seconds between kills")
     be.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     be.set_defaults(func=cmd_bench)

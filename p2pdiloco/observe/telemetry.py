@@ -63,7 +63,7 @@ class SnapshotCollector:
     sample, as Prometheus recommends; the scrape target's own labels tell peers apart.
 
     Args:
-        snapshot: returns the heartbeat record (`Learner.record()` plus the static fields), with `peer_id`,
+        snapshot: returns the heartbeat record (`learner.report.record()` plus the static fields), with `peer_id`,
             `run_id`, `merge_failures`, `compute_s` and `merge_wait_s` added. Missing values are written as
             NaN.
     """

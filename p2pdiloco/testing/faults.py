@@ -21,7 +21,7 @@ class Faults(dict[tuple[str, int], str]):
     """{(stage, round): action}.
 
     Stages: 'exchange' (the merger, before this peer sends its slices), 'serve_part' (the merger, inside the
-    reducer, on the first slice received from another member), 'checkpoint' (the learner reads
+    reducer, on each part received from another member: a kill or stall acts on the first), 'checkpoint' (the learner reads
     `faults.get(("checkpoint", round))` itself and dies mid-write). Actions: 'stall' freezes this peer's side
     of the merge (as SIGSTOP would) until the merge is abandoned; 'kill' SIGKILLs this process on the spot.
     """
