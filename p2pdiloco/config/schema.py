@@ -9,9 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from pydantic import (
-    Field,
-)
+from pydantic import Field, model_validator
 
 from p2pdiloco.algorithm.names import AGGREGATORS, CODECS
 from p2pdiloco.config.base import ConfigError, _Model, _Section
@@ -47,14 +45,14 @@ class ModelConfig(_Section):
     init_seed: int = 1234
     """Seed of the initial weights; the same on every peer so that all start from one global model."""
     vocab_size: int = 256
-    """Byte-level tokens: always 256."""
+    """Token ids are in [0, vocab_size): 256 for byte tokens, the tokenizer's vocabulary size otherwise."""
 
     def checks(self) -> Iterator[tuple[bool, str]]:
         yield self.n_layer >= 1, "model.n_layer must be >= 1"
         yield self.n_head >= 1 and self.d_model >= 1, "model.n_head and model.d_model must be >= 1"
         yield self.d_model % self.n_head == 0, "model.d_model must be divisible by model.n_head"
         yield self.seq_len >= 2, "model.seq_len must be >= 2"
-        yield self.vocab_size == 256, "model.vocab_size must be 256 (byte tokens)"
+        yield self.vocab_size >= 2, "model.vocab_size must be >= 2"
 
 
 def _int_list(text: str, sep: str) -> list[int] | None:
@@ -80,6 +78,8 @@ class DataConfig(_Section):
     """'i/n' reads the i-th of n disjoint parts of the training text; empty: a seed-shuffled order of all."""
     batch_size: int = 16
     """Sequences per inner step."""
+    tokenizer: str = "bytes"
+    """'bytes' (every byte a token, vocabulary 256) or a path to a tokenizer.json (`p2pdiloco tokenizer train`)."""
 
     def checks(self) -> Iterator[tuple[bool, str]]:
         yield 0 < self.val_fraction < 1, "data.val_fraction must be in (0, 1)"
@@ -330,6 +330,12 @@ class Config(_Model):
     """This peer's run: length, device, output."""
     emulate: EmulateConfig = Field(default_factory=EmulateConfig)
     """Benchmark and test knobs: emulated slowness, step time, a hostile peer."""
+
+    @model_validator(mode="after")
+    def _check_across_sections(self) -> Config:
+        if self.data.tokenizer in ("", "bytes") and self.model.vocab_size != 256:
+            raise ConfigError(f"model.vocab_size must be 256 with data.tokenizer = 'bytes', got {self.model.vocab_size}")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         """Every section's values, as plain dicts (what summaries and checkpoints record)."""
