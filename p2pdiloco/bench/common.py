@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from rich.console import Console
 
 from p2pdiloco.app.peer import write_json_atomic
 
@@ -39,6 +41,15 @@ def write_results(out: Path, name: str, results: dict) -> Path:
     path = out / f"{name}.json"
     write_json_atomic(path, results)
     return path
+
+
+def report(out: Path, name: str, results: dict, print_results: Callable[[dict, Console], None],
+           console: Console) -> dict:
+    """Write a bench's results (`write_results`), print them with `print_results`, say where they went."""
+    path = write_results(out, name, results)
+    print_results(results, console)
+    console.print(f"wrote {path}")
+    return results
 
 
 def machine() -> str:

@@ -27,7 +27,7 @@ from rich.console import Console
 
 from p2pdiloco.app.local import run_local
 from p2pdiloco.bench.baselines.data_parallel import run_data_parallel
-from p2pdiloco.bench.common import BENCH_EVAL, BENCH_MODEL, machine, write_results
+from p2pdiloco.bench.common import BENCH_EVAL, BENCH_MODEL, machine, report
 from p2pdiloco.config import load_config, parse_set
 
 # The straggler benchmark's small model (~110k parameters), so that N workers fit on 2 cores.
@@ -97,10 +97,7 @@ def bench_parity(out: Path, steps: int = 3000, h: int = 50, peers: int = 4, step
     base = runs["data_parallel"]["eval_loss"]
     for mode in modes:
         results[f"{mode}_ratio"] = runs[mode]["eval_loss"] / base
-    path = write_results(out, "parity", results)
-    _print(results, console)
-    console.print(f"wrote {path}")
-    return results
+    return report(out, "parity", results, _print, console)
 
 
 def _print(results: dict, console: Console) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from rich.console import Console
 
 from p2pdiloco.app.local import PeerProc, peer_command, stop_peers, summarize
-from p2pdiloco.bench.common import BENCH_DATA, machine, write_results
+from p2pdiloco.bench.common import BENCH_DATA, machine, report
 from p2pdiloco.config import Config, ConfigError, load_config, parse_set
 from p2pdiloco.training.model import build_model, count_params
 
@@ -270,10 +270,7 @@ def bench_slowlink(out: Path, peers: int = 2, steps: int = 250, h: int = 25, ste
             }
     r = results["runs"]
     results["decoupled_vs_sync"] = r["decoupled"]["utilization"] / r["sync"]["utilization"]
-    path = write_results(out, "slowlink", results)
-    _print(results, console)
-    console.print(f"wrote {path}")
-    return results
+    return report(out, "slowlink", results, _print, console)
 
 
 def _print(results: dict, console: Console) -> None:
