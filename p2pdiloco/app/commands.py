@@ -295,7 +295,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     docs = [(key, text) for key, text in docs if not is_val_file(key, data.val_fraction)]
     size = sum(len(text.encode("utf-8")) for _, text in docs)
     print(f"read {len(docs)} training documents, {size / 1e6:.1f} MB, in {time.monotonic() - t0:.1f} s", flush=True)
-    train_bpe((text for _, text in docs), args.vocab_size, out, min_frequency=args.min_frequency,
-              progress=lambda line: print(line, flush=True))
-    print(f"use it with: --set data.tokenizer={out} --set model.vocab_size=<the token count above>", flush=True)
+    tok = train_bpe((text for _, text in docs), args.vocab_size, out, min_frequency=args.min_frequency,
+                    progress=lambda line: print(line, flush=True))
+    print(f"use it with: --set data.tokenizer={out} --set model.vocab_size={tok.vocab_size}", flush=True)
     return 0
