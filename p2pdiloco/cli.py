@@ -16,9 +16,10 @@ from p2pdiloco.app.commands import (
     cmd_peer,
     cmd_plot,
     cmd_status,
+    cmd_tokenizer_train,
 )
 from p2pdiloco.bench.cli import cmd_bench
-from p2pdiloco.config import ConfigError, SwarmConfig
+from p2pdiloco.config import ConfigError, DataConfig, SwarmConfig
 
 EPILOG = "Docs: README.md, docs/architecture.md, docs/operations.md."
 
@@ -165,6 +166,33 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     pl.set_defaults(func=cmd_plot)
 
+    tk = sub.add_parser("tokenizer", help="make a tokenizer for a swarm's data", epilog=EPILOG,
+                        description="Tokenizers for data.tokenizer. train: learn a byte-level BPE from local text.")
+    tk_sub = tk.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
+    tt = tk_sub.add_parser("train", help="train a byte-level BPE tokenizer from local text", epilog=EPILOG,
+                           description="Train a byte-level BPE (GPT-2's scheme: every byte is a token, merges on top, "
+                           "one special token <|endoftext|> at id 0) from text files, folders or a local dataset, "
+                           "offline and deterministically: the same text gives a byte-identical tokenizer.json, so "
+                           "peers can each make it. Validation documents are left out. Use the result with --set "
+                           "data.tokenizer=FILE --set model.vocab_size=N.")
+    default_bytes = DataConfig.model_fields["max_bytes"].default
+    tt.add_argument("--data", nargs="+", metavar="PATH",
+                    help="text files or folders, found as training finds them (default: Python's stdlib sources)")
+    tt.add_argument("--dataset", nargs="+", metavar="PATH",
+                    help="jsonl/parquet/arrow files or folders instead of --data (as data.dataset; needs p2pdiloco[hf])")
+    tt.add_argument("--text-field", default="text", metavar="NAME", help="--dataset: the field with the text (default text)")
+    tt.add_argument("--vocab-size", type=int, default=4096, metavar="N",
+                    help="tokens in the vocabulary, at least 257 (default 4096)")
+    tt.add_argument("--out", default="tokenizer.json", metavar="FILE", help="where to write it (default ./tokenizer.json)")
+    tt.add_argument("--max-bytes", type=int, default=default_bytes, metavar="N",
+                    help=f"read at most this many bytes of text, as data.max_bytes (default {default_bytes})")
+    tt.add_argument("--val-fraction", type=float, default=DataConfig.model_fields["val_fraction"].default,
+                    metavar="F", help="leave out the documents a run with this data.val_fraction validates on")
+    tt.add_argument("--min-frequency", type=int, default=2, metavar="N",
+                    help="fewest occurrences of a pair for it to become a merge (default 2)")
+    tt.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    tt.set_defaults(func=cmd_tokenizer_train)
+
     be = sub.add_parser("bench", help="measure a figure beside its baseline", epilog=EPILOG,
                         description="straggler: fast peers' inner steps/s with one 4x slower peer ÷ without it, "
                         "decoupled vs --sync, and eval loss at equal wall time (about 7 minutes). overhead: a "
@@ -176,8 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "2 peers). parity: eval loss at equal tokens, decoupled and --sync DiLoCo ÷ data-parallel "
                         "(gloo). slowlink (root): compute utilization of peers in network namespaces over "
                         "tbf-limited links, decoupled vs --sync. byzantine: honest peers' eval loss with one hostile "
-                        "peer in 5 ÷ a clean run, per hostile kind, guards on and off (10 short runs).")
-    be.add_argument("which", choices=["straggler", "overhead", "churn", "bandwidth", "parity", "slowlink", "byzantine"],
+                        "peer in 5 ÷ a clean run, per hostile kind, guards on and off (10 short runs). loader: the data "
+                        "loader's tokens/s (cold tokenization, cached load, next_batch) beside the trainer's inner "
+                        "steps on CPU, as a ratio (target >= 10x; under a minute; --set picks tokenizer, data, model).")
+    be.add_argument("which", choices=["straggler", "overhead", "churn", "bandwidth", "parity", "slowlink", "byzantine",
+                                      "loader"],
                     help="which benchmark")
     be.add_argument("--out", metavar="DIR", help="output folder (default runs/bench-<which>)")
     be.add_argument("--seconds", type=float, default=60.0, help="straggler: wall time of each of its 4 runs")
@@ -191,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--rate-mbit", type=float, default=10.0, help="slowlink: link rate each way (default 10)")
     be.add_argument("--minutes", type=float, default=5.0, help="churn: length of each of its 4 runs (3 swarms and the data-parallel baseline)")
     be.add_argument("--kill-every", type=float, default=60.0, help="churn: seconds between kills")
+    be.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="loader: override one config value, e.g. --set data.tokenizer=tokenizer.json (repeatable)")
     be.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     be.set_defaults(func=cmd_bench)
     return parser

@@ -15,7 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
-from p2pdiloco.config import HOSTILE_KINDS, Config, ConfigError, load_config, parse_set
+from p2pdiloco.config import HOSTILE_KINDS, Config, ConfigError, DataConfig, load_config, parse_set
 
 logger = logging.getLogger("p2pdiloco")
 
@@ -100,7 +100,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         except Exception as e:  # a plot must not lose the run's results
             logger.warning("plotting failed: %r", e)
     print(json.dumps({k: summary[k] for k in ("inner_steps", "rounds", "merges", "eval_loss_initial",
-                                               "eval_loss_final")}), flush=True)
+                                               "eval_loss_final", "eval_loss_per_byte_final")}), flush=True)
     return 0
 
 
@@ -165,6 +165,20 @@ def stop_on_signals() -> None:
         signal.signal(sig, on_signal)
 
 
+def warm_token_cache(cfg: Config) -> None:
+    """Tokenize the run's data once, here, before `local` starts its peers: else each of them would tokenize the
+    same text at the same time on the same cores. A bad tokenizer or vocabulary size fails here, once."""
+    if cfg.data.tokenizer in ("", "bytes") and not cfg.data.dataset:
+        return  # byte-level text files: nothing to tokenize, nothing cached
+    from p2pdiloco.training.corpus import load_corpus
+    from p2pdiloco.training.tokenizer import check_vocab, load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    check_vocab(tokenizer, cfg.model.vocab_size, cfg.data.tokenizer)
+    if cfg.data.cache_dir:
+        load_corpus(cfg.data, tokenizer, min_tokens=2 * (cfg.model.seq_len + 1))
+
+
 def cmd_local(args: argparse.Namespace) -> int:
     from p2pdiloco.app.local import Chaos, run_local
 
@@ -181,6 +195,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         sets.append("swarm.sync=true")
     if args.swarm_key:
         sets.append(f"swarm.swarm_key={cfg.swarm.swarm_key}")
+    warm_token_cache(cfg)
     slow = parse_slow(args.slow or [], args.peers)
     peer_sets = {i: [f"emulate.hostile={kind}"] for i, kind in parse_hostile(args.hostile or [], args.peers).items()}
     run_dir = Path(cfg.run.run_dir)
@@ -196,7 +211,11 @@ def cmd_local(args: argparse.Namespace) -> int:
     ok = summary["peers_finished"] == args.peers
     print(f"summary: {run_dir / 'summary.json'}")
     if summary["eval_loss_final"] is not None:
-        print(f"eval loss {summary['eval_loss_initial']:.4f} -> {summary['eval_loss_final']:.4f} "
+        per_byte = ""
+        if summary.get("eval_loss_per_byte_final") is not None and cfg.data.tokenizer not in ("", "bytes"):
+            per_byte = (f", per byte {summary['eval_loss_per_byte_initial']:.4f} -> "
+                        f"{summary['eval_loss_per_byte_final']:.4f}")
+        print(f"eval loss {summary['eval_loss_initial']:.4f} -> {summary['eval_loss_final']:.4f}{per_byte} "
               f"({summary['peers_finished']}/{args.peers} peers finished)")
     return 0 if ok else 1
 
@@ -253,4 +272,30 @@ def cmd_plot(args: argparse.Namespace) -> int:
         return 1
     for path in written:
         print(path)
+    return 0
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    import time
+
+    from p2pdiloco.training.corpus import documents
+    from p2pdiloco.training.data import is_val_file
+    from p2pdiloco.training.tokenizer import check_bpe_args, train_bpe
+
+    out = check_bpe_args(args.vocab_size, Path(args.out))  # before reading megabytes of text, not after
+    if args.data and args.dataset:
+        raise ConfigError("give --data or --dataset, not both")
+    data = DataConfig(paths=args.data or [], dataset=",".join(args.dataset or []), text_field=args.text_field,
+                      max_bytes=args.max_bytes, val_fraction=args.val_fraction)
+    t0 = time.monotonic()
+    print(f"reading text (at most {args.max_bytes / 1e6:.0f} MB) from "
+          f"{data.dataset or ', '.join(data.paths) or 'the Python standard library'}", flush=True)
+    docs, _ = documents(data)
+    # the validation documents stay out, so that a run's eval loss is on text the tokenizer has not seen either
+    docs = [(key, text) for key, text in docs if not is_val_file(key, data.val_fraction)]
+    size = sum(len(text.encode("utf-8")) for _, text in docs)
+    print(f"read {len(docs)} training documents, {size / 1e6:.1f} MB, in {time.monotonic() - t0:.1f} s", flush=True)
+    tok = train_bpe((text for _, text in docs), args.vocab_size, out, min_frequency=args.min_frequency,
+                    progress=lambda line: print(line, flush=True))
+    print(f"use it with: --set data.tokenizer={out} --set model.vocab_size={tok.vocab_size}", flush=True)
     return 0

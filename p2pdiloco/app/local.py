@@ -235,14 +235,18 @@ def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float,
         path = d / "peer_summary.json"
         if path.exists():
             peers.append(json.loads(path.read_text()))
-    initial = [p["eval_loss_initial"] for p in peers]
-    final = [p["eval_loss_final"] for p in peers]
+    def mean(key: str) -> float | None:  # over the peers that report it (older summaries lack the per-byte ones)
+        values = [p[key] for p in peers if p.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
     summary = {
         "n_peers": len(peer_dirs),
         "peers_finished": len(peers),
         "wall_s": wall_s,
-        "eval_loss_initial": sum(initial) / len(initial) if initial else None,
-        "eval_loss_final": sum(final) / len(final) if final else None,
+        "eval_loss_initial": mean("eval_loss_initial"),
+        "eval_loss_final": mean("eval_loss_final"),
+        "eval_loss_per_byte_initial": mean("eval_loss_per_byte_initial"),
+        "eval_loss_per_byte_final": mean("eval_loss_per_byte_final"),
         "global_models_identical": len({p["global_digest"] for p in peers}) == 1 if peers else None,
         "consensus_distance": consensus_distance(peer_dirs),
         **swarm_bandwidth(peers),

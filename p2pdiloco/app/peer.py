@@ -38,7 +38,8 @@ from p2pdiloco.observe.telemetry import MetricsServer
 from p2pdiloco.testing.hooks import peer_hooks  # the one door to test doubles and fault injection
 from p2pdiloco.training.accel import pick_device
 from p2pdiloco.training.checkpoint import load_latest
-from p2pdiloco.training.data import BatchSampler, eval_batches, load_text
+from p2pdiloco.training.corpus import load_corpus
+from p2pdiloco.training.data import BatchSampler, eval_batches
 from p2pdiloco.training.distributed import (
     UnitSync,
     close_unit,
@@ -51,6 +52,7 @@ from p2pdiloco.training.flat import load_flat_
 from p2pdiloco.training.learner import Learner
 from p2pdiloco.training.model import build_model, count_params
 from p2pdiloco.training.reporting import MetricsLog
+from p2pdiloco.training.tokenizer import check_vocab, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +274,11 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
             return None
         finally:
             close_unit(unit)
-    data = load_text(cfg.data, min_bytes=2 * (cfg.model.seq_len + 1))
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    check_vocab(tokenizer, cfg.model.vocab_size, cfg.data.tokenizer)  # before a long tokenization, not after
+    data = load_corpus(cfg.data, tokenizer, min_tokens=2 * (cfg.model.seq_len + 1))
+    # the DHT process forked below never tokenizes: say so, or HF tokenizers warns about the fork on stderr
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sampler = BatchSampler(data.train, cfg.model.seq_len, cfg.data.batch_size, cfg.run.seed,
                            rank_shard(cfg.data.shard, unit.rank, unit.world_size))
     val = eval_batches(data.val, cfg.model.seq_len, cfg.data.batch_size, cfg.run.eval_batches)
@@ -295,7 +301,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         for m in maddrs:
             announce(f"  {m}")
         announce("others can join with: p2pdiloco peer --initial-peers " + join_address(maddrs))
-        fingerprint = cfg.fingerprint()
+        fingerprint = cfg.fingerprint(tokenizer=tokenizer.digest)
         check_fingerprint(fingerprint, live_records(loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30)))
 
         auth = swarm_auth(cfg.swarm)
@@ -311,6 +317,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
                           t_process_start=t_process_start)
         learner.log_start(startup.laps)  # before any state download: a restart's start-up is its own, in the metrics
         learner.report.traffic = Traffic(merge=merger.counter)
+        learner.report.tokens_per_byte = data.tokens_per_byte
         if unit.world_size > 1:
             UnitSync(unit, device).attach(learner)
         state_sync = StateSync(dht, cfg.swarm.run_id, n_params, lambda: learner.shared, learner.report.traffic.state,

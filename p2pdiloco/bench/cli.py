@@ -56,6 +56,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         bench_slowlink(out, steps=args.steps or 250, h=_one_round_length(args.h) or 25, peers=args.peers or 2,
                        rate_mbit=args.rate_mbit)
+    elif args.which == "loader":
+        from p2pdiloco.bench.loader import bench_loader
+
+        bench_loader(out, sets=args.sets)
     elif args.which == "byzantine":
         from p2pdiloco.bench.byzantine import bench_byzantine
 

@@ -80,11 +80,19 @@ class DataConfig(_Section):
     """Sequences per inner step."""
     tokenizer: str = "bytes"
     """'bytes' (every byte a token, vocabulary 256) or a path to a tokenizer.json (`p2pdiloco tokenizer train`)."""
+    dataset: str = ""
+    """Local jsonl/parquet/arrow files or folders (comma-separated), or 'hub:NAME[:SPLIT]' (needs internet), read
+    with Hugging Face `datasets` (pip install p2pdiloco[hf]); replaces `paths`. Empty: read `paths`."""
+    text_field: str = "text"
+    """The field of a dataset's rows that holds the text."""
+    cache_dir: str = "~/.cache/p2pdiloco/tokens"
+    """Where tokenized text is cached, keyed by the source files, the tokenizer and these settings; empty: no cache."""
 
     def checks(self) -> Iterator[tuple[bool, str]]:
         yield 0 < self.val_fraction < 1, "data.val_fraction must be in (0, 1)"
         yield self.batch_size >= 1, "data.batch_size must be >= 1"
         yield self.max_bytes >= 1, "data.max_bytes must be >= 1"
+        yield bool(self.text_field), "data.text_field must not be empty"
         if self.shard:
             parts = _int_list(self.shard, "/")
             if parts is None or len(parts) != 2:
@@ -341,13 +349,18 @@ class Config(_Model):
         """Every section's values, as plain dicts (what summaries and checkpoints record)."""
         return self.model_dump()
 
-    def fingerprint(self) -> dict[str, Any]:
+    def fingerprint(self, tokenizer: str = "bytes") -> dict[str, Any]:
         """What must be equal on every peer of a swarm for their contributions to mean the same thing: the model,
         the tokenizer, how payloads are encoded, the outer optimizer, the round cadence and merge mode, and the
-        rules that screen and combine contributions (every slice owner must apply the same ones)."""
+        rules that screen and combine contributions (every slice owner must apply the same ones).
+
+        Args:
+            tokenizer: the loaded tokenizer's digest (`Tokenizer.digest`): "bytes", or a hash of its file, which
+                only the peer that loaded it knows (two machines may keep one tokenizer.json at different paths).
+        """
         s = self.swarm
         return {
-            "model": self.model.model_dump(), "tokenizer": "bytes",
+            "model": self.model.model_dump(), "tokenizer": tokenizer,
             "codec": {"codec": s.codec, "error_feedback": s.error_feedback},
             "outer": self.outer.model_dump(),
             "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync},

@@ -33,18 +33,25 @@ _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests"
 
 @dataclass
 class TextData:
-    """The training and validation text, as byte tokens."""
+    """The training and validation text, as tokens (bytes here; tokenizer ids from corpus.py)."""
 
     train: torch.Tensor
-    """Training bytes, uint8 of shape (n,)."""
+    """Training tokens, 1-D: uint8 bytes, or uint16/int32 ids of a tokenizer."""
     val: torch.Tensor
-    """Validation bytes, uint8 of shape (m,)."""
+    """Validation tokens, 1-D, of the same dtype."""
     n_files: int
-    """Files read (the last one possibly cut short by the byte budget)."""
+    """Files (or documents of a dataset) read, the last one possibly cut short by the byte budget."""
     n_bytes: int
-    """Bytes in train and val together."""
+    """Bytes of text in train and val together."""
     source: str
     """Human-readable description of where the text came from."""
+    val_bytes: int = -1
+    """Bytes of text the validation tokens encode (-1: one byte a token, as here)."""
+
+    @property
+    def tokens_per_byte(self) -> float:
+        """Validation tokens per byte of validation text: eval loss per token times this is loss per byte."""
+        return self.val.numel() / self.val_bytes if self.val_bytes > 0 else 1.0
 
 
 @dataclass(frozen=True)
@@ -177,13 +184,52 @@ def _to_tensor(parts: list[bytes]) -> torch.Tensor:
     return torch.frombuffer(bytearray().join(parts), dtype=torch.uint8)
 
 
+def list_candidates(paths: list[str]) -> tuple[list[_Candidate], str]:
+    """The files `paths` names (empty: the stdlib sources), in the order they are read, and a description.
+
+    Raises:
+        ConfigError: A path does not exist or cannot be listed.
+    """
+    if paths:
+        return _user_candidates(paths), ", ".join(paths)
+    root = stdlib_source_dir()
+    return _stdlib_candidates(root), f"Python {platform.python_version()} standard library at {root}"
+
+
+def read_texts(paths: list[str], max_bytes: int) -> tuple[list[tuple[str, bytes]], str]:
+    """The UTF-8 text files `paths` names, read in sorted relative-path order until `max_bytes` are collected.
+
+    The one file discovery behind training data and tokenizer training (`p2pdiloco tokenizer train --data`),
+    so that both mean the same thing by the same paths.
+
+    Args:
+        paths: Files or folders; empty for the running Python's standard library sources.
+        max_bytes: Byte budget; the last file read may be cut short (at a byte, possibly mid-character).
+
+    Returns:
+        ``[(relative path, bytes)]`` and a description of the source; ConfigError if none is text.
+    """
+    candidates, source = list_candidates(paths)
+    texts: list[tuple[str, bytes]] = []
+    total = 0
+    for cand in candidates:
+        if total >= max_bytes:
+            break
+        data = _read_text(cand, max_bytes - total)
+        if data:
+            texts.append((cand.rel_path, data))
+            total += len(data)
+    if not texts:
+        raise ConfigError(f"no text files found in {source}")
+    return texts, source
+
+
 def load_text(cfg: DataConfig, min_bytes: int = 2) -> TextData:
     """Read the run's text and split it into training and validation bytes.
 
-    Files are read in sorted relative-path order until ``cfg.max_bytes`` bytes are collected. A file
-    goes to validation when `is_val_file` says so; if that leaves either side shorter than
-    ``min_bytes // 2`` (e.g. a single file), the last ``cfg.val_fraction`` of all bytes is held out
-    instead.
+    Files are read by `read_texts` until ``cfg.max_bytes`` bytes are collected. A file goes to validation
+    when `is_val_file` says so; if that leaves either side shorter than ``min_bytes // 2`` (e.g. a single
+    file), the last ``cfg.val_fraction`` of all bytes is held out instead.
 
     Args:
         cfg: Paths (files or folders; empty for the stdlib sources), byte budget, validation share.
@@ -194,28 +240,10 @@ def load_text(cfg: DataConfig, min_bytes: int = 2) -> TextData:
         The two splits as uint8 tensors, with counts and a description of the source.
 
     Raises:
-        ConfigError: A path does not exist or cannot be read, no text files were found, or there is
-            less than ``min_bytes`` bytes of text.
+        ConfigError: As `read_texts`, or there are fewer than ``min_bytes`` bytes of text.
     """
-    if cfg.paths:
-        candidates = _user_candidates(cfg.paths)
-        source = ", ".join(cfg.paths)
-    else:
-        root = stdlib_source_dir()
-        candidates = _stdlib_candidates(root)
-        source = f"Python {platform.python_version()} standard library at {root}"
-
-    texts: list[tuple[str, bytes]] = []
-    total = 0
-    for cand in candidates:
-        if total >= cfg.max_bytes:
-            break
-        data = _read_text(cand, cfg.max_bytes - total)
-        if data:
-            texts.append((cand.rel_path, data))
-            total += len(data)
-    if not texts:
-        raise ConfigError(f"no text files found in {source}")
+    texts, source = read_texts(cfg.paths, cfg.max_bytes)
+    total = sum(len(data) for _, data in texts)
     min_bytes = max(min_bytes, 2)
     if total < min_bytes:
         raise ConfigError(f"only {total} bytes of text in {source}; need at least {min_bytes}")
@@ -231,20 +259,10 @@ def load_text(cfg: DataConfig, min_bytes: int = 2) -> TextData:
         LOG.info("split by file left a side short of %d bytes; holding out the last %d bytes", need, held)
         train_parts, val_parts = [everything[: total - held]], [everything[total - held :]]
 
-    data = TextData(
-        train=_to_tensor(train_parts),
-        val=_to_tensor(val_parts),
-        n_files=len(texts),
-        n_bytes=total,
-        source=source,
-    )
-    LOG.info(
-        "text: %d files, %d train + %d val bytes from %s",
-        data.n_files,
-        data.train.numel(),
-        data.val.numel(),
-        source,
-    )
+    data = TextData(train=_to_tensor(train_parts), val=_to_tensor(val_parts), n_files=len(texts), n_bytes=total,
+                    source=source)
+    LOG.info("text: %d files, %d train + %d val bytes from %s", data.n_files, data.train.numel(), data.val.numel(),
+             source)
     return data
 
 

@@ -199,13 +199,15 @@ class _NoMerger:
 def run_follower(cfg: Config, ctx: UnitContext, device: torch.device) -> None:
     """A rank > 0: the same data (its own slice), model and optimizer as rank 0, stepping when rank 0 says."""
     from p2pdiloco.training.checkpoint import load_latest
-    from p2pdiloco.training.data import BatchSampler, load_text
+    from p2pdiloco.training.corpus import load_corpus
+    from p2pdiloco.training.data import BatchSampler
     from p2pdiloco.training.learner import Learner
     from p2pdiloco.training.model import build_model
     from p2pdiloco.training.reporting import MetricsLog
+    from p2pdiloco.training.tokenizer import load_tokenizer
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the unit stops; we follow it
-    data = load_text(cfg.data, min_bytes=2 * (cfg.model.seq_len + 1))
+    data = load_corpus(cfg.data, load_tokenizer(cfg.data.tokenizer), min_tokens=2 * (cfg.model.seq_len + 1))
     sampler = BatchSampler(data.train, cfg.model.seq_len, cfg.data.batch_size, cfg.run.seed,
                            rank_shard(cfg.data.shard, ctx.rank, ctx.world_size))
     run_dir = Path(cfg.run.run_dir) / "ranks" / f"rank{ctx.rank}"

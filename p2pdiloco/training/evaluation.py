@@ -12,7 +12,8 @@ from p2pdiloco.training.flat import flat_params, load_flat_
 @torch.no_grad()
 def evaluate_model(model: torch.nn.Module, val_batches: list[tuple[torch.Tensor, torch.Tensor]],
                    device: torch.device, precision: str = "auto") -> float:
-    """Mean validation loss (nats per byte) of `model` over `val_batches`; NaN if there are none.
+    """Mean validation loss (nats per token: per byte with byte tokens; see `Reporter.per_byte`) of `model` over
+    `val_batches`; NaN if there are none.
 
     Args:
         model: the model, on `device`.

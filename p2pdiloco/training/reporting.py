@@ -122,6 +122,9 @@ class Reporter:
         """This peer's byte counters by kind (merges, state transfers, DHT), when it has a real network."""
         self.data_parallel = 1
         """Processes whose batches each inner step averages (for MFU)."""
+        self.tokens_per_byte = 1.0
+        """Validation tokens per byte of validation text (`TextData.tokens_per_byte`; 1 with byte tokens): eval
+        loss per token times this is the loss per byte, which compares runs of different tokenizers."""
         self.loss_avg = Ema(span=20)
         self.throughput = RateMeter()
         self.eval_loss_initial = float("nan")
@@ -145,11 +148,15 @@ class Reporter:
                                process_s=time.monotonic() - self.t_process_start, peer_id=self.peer_id,
                                **({"startup": startup} if startup else {}))
 
+    def per_byte(self, eval_loss: float | None) -> float | None:
+        """An eval loss in nats per token as nats per byte of validation text (None stays None)."""
+        return None if eval_loss is None else eval_loss * self.tokens_per_byte
+
     def training_starts(self, eval_loss: float) -> None:
         """Before the first inner step: the global model's eval loss, and the throughput meter's first point."""
         self.eval_loss_initial = self.last_eval_loss = eval_loss
         self.metrics.write(kind="eval", elapsed_s=self.elapsed(), step=self.c.step, tokens=self.c.tokens,
-                           eval_loss=eval_loss)
+                           eval_loss=eval_loss, eval_loss_per_byte=self.per_byte(eval_loss))
         logger.info("[%s] eval loss at start %.4f", self.tag, eval_loss)
         self.throughput.add(self.c.tokens)
 
@@ -157,7 +164,7 @@ class Reporter:
         """After the last merge: the global model's final eval loss."""
         self.eval_loss_final = self.last_eval_loss = eval_loss
         self.metrics.write(kind="eval", elapsed_s=self.elapsed(), step=self.c.step, tokens=self.c.tokens,
-                           eval_loss=eval_loss, final=True)
+                           eval_loss=eval_loss, eval_loss_per_byte=self.per_byte(eval_loss), final=True)
 
     def inner_step(self, loss: float, lr: float) -> None:
         """After an inner step (counters already updated): the meters, and a `train` line every `run.log_every`."""
@@ -198,6 +205,7 @@ class Reporter:
             group_size=len(result.group), group_id=result.group_id, merges=self.c.merges, failure=result.failure,
             merge_s=result.duration_s, bytes_sent=self.bytes_io()[0], bytes_received=self.bytes_io()[1],
             global_digest=global_digest, adopted_state=result.global_state is not None, eval_loss=eval_loss,
+            eval_loss_per_byte=self.per_byte(eval_loss),
             round_compute_s=round_compute_s, rejected=result.rejected, final=result.final,
             **({"traffic": self.traffic.snapshot()} if self.traffic else {}),
         )
@@ -212,13 +220,14 @@ class Reporter:
     def record(self) -> dict:
         """What this peer tells the swarm in its heartbeat (called from the network thread).
 
-        Losses in nats per byte (None until known; `loss` a moving average over about 20 inner steps, since one
+        Losses in nats per token, `eval_loss_per_byte` in nats per byte (None until known; `loss` a moving average over about 20 inner steps, since one
         batch's loss is noisy), `tokens_per_s` over the last 30 s, byte counts since the start, `last_merge_s`
         the duration and `last_merge_time` the Unix time of the last applied merge.
         """
         return {
             "step": self.c.step, "round": self.c.round, "tokens": self.c.tokens, "loss": _finite(self.loss_avg.value),
-            "eval_loss": _finite(self.last_eval_loss), "tokens_per_s": self.throughput.rate(),
+            "eval_loss": _finite(self.last_eval_loss), "eval_loss_per_byte": self.per_byte(_finite(self.last_eval_loss)),
+            "tokens_per_s": self.throughput.rate(),
             "global_tokens": self.c.global_tokens, "merges": self.c.merges,
             "bytes_sent": self.bytes_io()[0], "bytes_received": self.bytes_io()[1],
             "last_group_size": self.c.last_group_size, "last_merge_s": self.c.last_merge_s,
@@ -242,6 +251,8 @@ class Reporter:
             "train_s": train_s, "steps_per_s": self.c.steps_run / train_s if train_s > 0 else 0.0,
             "mode": "sync" if self.cfg.swarm.sync else "decoupled",
             "eval_loss_initial": self.eval_loss_initial, "eval_loss_final": self.eval_loss_final,
+            "eval_loss_per_byte_initial": self.per_byte(self.eval_loss_initial),
+            "eval_loss_per_byte_final": self.per_byte(self.eval_loss_final), "tokens_per_byte": self.tokens_per_byte,
             "global_digest": global_digest, "device": str(self.device),
             "codec": self.cfg.swarm.codec, **self.bandwidth(), **self.efficiency(),
         }
