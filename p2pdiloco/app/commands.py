@@ -254,3 +254,19 @@ def cmd_plot(args: argparse.Namespace) -> int:
     for path in written:
         print(path)
     return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from p2pdiloco.app.sample import sample_text
+
+    print(sample_text(args.run_dir, args.prompt, args.tokens, args.temperature, args.top_k, args.seed, args.device),
+          flush=True)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from p2pdiloco.app.export import export_run
+
+    done = export_run(args.run_dir, args.to)
+    print(f"exported {done['source']} to {done['to']}: {', '.join(done['files'])} (tokenizer: {done['tokenizer']})")
+    return 0
