@@ -110,6 +110,8 @@ def export_run(run_dir: str | Path, to: str | Path) -> dict:
         save_file(named_weights(saved.model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         kind = _write_tokenizer(saved, tmp)
         files = sorted(p.name for p in tmp.iterdir())
+        for name in files:  # safetensors writes 0600; an export is meant to be shared
+            os.chmod(tmp / name, 0o666 & ~umask)
         os.replace(tmp, to)  # a rename: onto a missing or empty folder, all at once
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
