@@ -11,10 +11,12 @@ from p2pdiloco import __version__
 from p2pdiloco.app.commands import (
     cmd_bootstrap,
     cmd_dashboard,
+    cmd_export,
     cmd_keygen,
     cmd_local,
     cmd_peer,
     cmd_plot,
+    cmd_sample,
     cmd_status,
     cmd_tokenizer_train,
 )
@@ -192,6 +194,31 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fewest occurrences of a pair for it to become a merge (default 2)")
     tt.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     tt.set_defaults(func=cmd_tokenizer_train)
+
+    sa = sub.add_parser("sample", help="generate text from a run's latest global model", epilog=EPILOG,
+                        description="Continue --prompt with the latest global model of RUN_DIR (a peer's folder, or a "
+                        "`local` run's: the newest model.safetensors or checkpoint of any of its peers), using the "
+                        "tokenizer the run trained with, and print the prompt and its continuation.")
+    sa.add_argument("run_dir", metavar="RUN_DIR", help="the run folder")
+    sa.add_argument("--prompt", required=True, help="the text to continue")
+    sa.add_argument("--tokens", type=int, default=200, metavar="N", help="tokens to generate (default 200)")
+    sa.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 is greedy (default 0.8)")
+    sa.add_argument("--top-k", type=int, default=50, metavar="K",
+                    help="sample among the K most likely tokens; 0: all (default 50)")
+    sa.add_argument("--seed", type=int, help="seed of the draws: the same seed gives the same text (default: random)")
+    sa.add_argument("--device", default="cpu", metavar="DEV", help="cpu (default), auto, cuda, cuda:N, mps, xpu")
+    sa.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sa.set_defaults(func=cmd_sample)
+
+    ex = sub.add_parser("export", help="write a run's model as a transformers checkpoint", epilog=EPILOG,
+                        description="Write the latest global model of RUN_DIR (arch llama) into DIR as a Hugging "
+                        "Face checkpoint: config.json (LlamaForCausalLM), model.safetensors and the tokenizer "
+                        "(tokenizer.json, tokenizer_config.json), loadable with "
+                        "AutoModelForCausalLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR).")
+    ex.add_argument("run_dir", metavar="RUN_DIR", help="the run folder")
+    ex.add_argument("--to", required=True, metavar="DIR", help="a new or empty folder to write")
+    ex.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    ex.set_defaults(func=cmd_export)
 
     be = sub.add_parser("bench", help="measure a figure beside its baseline", epilog=EPILOG,
                         description="straggler: fast peers' inner steps/s with one 4x slower peer ÷ without it, "

@@ -71,6 +71,14 @@ def test_flops_per_token_golden():
     assert flops_per_token(cfg, 1000) == 6 * 872 + 3072 == 8304
 
 
+def test_flops_per_token_llama_golden():
+    # no position embeddings; an untied llama's input table (vocab 256 x d 8 = 2048) is only looked up
+    tied = ModelConfig(n_layer=2, n_head=2, d_model=8, seq_len=16, arch="llama")
+    assert flops_per_token(tied, 5000) == 6 * 5000 + 3072
+    untied = ModelConfig(n_layer=2, n_head=2, d_model=8, seq_len=16, arch="llama", tie_embeddings=False)
+    assert flops_per_token(untied, 5000) == 6 * (5000 - 2048) + 3072
+
+
 def test_peak_flops_by_gpu_name_and_mfu(monkeypatch):
     _machine(monkeypatch, cuda=True, name="NVIDIA H100 80GB HBM3")
     assert peak_flops(torch.device("cuda")) == 989e12

@@ -27,7 +27,8 @@ def run_cli(*args, timeout=60):
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-@pytest.mark.parametrize("command", [[], ["bootstrap"], ["peer"], ["local"], ["status"], ["dashboard"], ["plot"]])
+@pytest.mark.parametrize("command", [[], ["bootstrap"], ["peer"], ["local"], ["status"], ["dashboard"], ["plot"],
+                                     ["sample"], ["export"]])
 def test_help(command):
     out = run_cli(*command, "--help")
     assert out.returncode == 0 and "usage: p2pdiloco" in out.stdout

@@ -299,3 +299,19 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
                     progress=lambda line: print(line, flush=True))
     print(f"use it with: --set data.tokenizer={out} --set model.vocab_size={tok.vocab_size}", flush=True)
     return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from p2pdiloco.app.sample import sample_text
+
+    print(sample_text(args.run_dir, args.prompt, args.tokens, args.temperature, args.top_k, args.seed, args.device),
+          flush=True)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from p2pdiloco.app.export import export_run
+
+    done = export_run(args.run_dir, args.to)
+    print(f"exported {done['source']} to {done['to']}: {', '.join(done['files'])} (tokenizer: {done['tokenizer']})")
+    return 0

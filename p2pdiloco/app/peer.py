@@ -50,7 +50,7 @@ from p2pdiloco.training.distributed import (
 )
 from p2pdiloco.training.flat import load_flat_
 from p2pdiloco.training.learner import Learner
-from p2pdiloco.training.model import build_model, count_params
+from p2pdiloco.training.model import build_model, count_params, named_weights
 from p2pdiloco.training.reporting import MetricsLog
 from p2pdiloco.training.tokenizer import check_vocab, load_tokenizer
 
@@ -100,12 +100,14 @@ def write_json_atomic(path: Path, obj) -> None:
 
 
 def save_model(path: Path, learner: Learner) -> None:
-    """The global model θg as a named safetensors state dict (what a user loads with `build_model`)."""
+    """The global model θg as named safetensors tensors, a tied matrix once (`named_weights`; load it into
+    `build_model(cfg.model)` with `load_named_weights_`)."""
     model = build_model(learner.cfg.model)
     load_flat_(model, learner.global_params)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, str(tmp),
-              metadata={"round": str(learner.c.round), "step": str(learner.c.step)})
+    # the config too, so that `p2pdiloco sample` and `export` can rebuild the model from this file alone
+    save_file(named_weights(model), str(tmp), metadata={"round": str(learner.c.round), "step": str(learner.c.step),
+                                                        "config": json.dumps(learner.cfg.to_dict())})
     os.replace(tmp, path)
 
 

@@ -13,6 +13,7 @@ from p2pdiloco.config.fingerprint import fingerprint_diff, fingerprint_digest
 from p2pdiloco.config.load import ALIASES, apply_values, load_config, parse_set
 from p2pdiloco.config.schema import (
     AGGREGATORS,
+    ARCHS,
     CODECS,
     HOSTILE_KINDS,
     OPTIMIZERS,
@@ -30,7 +31,7 @@ from p2pdiloco.config.schema import (
 )
 
 __all__ = [
-    "AGGREGATORS", "ALIASES", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "Config", "ConfigError",
+    "AGGREGATORS", "ALIASES", "ARCHS", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "Config", "ConfigError",
     "DataConfig", "EmulateConfig", "GuardConfig", "InnerOptConfig", "ModelConfig", "OuterOptConfig",
     "RunConfig", "SwarmConfig", "apply_values", "fingerprint_diff", "fingerprint_digest", "load_config",
     "parse_set",

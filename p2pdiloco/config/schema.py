@@ -18,17 +18,19 @@ OPTIMIZERS = ("adamw", "adamw8bit")
 """Inner optimizers (see optim.py)."""
 PRECISIONS = ("auto", "fp32", "bf16")
 """Inner-step compute precisions (see accel.py)."""
+ARCHS = ("gpt", "llama")
+"""Model architectures (see training/model.py and training/llama.py)."""
 HOSTILE_KINDS = ("nan", "scale", "noise", "signflip")
 """How a hostile peer corrupts its contributions (see testing/hostile.py; config field emulate.hostile)."""
 
 __all__ = [
-    "AGGREGATORS", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "Config", "ConfigError", "DataConfig",
+    "AGGREGATORS", "ARCHS", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "Config", "ConfigError", "DataConfig",
     "EmulateConfig", "GuardConfig", "InnerOptConfig", "ModelConfig", "OuterOptConfig", "RunConfig", "SwarmConfig",
 ]
 
 
 class ModelConfig(_Section):
-    """A decoder-only transformer over byte tokens."""
+    """A decoder-only transformer: nanoGPT's GPT-2 or a Llama-style model."""
 
     SECTION: ClassVar[str] = "model"
 
@@ -46,8 +48,34 @@ class ModelConfig(_Section):
     """Seed of the initial weights; the same on every peer so that all start from one global model."""
     vocab_size: int = 256
     """Token ids are in [0, vocab_size): 256 for byte tokens, the tokenizer's vocabulary size otherwise."""
+    arch: str = "gpt"
+    """gpt (GPT-2: learned positions, LayerNorm, GELU, tied embeddings) or llama (RMSNorm, rotary, SwiGLU, no biases)."""
+    rope_theta: float = 10000.0
+    """llama: base of the rotary embedding's wavelengths."""
+    ffn_hidden: int = 0
+    """llama: width of the SwiGLU MLP; 0 = 8/3·d_model rounded up to a multiple of 64 (Llama's rule)."""
+    tie_embeddings: bool = True
+    """llama: the output layer shares the token embedding matrix (the GPT always does)."""
+
+    LLAMA_ONLY: ClassVar[tuple[str, ...]] = ("arch", "rope_theta", "ffn_hidden", "tie_embeddings")
+    """Fields that shape only the llama; a gpt's fingerprint leaves them out (see `fingerprint`)."""
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The model's part of the swarm fingerprint. For arch gpt the llama-only fields change nothing in the
+        model, so they are left out: a gpt swarm's fingerprint stays what it was before they existed, and old
+        and new peers of one gpt swarm still recognise each other."""
+        values = self.model_dump()
+        if self.arch == "gpt":
+            for key in self.LLAMA_ONLY:
+                values.pop(key)
+        return values
 
     def checks(self) -> Iterator[tuple[bool, str]]:
+        yield self.arch in ARCHS, f"model.arch must be one of {', '.join(ARCHS)}, got {self.arch!r}"
+        yield self.rope_theta > 0, "model.rope_theta must be > 0"
+        yield self.ffn_hidden >= 0, "model.ffn_hidden must be >= 0 (0: automatic)"
+        yield (self.tie_embeddings or self.arch == "llama",
+               "model.tie_embeddings = false needs model.arch = 'llama' (the gpt always ties them)")
         yield self.n_layer >= 1, "model.n_layer must be >= 1"
         yield self.n_head >= 1 and self.d_model >= 1, "model.n_head and model.d_model must be >= 1"
         yield self.d_model % self.n_head == 0, "model.d_model must be divisible by model.n_head"
@@ -281,6 +309,8 @@ class RunConfig(_Section):
     """Serve Prometheus metrics at http://metrics_host:metrics_port/metrics; 0 serves none."""
     metrics_host: str = "127.0.0.1"
     """Interface for metrics_port; 0.0.0.0 lets a Prometheus on another machine scrape this peer."""
+    compile: bool = False
+    """Compile the model of the inner steps with torch.compile (falls back to eager, with a warning, if it fails)."""
 
     def checks(self) -> Iterator[tuple[bool, str]]:
         yield self.total_steps >= 1, "run.total_steps must be >= 1"
@@ -360,7 +390,7 @@ class Config(_Model):
         """
         s = self.swarm
         return {
-            "model": self.model.model_dump(), "tokenizer": tokenizer,
+            "model": self.model.fingerprint(), "tokenizer": tokenizer,
             "codec": {"codec": s.codec, "error_feedback": s.error_feedback},
             "outer": self.outer.model_dump(),
             "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync},

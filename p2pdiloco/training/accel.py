@@ -8,12 +8,16 @@ different hardware merge the same kind of numbers.
 from __future__ import annotations
 
 import contextlib
+import logging
 import resource
 import sys
+from collections.abc import Callable
 
 import torch
 
 from p2pdiloco.config import PRECISIONS, ConfigError, ModelConfig
+
+logger = logging.getLogger(__name__)
 
 # Dense bf16 tensor-core peak of each GPU in FLOP/s, from the vendors' data sheets (no sparsity). Matched
 # against torch.cuda.get_device_name() by the first key contained in it, so more specific names come first.
@@ -94,11 +98,62 @@ def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
     scores and values (PaLM, arXiv 2204.02311, appendix B).
 
     Args:
-        cfg: the model's shape (L = n_layer, d = d_model, T = seq_len).
-        n_params: all parameters; the position embeddings, which do no matmul, are left out of N.
+        cfg: the model's shape (L = n_layer, d = d_model, T = seq_len) and arch.
+        n_params: all parameters (a tied matrix once). Tables that are only looked up, and so do no matmul,
+            are left out of N: the gpt's position embeddings, and an untied llama's input embeddings (a tied
+            one is also the output layer, a matmul). Norm gains are counted though they do no matmul
+            (d per norm: noise).
     """
-    n = n_params - cfg.seq_len * cfg.d_model
+    if cfg.arch == "llama":
+        n = n_params if cfg.tie_embeddings else n_params - cfg.vocab_size * cfg.d_model
+    else:
+        n = n_params - cfg.seq_len * cfg.d_model
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
+
+
+class EagerFallback:
+    """Runs forward passes through a `torch.compile`d model, and through the eager model from the first time
+    compiling fails on: torch.compile compiles lazily, at the first call, so a missing C++ compiler or an
+    unsupported backend only shows there.
+
+    Args:
+        compiled: `torch.compile(model)`.
+        eager: the model itself.
+        tag: the peer's short id, for the log line.
+    """
+
+    def __init__(self, compiled: Callable, eager: torch.nn.Module, tag: str = ""):
+        self.compiled, self.eager, self.tag = compiled, eager, tag
+        self.failed: str | None = None
+        """Why compiling failed (then every call is eager), or None."""
+
+    def __call__(self, *args, **kwargs):
+        if self.failed is None:
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as e:  # torch's compile stack raises many kinds (BackendCompilerFailed, OSError, ...)
+                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                logger.warning("[%s] torch.compile failed, training eager instead: %s", self.tag, self.failed)
+        return self.eager(*args, **kwargs)
+
+
+def compile_for_training(model: torch.nn.Module, tag: str = "") -> Callable:
+    """What inner steps should call for `run.compile = true`: the model compiled with torch.compile, falling back
+    to `model` itself, with a logged warning, where torch.compile is missing or fails (see `EagerFallback`).
+
+    Args:
+        model: the model, already on its device.
+        tag: the peer's short id, for log lines.
+    """
+    if not hasattr(torch, "compile"):
+        logger.warning("[%s] run.compile: this torch has no torch.compile; training eager", tag)
+        return model
+    try:
+        compiled = torch.compile(model)
+    except Exception as e:  # e.g. an unsupported Python version
+        logger.warning("[%s] torch.compile failed, training eager instead: %r", tag, e)
+        return model
+    return EagerFallback(compiled, model, tag)
 
 
 def peak_flops(device: torch.device, override: float = 0.0) -> float | None:

@@ -71,21 +71,36 @@ def save_checkpoint(folder: Path, round_: int, tensors: dict[str, torch.Tensor],
     return path
 
 
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors and metadata of one checkpoint file, checksum verified.
+
+    Raises:
+        OSError, SafetensorError, ValueError, KeyError, json.JSONDecodeError: unreadable or damaged
+            (`DAMAGED` lists them).
+    """
+    blob = path.read_bytes()
+    tensors = st_load(blob)
+    with memoryview(blob) as view:
+        header_len = int.from_bytes(view[:8], "little")
+        header = json.loads(bytes(view[8 : 8 + header_len]))
+    meta = header.get("__metadata__", {})
+    if meta.get("sha256") != _checksum(tensors):
+        raise ValueError("checksum mismatch")
+    return tensors, json.loads(meta["meta"])
+
+
+DAMAGED = (OSError, SafetensorError, ValueError, KeyError, json.JSONDecodeError)
+"""What `load_checkpoint` raises for a checkpoint that cannot be used."""
+
+
 def load_latest(folder: Path) -> tuple[dict[str, torch.Tensor], dict, Path] | None:
     """The newest checkpoint that loads and verifies, or None. Damaged ones are logged and skipped;
     leftover temporary files (a kill mid-write) are ignored."""
     for path in sorted(folder.glob(PATTERN), reverse=True):
         try:
-            blob = path.read_bytes()
-            tensors = st_load(blob)
-            with memoryview(blob) as view:
-                header_len = int.from_bytes(view[:8], "little")
-                header = json.loads(bytes(view[8 : 8 + header_len]))
-            meta = header.get("__metadata__", {})
-            if meta.get("sha256") != _checksum(tensors):
-                raise ValueError("checksum mismatch")
-            return tensors, json.loads(meta["meta"]), path
-        except (OSError, SafetensorError, ValueError, KeyError, json.JSONDecodeError) as e:
+            tensors, meta = load_checkpoint(path)
+            return tensors, meta, path
+        except DAMAGED as e:
             logger.warning("skipping damaged checkpoint %s: %s", path.name, e)
     return None
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from p2pdiloco.config import Config
+from p2pdiloco.training.accel import compile_for_training
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,8 @@ class UnitSync:
         """Wrap the learner's model in DDP (a collective: every rank calls it at the same point)."""
         ids = [self.device.index] if self.device.type == "cuda" else None
         learner.train_model = DistributedDataParallel(learner.model, device_ids=ids)
+        if learner.cfg.run.compile:  # torch.compile supports a DDP module (it splits graphs at its buckets)
+            learner.train_model = compile_for_training(learner.train_model, learner.tag)
         learner.report.data_parallel = self.ctx.world_size
         if self.ctx.is_main:
             learner.unit = self

@@ -24,7 +24,7 @@ from p2pdiloco.algorithm.outer import pseudo_gradient, rebase
 from p2pdiloco.config import Config
 from p2pdiloco.network.merger import Contribution, Merger, MergeResult
 from p2pdiloco.network.state_sync import GlobalState
-from p2pdiloco.training.accel import autocast_for
+from p2pdiloco.training.accel import autocast_for, compile_for_training
 from p2pdiloco.training.checkpoint import learner_state, load_optimizer_state, save_learner_checkpoint
 from p2pdiloco.training.evaluation import evaluate_flat
 from p2pdiloco.training.flat import flat_params, load_flat_
@@ -115,8 +115,9 @@ class Learner:
         self.merger, self.device, self.metrics, self.should_stop = merger, device, metrics, should_stop
         self.opt = build_inner_optimizer(model.parameters(), cfg.inner, device)
         self.schedule = InnerSchedule(cfg.inner, cfg.run.total_steps)
-        self.train_model: torch.nn.Module = model
-        """What inner steps run forward through: `model`, or its DDP wrapper in a multi-process unit."""
+        self.train_model: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = model
+        """What inner steps run forward through: `model`, its torch.compile'd form (`run.compile`), or its DDP
+        wrapper in a multi-process unit."""
         self.unit = None
         """A multi-process learner unit's hook (distributed.py): `lead` before each inner step, `release` at the end."""
         self.g = GlobalModel(self._local_params(), cfg.outer)
@@ -126,6 +127,8 @@ class Learner:
         self.checkpoint_dir, self.faults = checkpoint_dir, faults or {}
         self.shared = self.snapshot()
         self.tag = merger.peer_id[-6:]
+        if cfg.run.compile:
+            self.train_model = compile_for_training(model, self.tag)
         self.in_flight: InFlight | None = None
         self.clock = RoundClock(cfg.swarm, cfg.run.time_limit_s)
         self.train_s = 0.0

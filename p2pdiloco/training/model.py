@@ -1,7 +1,8 @@
-"""A small nanoGPT-style decoder-only transformer over byte tokens.
+"""A small nanoGPT-style decoder-only transformer, and `build_model`, which builds the model `model.arch` names.
 
-The architecture follows GPT-2 (Radford et al. 2019) as written in Karpathy's nanoGPT: learned position
-embeddings, pre-LayerNorm blocks, a 4x GELU MLP and an LM head tied to the token embedding.
+The GPT follows GPT-2 (Radford et al. 2019) as written in Karpathy's nanoGPT: learned position embeddings,
+pre-LayerNorm blocks, a 4x GELU MLP and an LM head tied to the token embedding. The Llama-style model is in
+llama.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from p2pdiloco.config import ModelConfig
+from p2pdiloco.training.llama import Llama
 
 INIT_STD = 0.02
 """Standard deviation of the normal init of linear and embedding weights (GPT-2)."""
@@ -81,6 +83,9 @@ class GPT(nn.Module):
         cfg: Model shape (layers, heads, width, context length, dropout, vocabulary size).
     """
 
+    RESIDUAL_OUT = ("c_proj.weight",)
+    """Projections that write into the residual stream (init scaled by 1/sqrt(2·n_layer), see build_model)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -128,16 +133,18 @@ def _normal_(param: torch.Tensor, std: float, generator: torch.Generator) -> Non
     param.copy_(values)
 
 
-def build_model(cfg: ModelConfig) -> GPT:
-    """A GPT with GPT-2 style initial weights that depend only on ``cfg``.
+def build_model(cfg: ModelConfig) -> GPT | Llama:
+    """The model `cfg.arch` names ("gpt": `GPT`, "llama": llama.`Llama`), with initial weights that depend
+    only on ``cfg``.
 
-    Weights are normal(0, 0.02), biases zero, LayerNorms identity, and the output projections of each
-    residual branch are scaled by 1/sqrt(2 * n_layer) so that the residual stream's variance does not
-    grow with depth (GPT-2, Radford et al. 2019). The global torch RNG is left untouched, so building
-    a model does not change the data order or dropout masks of the caller.
+    Both use GPT-2's init: matrices (linear and embedding weights) normal(0, 0.02), biases zero, norm gains
+    one, and the projections that write into the residual stream (`RESIDUAL_OUT` of each class) scaled by
+    1/sqrt(2 * n_layer) so that the residual stream's variance does not grow with depth (GPT-2, Radford et al.
+    2019). The global torch RNG is left untouched, so building a model does not change the data order or
+    dropout masks of the caller.
 
     Args:
-        cfg: Model shape and ``init_seed``; equal configs give bit-identical parameters.
+        cfg: Model shape, `arch` and ``init_seed``; equal configs give bit-identical parameters.
 
     Returns:
         The model on CPU, in training mode.
@@ -145,22 +152,19 @@ def build_model(cfg: ModelConfig) -> GPT:
     # Module constructors run torch's default init from the global RNG; fork it so the caller's
     # RNG stream is the same as if we had never been called. That default init is then overwritten.
     with torch.random.fork_rng(devices=[]):
-        model = GPT(cfg)
+        model = Llama(cfg) if cfg.arch == "llama" else GPT(cfg)
     generator = torch.Generator().manual_seed(cfg.init_seed)
     resid_std = INIT_STD / math.sqrt(2 * cfg.n_layer)
     with torch.no_grad():
-        # named_parameters() yields the tied wte/lm_head matrix once, in a fixed order.
+        # named_parameters() yields a tied embedding/lm_head matrix once, in a fixed order.
         for name, param in model.named_parameters():
-            if name.endswith("c_proj.weight"):
+            if name.endswith(model.RESIDUAL_OUT):
                 _normal_(param, resid_std, generator)
             elif param.dim() >= 2:
                 _normal_(param, INIT_STD, generator)
-            elif name.startswith("ln_") or ".ln_" in name:
-                if name.endswith("weight"):
-                    param.fill_(1.0)
-                else:
-                    param.zero_()
-            else:
+            elif name.endswith("weight"):  # the only 1-d weights are norm gains (LayerNorm, RMSNorm)
+                param.fill_(1.0)
+            else:  # biases, LayerNorm's included
                 param.zero_()
     return model
 
@@ -175,3 +179,28 @@ def count_params(model: nn.Module) -> int:
         Total number of elements over the model's unique parameters.
     """
     return sum(p.numel() for p in model.parameters())
+
+
+def named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters by name, a tied matrix once under its first name (GPT: `wte.weight`; a tied
+    llama: `model.embed_tokens.weight`, as Hugging Face's tied checkpoints have it): what `model.safetensors`
+    and an export hold (safetensors refuses two names for one tensor)."""
+    return {name: p.detach().contiguous() for name, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def load_named_weights_(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `named_weights`' tensors into `model` (tied matrices follow their first name).
+
+    Raises:
+        ValueError: the names or shapes differ from the model's.
+    """
+    params = dict(model.named_parameters())
+    if set(params) != set(tensors):
+        missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+        raise ValueError(f"weights do not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, p in params.items():
+        if tensors[name].shape != p.shape:
+            raise ValueError(f"weights do not fit the model: {name} is {tuple(tensors[name].shape)}, "
+                             f"the model's {tuple(p.shape)}")
+        p.copy_(tensors[name])
