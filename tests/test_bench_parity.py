@@ -9,7 +9,8 @@ import torch
 
 from p2pdiloco.bench.baselines.data_parallel import run_data_parallel
 from p2pdiloco.config import load_config, parse_set
-from p2pdiloco.training.data import eval_batches, load_text
+from p2pdiloco.training.batches import eval_batches
+from p2pdiloco.training.data import load_text
 from p2pdiloco.training.evaluation import evaluate_model
 from p2pdiloco.training.model import build_model
 from tests.conftest import run_children

@@ -13,7 +13,8 @@ import torch
 
 import p2pdiloco.training.data as data_mod
 from p2pdiloco.config import ConfigError, DataConfig
-from p2pdiloco.training.data import BatchSampler, eval_batches, is_val_file, load_text, shard_range
+from p2pdiloco.training.batches import BatchSampler, eval_batches, shard_range
+from p2pdiloco.training.data import is_val_file, load_text
 
 
 def _write_corpus(root: Path, n_files: int) -> dict[str, bytes]:

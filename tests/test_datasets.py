@@ -18,8 +18,9 @@ import torch  # noqa: E402
 
 import p2pdiloco.training.corpus as corpus_mod  # noqa: E402
 from p2pdiloco.config import ConfigError, DataConfig  # noqa: E402
+from p2pdiloco.training.batches import BatchSampler
 from p2pdiloco.training.corpus import load_corpus, token_dtype  # noqa: E402
-from p2pdiloco.training.data import BatchSampler, is_val_file  # noqa: E402
+from p2pdiloco.training.data import is_val_file  # noqa: E402
 from p2pdiloco.training.datasets import iter_documents  # noqa: E402
 from p2pdiloco.training.tokenizer import ByteTokenizer, HFTokenizer, train_bpe  # noqa: E402
 

@@ -9,6 +9,7 @@ import torch
 from p2pdiloco.cli import main
 from p2pdiloco.config import Config, ConfigError, load_config
 from p2pdiloco.config.presets import preset_names, preset_path
+from p2pdiloco.training.llama import Llama
 from p2pdiloco.training.model import GPT, count_params
 
 PEERS = Path(__file__).resolve().parent.parent / "peers"
@@ -34,7 +35,7 @@ def test_tiny_is_the_defaults():
 def test_preset_sizes_and_recommendations(name, low, high, optimizer, codec, h):
     cfg = load_config(preset_path(name))
     with torch.device("meta"):
-        n = count_params(GPT(cfg.model))
+        n = count_params({"gpt": GPT, "llama": Llama}[cfg.model.arch](cfg.model))
     assert low <= n <= high
     assert f"{n:,} parameters" in preset_path(name).read_text().splitlines()[0]  # the header says the count
     assert (cfg.inner.optimizer, cfg.swarm.codec, cfg.swarm.round_steps) == (optimizer, codec, h)

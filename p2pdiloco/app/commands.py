@@ -47,7 +47,11 @@ def config_from_args(args: argparse.Namespace, extra: dict | None = None) -> Con
         flags.setdefault("swarm", {})["swarm_key"] = str(Path(args.swarm_key).resolve())
     for section, values in (extra or {}).items():
         flags.setdefault(section, {}).update(values)
-    return load_config(config_path(args), [flags, parse_set(args.sets)])
+    cfg = load_config(config_path(args), [flags, parse_set(args.sets)])
+    if cfg.data.tokenizer not in ("", "bytes") and Path(cfg.data.tokenizer).expanduser().is_file():
+        # recorded as found from here, so that `sample` and `export` find it again from any folder
+        cfg.data.tokenizer = str(Path(cfg.data.tokenizer).expanduser().resolve())
+    return cfg
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:

@@ -37,9 +37,9 @@ from p2pdiloco.network.traffic import Traffic
 from p2pdiloco.observe.telemetry import MetricsServer
 from p2pdiloco.testing.hooks import peer_hooks  # the one door to test doubles and fault injection
 from p2pdiloco.training.accel import pick_device
+from p2pdiloco.training.batches import BatchSampler, eval_batches
 from p2pdiloco.training.checkpoint import load_latest
 from p2pdiloco.training.corpus import load_corpus
-from p2pdiloco.training.data import BatchSampler, eval_batches
 from p2pdiloco.training.distributed import (
     UnitSync,
     close_unit,

@@ -17,8 +17,8 @@ from rich.console import Console
 
 from p2pdiloco.bench.common import machine, write_results
 from p2pdiloco.config import load_config, parse_set
+from p2pdiloco.training.batches import BatchSampler
 from p2pdiloco.training.corpus import load_corpus
-from p2pdiloco.training.data import BatchSampler
 from p2pdiloco.training.model import build_model
 from p2pdiloco.training.optim import build_inner_optimizer
 from p2pdiloco.training.tokenizer import check_vocab, load_tokenizer

@@ -13,7 +13,8 @@ from rich.console import Console
 from p2pdiloco.app.local import run_local
 from p2pdiloco.bench.common import BENCH_DATA, machine, write_results
 from p2pdiloco.config import Config, load_config, parse_set
-from p2pdiloco.training.data import BatchSampler, load_text
+from p2pdiloco.training.batches import BatchSampler
+from p2pdiloco.training.data import load_text
 from p2pdiloco.training.model import build_model
 
 logger = logging.getLogger(__name__)

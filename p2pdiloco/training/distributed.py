@@ -201,9 +201,9 @@ class _NoMerger:
 
 def run_follower(cfg: Config, ctx: UnitContext, device: torch.device) -> None:
     """A rank > 0: the same data (its own slice), model and optimizer as rank 0, stepping when rank 0 says."""
+    from p2pdiloco.training.batches import BatchSampler
     from p2pdiloco.training.checkpoint import load_latest
     from p2pdiloco.training.corpus import load_corpus
-    from p2pdiloco.training.data import BatchSampler
     from p2pdiloco.training.learner import Learner
     from p2pdiloco.training.model import build_model
     from p2pdiloco.training.reporting import MetricsLog

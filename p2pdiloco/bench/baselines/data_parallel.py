@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from p2pdiloco.algorithm.outer import cosine_lr, state_digest
 from p2pdiloco.config import Config, load_config, parse_set
-from p2pdiloco.training.data import BatchSampler, eval_batches, load_text
+from p2pdiloco.training.batches import BatchSampler, eval_batches
+from p2pdiloco.training.data import load_text
 from p2pdiloco.training.evaluation import evaluate_model
 from p2pdiloco.training.model import build_model
 

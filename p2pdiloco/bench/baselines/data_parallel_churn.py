@@ -32,7 +32,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from p2pdiloco.bench.baselines.data_parallel import loopback_interface, rank_optimizer, rank_step, stop_ranks
 from p2pdiloco.config import load_config, parse_set
-from p2pdiloco.training.data import BatchSampler, eval_batches, load_text
+from p2pdiloco.training.batches import BatchSampler, eval_batches
+from p2pdiloco.training.data import load_text
 from p2pdiloco.training.evaluation import evaluate_model
 from p2pdiloco.training.model import build_model
 
