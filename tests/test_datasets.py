@@ -87,6 +87,16 @@ def test_jsonl_folder_loads_splits_by_document_and_shards_deterministically(tmp_
     assert torch.equal(again[0], x)
 
 
+def test_a_tokenizer_saved_in_the_data_folder_is_not_read_as_documents(tmp_path, bpe):
+    texts = docs(12)
+    write_jsonl(tmp_path / "data" / "docs.jsonl", texts)
+    (tmp_path / "data" / "tokenizer.json").write_bytes(bpe.path.read_bytes())  # as README's flow leaves it
+    (tmp_path / "data" / "one.json").write_text(json.dumps({"text": "a json-lines file named .json"}) + "\n")
+    keyed = list(iter_documents(str(tmp_path / "data"), "text"))
+    assert [k for k, _ in keyed] == [f"docs.jsonl#{i}" for i in range(12)] + ["one.json#0"]
+    assert [t for _, t in keyed][:12] == texts
+
+
 def test_parquet_file_reads_rows_in_order(tmp_path):
     texts = docs(30)
     path = write_parquet(tmp_path / "d.parquet", texts)

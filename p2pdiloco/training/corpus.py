@@ -78,7 +78,7 @@ def _cache_parts(cfg: DataConfig, tokenizer: Tokenizer) -> dict:
     """Everything the tokens depend on: the source's files (path, size, modification time), the tokenizer and the
     settings that change which text is read or how it is split."""
     if cfg.dataset:
-        stamp = datasets.source_stamp(cfg.dataset)
+        stamp = datasets.source_stamp(cfg.dataset, cfg.text_field)
     else:
         stamp = []
         for c in list_candidates(cfg.paths)[0]:

@@ -11,6 +11,7 @@ and validation hashes that key (`data.is_val_file`), as the split of text files 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,14 +51,26 @@ def _builder(name: str) -> str | None:
     return next((b for end, b in BUILDERS.items() if name.endswith(end)), None)
 
 
+def _holds_documents(path: Path, text_field: str) -> bool:
+    """Whether a .json file found in a folder holds documents: JSON Lines whose first row has the text field."""
+    try:
+        with path.open("rb") as f:
+            first = json.loads(f.readline(1 << 20))
+        return isinstance(first, dict) and text_field in first
+    except (OSError, ValueError):
+        return False
+
+
 def split_spec(spec: str) -> list[str]:
     """`data.dataset`'s comma-separated parts."""
     return [part.strip() for part in spec.split(",") if part.strip()]
 
 
-def dataset_files(spec: str) -> list[DatasetFile]:
+def dataset_files(spec: str, text_field: str) -> list[DatasetFile]:
     """The files a local `data.dataset` names: files as given, folders walked (hidden entries skipped) and sorted,
-    keeping those whose names end in a known format (`BUILDERS`).
+    keeping those whose names end in a known format (`BUILDERS`); of a folder's .json files, only those that hold
+    documents (JSON Lines with `text_field`), since a folder of documents often holds other JSON too (the
+    tokenizer.json trained on it, a config).
 
     Raises:
         ConfigError: a path does not exist, a file named directly has an unknown format, or no file was found.
@@ -72,19 +85,22 @@ def dataset_files(spec: str) -> list[DatasetFile]:
             if cand.explicit:
                 raise ConfigError(f"data.dataset file {cand.path}: unknown format (known: {', '.join(BUILDERS)})")
             continue
+        if not cand.explicit and cand.path.name.endswith(".json") and not _holds_documents(cand.path, text_field):
+            LOG.info("data.dataset: skipping %s (not JSON Lines with a %r field)", cand.path, text_field)
+            continue
         found.append(DatasetFile(cand.rel_path, cand.path, builder))
     if not found:
         raise ConfigError(f"no dataset files ({', '.join(BUILDERS)}) found in {source}")
     return found
 
 
-def source_stamp(spec: str) -> list:
+def source_stamp(spec: str, text_field: str) -> list:
     """What identifies the dataset's contents without reading them, for the token cache's key: each file's path,
     size and modification time, or the hub name (a hub dataset is taken as unchanging)."""
     if spec.startswith(HUB):
         return [spec]
     out = []
-    for f in dataset_files(spec):
+    for f in dataset_files(spec, text_field):
         st = f.path.stat()
         out.append([f.rel_path, str(f.path.resolve()), st.st_size, st.st_mtime_ns])
     return out
@@ -129,7 +145,7 @@ def iter_documents(spec: str, text_field: str) -> Iterator[tuple[str, str]]:
         for i, row in enumerate(_rows("", None, name=name, split=split or "train")):
             yield f"{name}#{i}", _text(row, text_field, f"hub dataset {name}")
         return
-    for f in dataset_files(spec):
+    for f in dataset_files(spec, text_field):
         try:
             for i, row in enumerate(_rows(f.builder, [str(f.path)])):
                 yield f"{f.rel_path}#{i}", _text(row, text_field, str(f.path))
