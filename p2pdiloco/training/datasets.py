@@ -86,7 +86,7 @@ def dataset_files(spec: str, text_field: str) -> list[DatasetFile]:
                 raise ConfigError(f"data.dataset file {cand.path}: unknown format (known: {', '.join(BUILDERS)})")
             continue
         if not cand.explicit and cand.path.name.endswith(".json") and not _holds_documents(cand.path, text_field):
-            LOG.info("data.dataset: skipping %s (not JSON Lines with a %r field)", cand.path, text_field)
+            LOG.debug("data.dataset: skipping %s (not JSON Lines with a %r field)", cand.path, text_field)
             continue
         found.append(DatasetFile(cand.rel_path, cand.path, builder))
     if not found:
