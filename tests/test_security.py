@@ -54,6 +54,13 @@ def test_keygen_writes_a_private_key_and_never_overwrites(tmp_path):
         load_key(tmp_path / "bad.key")
 
 
+def test_keygen_where_no_file_can_be_written_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("x")
+    assert main(["keygen", str(tmp_path / "a-file" / "swarm.key")]) == 2  # its parent is a file, not a folder
+    err = capsys.readouterr().err
+    assert "cannot write a swarm key to" in err and "Traceback" not in err and err.count("\n") == 1
+
+
 @pytest.fixture
 def keyed_swarm(tmp_path, net_loop):
     """A keyed bootstrap node, two keyed peers (mergers + state servers) and one stranger without the key."""

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 from p2pdiloco.config import SwarmConfig
-from p2pdiloco.network.swarm import Reaper, start_dht, visible_maddrs
+from p2pdiloco.network.swarm import Reaper, SwarmError, start_dht, visible_maddrs
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def run_bootstrap(
         print_fn("running; Ctrl+C to stop")
         while not stop.wait(1.0):
             if not dht.is_alive():
-                raise RuntimeError("the DHT process died")
+                raise SwarmError("the DHT process died; restart the bootstrap node (its identity file keeps its address)")
     finally:
         dht.shutdown()
         reaper.close()

@@ -13,6 +13,7 @@ transport anyway, so the door is closed at the application layer (docs/security.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
@@ -33,11 +34,17 @@ class SwarmKeyError(ValueError):
 def write_new_key(path: str | Path) -> Path:
     """Write a fresh random key (hex) to `path`, readable by its owner only; never overwrite a key."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.parent.is_dir():  # mkdir accepts an existing file as the parent
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        raise SwarmKeyError(f"{path} exists; refusing to overwrite a swarm key") from None
+        if path.exists():
+            raise SwarmKeyError(f"{path} exists; refusing to overwrite a swarm key") from None
+        raise SwarmKeyError(f"cannot write a swarm key to {path}: a parent is a file") from None
+    except OSError as e:  # a parent that is a file or cannot be made, a read-only folder, a full disk
+        raise SwarmKeyError(f"cannot write a swarm key to {path}: {e.strerror}") from None
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(KEY_BYTES) + "\n")
     return path
