@@ -4,6 +4,7 @@ garbage. Bounded in time: few examples per test and no per-example deadline surp
 from __future__ import annotations
 
 import asyncio
+import math
 
 import msgpack
 import pytest
@@ -17,7 +18,7 @@ from p2pdiloco.network.allreduce import AllReduce
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.p2p_merger import MergeFailed
 from p2pdiloco.network.state_sync import GlobalState, StateError, unpack_state
-from p2pdiloco.network.wire import MAX_HEADER_BYTES, WireError, recv_msg
+from p2pdiloco.network.wire import WireError, recv_msg
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -70,7 +71,6 @@ def test_huge_declared_sizes_are_refused_before_reading():
         _decode((2**32 - 1).to_bytes(4, "big"), 10)  # no bytes follow: refused on the number alone
     with pytest.raises(WireError, match="payload"):
         _decode(_frame(msgpack.packb({}), b"", 2**63), 2**20)
-    assert len(b"x" * 0) == 0 and MAX_HEADER_BYTES < 2**32
 
 
 def _bare_matchmaker() -> Matchmaker:
@@ -90,12 +90,34 @@ def test_part_headers_from_strangers_are_refused_without_state(header, payload):
     assert m._groups == {}  # nothing was allocated for an unknown group
 
 
+def _is_sound_notice(h: dict, me: str) -> bool:
+    """What a group notice must be for a member to act on it, written out independently of `_valid_notice`."""
+    members, weights, sw = h.get("members"), h.get("weights"), h.get("state_weights")
+    if not (type(members) is list and type(weights) is list and type(sw) is list):
+        return False
+    numbers = weights + sw
+    return (len(members) >= 2 and len(members) == len(weights) == len(sw) and me in members
+            and all(type(m) is str for m in members) and len(set(members)) == len(members)
+            and all(type(w) in (int, float) and math.isfinite(w) and w >= 0 for w in numbers)
+            and type(h.get("need_state")) is bool)
+
+
 @FUZZ
 @given(st.dictionaries(st.sampled_from(["members", "weights", "state_weights", "need_state", "group_id"]),
                        json_like, max_size=5))
 @example({"members": [[1], [1]], "weights": [1, 1], "state_weights": [1, 1], "need_state": False})
-def test_group_notice_validation_never_raises(header):
-    assert _bare_matchmaker()._valid_notice(header) in (True, False)
+@example({"members": ["me", "you"], "weights": [1, 2.5], "state_weights": [0, 3], "need_state": True})
+@example({"members": ["me", "me"], "weights": [1, 1], "state_weights": [1, 1], "need_state": False})
+@example({"members": ["me", "you"], "weights": [1, float("nan")], "state_weights": [1, 1], "need_state": False})
+@example({"members": ["me", "you"], "weights": [True, 1], "state_weights": [1, 1], "need_state": False})
+def test_group_notice_is_accepted_exactly_when_sound(header):
+    assert _bare_matchmaker()._valid_notice(header) == _is_sound_notice(header, "me")
+
+
+def test_a_sound_group_notice_is_accepted():  # the property above would also hold if every notice were refused
+    notice = {"members": ["you", "me"], "weights": [10, 20], "state_weights": [0.0, 5.5], "need_state": False}
+    assert _bare_matchmaker()._valid_notice(notice)
+    assert not _bare_matchmaker()._valid_notice({**notice, "members": ["you", "them"]})  # not a member
 
 
 @FUZZ

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import stat
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from p2pdiloco.algorithm.outer import weighted_average
 from p2pdiloco.cli import main
 from p2pdiloco.config import GuardConfig, SwarmConfig, load_config, parse_set
 from p2pdiloco.network.merger import Contribution
-from p2pdiloco.network.p2p_merger import MergeFailed, P2PMerger
+from p2pdiloco.network.p2p_merger import P2PMerger
 from p2pdiloco.network.state_sync import GlobalState, StateError, StateSync
 from p2pdiloco.network.swarm import (
     SwarmError,
@@ -87,7 +88,7 @@ def keyed_swarm(tmp_path, net_loop):
             d.shutdown()
 
 
-def test_peer_without_the_swarm_key_cannot_merge_fetch_state_or_write_records(keyed_swarm, net_loop):
+def test_peer_without_the_swarm_key_cannot_merge_fetch_state_or_write_records(keyed_swarm, net_loop, caplog):
     dhts, mergers, syncs = keyed_swarm["dhts"], keyed_swarm["mergers"], keyed_swarm["syncs"]
     a, b, stranger = mergers
     ids = [m.peer_id for m in mergers]
@@ -105,10 +106,19 @@ def test_peer_without_the_swarm_key_cannot_merge_fetch_state_or_write_records(ke
     # a keyed peer does not take state from a stranger either (its reply carries no valid tag)
     with pytest.raises((WireError, StateError)):
         net_loop.run(syncs[0].fetch_from(ids[2], timeout=5), 10)
-    # merges: the stranger's requests are refused outright; keyed peers merge together
-    assert net_loop.run(stranger.rpc.request(ids[0], "invite", {"group_id": "x"}), 10) is None
-    with pytest.raises((WireError, MergeFailed)):
-        net_loop.run(stranger.rpc.call(ids[0], "part", {"group_id": "x", "tag": "d", "index": 0}, b"\0" * 8), 10)
+    # merges: the stranger's requests are refused outright (the keyed peer says so, and sends no reply); keyed
+    # peers merge together
+    def refused(op: str) -> bool:
+        return any(f"refused a {op} request from {ids[2][-8:]}: no valid swarm key" in r.getMessage()
+                   for r in caplog.records)
+
+    with caplog.at_level(logging.WARNING, logger="p2pdiloco.network.rpc"):
+        with pytest.raises(WireError, match="stream closed mid-message"):
+            net_loop.run(stranger.rpc.call(ids[0], "invite", {"group_id": "x"}), 10)
+        wait_for(lambda: refused("invite"), timeout=10, what="the invite refused")
+        with pytest.raises(WireError, match="stream closed mid-message"):
+            net_loop.run(stranger.rpc.call(ids[0], "part", {"group_id": "x", "tag": "d", "index": 0}, b"\0" * 8), 10)
+        wait_for(lambda: refused("part"), timeout=10, what="the part refused")
     vecs = [torch.full((N,), float(i + 1)) for i in range(3)]
     futures = [m.submit(_contribution(v)) for m, v in zip(mergers, vecs, strict=True)]
     results = [f.result(timeout=60) for f in futures]
