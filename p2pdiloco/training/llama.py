@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from p2pdiloco.config import ModelConfig
+from p2pdiloco.training.lm import check_length, with_loss
 
 RMS_NORM_EPS = 1e-5
 """RMSNorm's epsilon (Llama 2's value; written to an export's config.json as rms_norm_eps)."""
@@ -157,24 +158,11 @@ class Llama(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Next-token logits for every position, and their loss when targets are given.
-
-        Args:
-            idx: Input token ids, int64 of shape (batch, time), time <= cfg.seq_len.
-            targets: Next-token ids of the same shape, or None to skip the loss.
-
-        Returns:
-            Logits of shape (batch, time, vocab_size), and the mean cross-entropy in nats per token or None.
-        """
-        _, T = idx.shape
-        if T > self.cfg.seq_len:
-            raise ValueError(f"sequence of {T} tokens is longer than model.seq_len={self.cfg.seq_len}")
+        """Next-token logits for every position, and their loss when targets are given (see lm.py)."""
+        T = check_length(idx, self.cfg.seq_len)
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.model.embed_tokens(idx)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
         logits = self.lm_head(self.model.norm(x))
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return with_loss(logits, targets)

@@ -15,6 +15,7 @@ from torch import nn
 
 from p2pdiloco.config import ModelConfig
 from p2pdiloco.training.llama import Llama
+from p2pdiloco.training.lm import check_length, with_loss
 
 INIT_STD = 0.02
 """Standard deviation of the normal init of linear and embedding weights (GPT-2)."""
@@ -101,28 +102,14 @@ class GPT(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Next-token logits for every position, and their loss when targets are given.
-
-        Args:
-            idx: Input token ids, int64 of shape (batch, time), time <= cfg.seq_len.
-            targets: Next-token ids of the same shape, or None to skip the loss.
-
-        Returns:
-            Logits of shape (batch, time, vocab_size), and the mean cross-entropy in nats per token
-            (a scalar) or None.
-        """
-        _, T = idx.shape
-        if T > self.cfg.seq_len:
-            raise ValueError(f"sequence of {T} tokens is longer than model.seq_len={self.cfg.seq_len}")
+        """Next-token logits for every position, and their loss when targets are given (see lm.py)."""
+        T = check_length(idx, self.cfg.seq_len)
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return with_loss(logits, targets)
 
 
 def _normal_(param: torch.Tensor, std: float, generator: torch.Generator) -> None:
