@@ -10,10 +10,12 @@ import psutil
 import pytest
 import torch
 
+from p2pdiloco.algorithm.outer import state_digest
 from p2pdiloco.network.state_sync import (
     GlobalState,
     StateError,
     StateSync,
+    bounded_counters,
     donor_order,
     pack_state,
     unpack_state,
@@ -44,32 +46,71 @@ def test_pack_unpack_verifies_everything():
         unpack_state(*nan, 1000)
 
 
-def test_donor_order_freshest_first_and_spread():
-    records = {"a": {"round": 10, "global_tokens": 5}, "b": {"round": 9, "global_tokens": 5},
-               "c": {"round": 3, "global_tokens": 5}, "d": {"round": 12, "global_tokens": 0}, "me": {"round": 10}}
+def test_donor_order_most_agreed_first_and_spread():
+    records = {"a": {"global_digest": "x"}, "b": {"global_digest": "x"}, "c": {"global_digest": "y", "round": 99},
+               "d": {"global_digest": ""}, "me": {"global_digest": "x"}}
     orders = {tuple(donor_order(records, "me", random.Random(s))) for s in range(20)}
+    # a claim (round 99) buys nothing: the model two peers hold comes first; a peer with no model is no donor
     assert all(o[-1] == "c" and set(o[:2]) == {"a", "b"} and "d" not in o for o in orders)
     assert len(orders) == 2  # joiners arriving together do not all pick the same first donor
+
+
+def test_bounded_counters_cap_a_donors_claims_by_the_median_record():
+    claimed = GlobalState(torch.zeros(3), torch.zeros(3), round=10**9, step=10**9, global_tokens=1e30)
+    records = {"a": {"round": 7, "step": 70, "global_tokens": 700.0}, "b": {"round": 8, "step": 80, "global_tokens": 800.0},
+               "liar": {"round": 10**9, "step": 10**9, "global_tokens": 1e30}, "me": {"step": 10**12}}
+    got = bounded_counters(claimed, records, "me")
+    assert (got.round, got.step, got.global_tokens) == (8, 80, 800.0)
+    honest = GlobalState(torch.zeros(3), torch.zeros(3), round=7, step=70, global_tokens=700.0)
+    assert (bounded_counters(honest, records, "me").step, bounded_counters(honest, {}, "me").step) == (70, 70)
+
+
+def _started(dhts, net_loop, states):
+    syncs = [StateSync(d, "j", 1000, (lambda st=st: st), ByteCounter()) for d, st in zip(dhts, states, strict=True)]
+    for s in syncs:
+        net_loop.run(s.start(), 10)
+    return syncs
 
 
 def test_joiner_downloads_bit_identical_state_and_skips_a_bad_donor(bootstrap_dht, net_loop):
     maddrs = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
     dhts = [start_local_dht(maddrs) for _ in range(3)]
     try:
-        good, broken = _state(1, 7), None
-        donor = StateSync(dhts[0], "j", 1000, lambda: good, ByteCounter())
-        liar = StateSync(dhts[1], "j", 1000, lambda: broken, ByteCounter())  # has no state to give
-        counter = ByteCounter()
-        joiner = StateSync(dhts[2], "j", 1000, lambda: None, counter)
-        for s in (donor, liar, joiner):
-            net_loop.run(s.start(), 10)
+        good = _state(1, 7)
+        digest = state_digest(good.global_params, good.momentum)
+        donor, liar, joiner = _started(dhts, net_loop, [good, None, None])  # the liar has no state to give
         ids = [d.peer_id.to_base58() for d in dhts]
-        records = {ids[0]: {"round": 7, "global_tokens": 700.0}, ids[1]: {"round": 8, "global_tokens": 800.0}}
+        records = {ids[0]: {"round": 7, "step": 70, "global_tokens": 700.0, "global_digest": digest},
+                   ids[1]: {"round": 8, "step": 80, "global_tokens": 800.0, "global_digest": digest}}
         state, source = net_loop.run(joiner.fetch(records, ids[2], timeout=10), 30)
-        assert source == ids[0]  # the fresher one was tried first and refused
+        assert source == ids[0]  # whichever was tried first, the one without a state gave none
         assert torch.equal(state.global_params, good.global_params) and torch.equal(state.momentum, good.momentum)
         assert (state.round, state.step, state.global_tokens) == (7, 70, 700.0)
-        assert counter.received > 2 * 1000 * 4
+        assert joiner.counter.received > 2 * 1000 * 4
+    finally:
+        for d in dhts:
+            d.shutdown()
+
+
+def test_joiner_refuses_a_state_no_other_live_peer_holds(bootstrap_dht, net_loop):
+    """Issue 18, poisoned joiners: a donor serving a model of its own (digest in its own record only) and claiming
+    step 10⁹ is refused; the joiner takes the state two live peers hold, with counters as the records say."""
+    maddrs = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
+    dhts = [start_local_dht(maddrs) for _ in range(4)]
+    try:
+        good = _state(1, 7)
+        poison = GlobalState(-good.global_params, good.momentum, 10**9, 10**9, 1e30)
+        digest, bad_digest = (state_digest(s.global_params, s.momentum) for s in (good, poison))
+        _, _, hostile, joiner = _started(dhts, net_loop, [good, good, poison, None])
+        ids = [d.peer_id.to_base58() for d in dhts]
+        honest = {"round": 7, "step": 70, "global_tokens": 700.0, "global_digest": digest}
+        records = {ids[0]: honest, ids[1]: honest,
+                   ids[2]: {"round": 10**9, "step": 10**9, "global_tokens": 1e30, "global_digest": bad_digest}}
+        refused = net_loop.run(joiner.fetch({ids[2]: records[ids[2]], ids[0]: {"global_digest": "zz"}}, ids[3], timeout=10), 30)
+        assert refused is None  # the hostile donor's state is held by nobody else: not taken
+        state, source = net_loop.run(joiner.fetch(records, ids[3], timeout=10), 30)
+        assert source in ids[:2] and torch.equal(state.global_params, good.global_params)
+        assert (state.round, state.step, state.global_tokens) == (7, 70, 700.0)
     finally:
         for d in dhts:
             d.shutdown()

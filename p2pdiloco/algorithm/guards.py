@@ -11,6 +11,7 @@ docs/security.md for why that is acceptable).
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections import Counter
 from collections.abc import Sequence
@@ -80,6 +81,34 @@ def screen_parts(parts: Sequence[torch.Tensor], own: int, norm_bound: float, min
         if float(torch.dot(parts[i].float(), reference)) / (n_i * r_norm) < min_cosine:
             reasons[i] = DIRECTION
     return reasons
+
+
+WEIGHT_CAP = 2.0
+"""No member's weight counts for more than this many times the group's median claim (see `bounded_weights`)."""
+
+
+def bounded_weights(weights: Sequence[object], cap: float = WEIGHT_CAP) -> list[float]:
+    """Members' claimed weights as the group counts them: each capped at `cap` × the median of the positive claims.
+
+    A weight is what a member says about itself (tokens in its round, tokens its θg has absorbed) and nothing
+    can check it. Capped, a member claiming 1e30 counts at most `cap` times the median member, so it cannot
+    take the average over (issue 18's takeover: `state_weight = 1e30` replaced a whole group's model). The
+    median is the lower middle of the positive claims, so in a group of two the larger claim is capped at
+    `cap` times the smaller; an honest fast peer paired with a slow one loses some of its weight, which costs
+    less than letting a claim decide. Claims of 0 stay 0 (a fresh peer's θg counts for nothing); negative,
+    non-finite and non-numeric claims count 0.
+
+    Args:
+        weights: one claim per member, in group order.
+        cap: the largest multiple of the median claim that counts.
+    """
+    clean = [float(w) if isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) and w > 0
+             else 0.0 for w in weights]
+    positive = sorted(w for w in clean if w > 0)
+    if not positive:
+        return clean
+    reference = positive[(len(positive) - 1) // 2]
+    return [min(w, cap * reference) for w in clean]
 
 
 def stale_members(rounds: Sequence[int], max_lag: int) -> list[bool]:

@@ -54,6 +54,31 @@ def outer_step(
     return global_params - update * lr, new_momentum
 
 
+STATE_REACH = 16.0
+"""A peer adopts a merge group's averaged global model only within this many of its own outer steps."""
+
+
+def state_within_reach(own: torch.Tensor, adopted: torch.Tensor, own_step: torch.Tensor,
+                       reach: float = STATE_REACH) -> bool:
+    """Whether a group's averaged θg is close enough to this peer's own θg to adopt: ‖adopted − own‖ ≤ reach·‖step‖.
+
+    Global models of honest peers differ by the outer steps they took apart (a merge alone, a failed merge),
+    each about as long as this round's outer step, so a difference of more than `reach` of them did not come
+    from honest divergence: a member that offered −θg, or one whose model drifted far off. Averaging models
+    that far apart is not agreement (issue 17's 16-peer run ended worse than its initialization that way), and
+    the length of this peer's own step is a scale no other peer can claim.
+
+    Args:
+        own: flat fp32 θg of this peer before the merge.
+        adopted: flat fp32 θg the group's agreement produced.
+        own_step: this round's outer step on this peer's own θg (new θg − θg), the unit of distance.
+        reach: how many steps away is still adopted.
+    """
+    step = float(torch.linalg.vector_norm(own_step.float()))
+    distance = float(torch.linalg.vector_norm(adopted.float() - own.float()))
+    return math.isfinite(distance) and distance <= reach * step
+
+
 def rebase(new_global: torch.Tensor, local_now: torch.Tensor, local_at_submit: torch.Tensor) -> torch.Tensor:
     """θ ← θg + (θ − θ_at_submit): move onto the new global model, keeping steps taken since the submit."""
     return new_global + (local_now - local_at_submit)

@@ -142,8 +142,14 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
     if not ahead:
         return
     t0 = time.monotonic()
-    got = loop.run(sync.fetch(ahead, peer_id, timeout=cfg.swarm.merge_timeout_s),
-                   timeout=cfg.swarm.merge_timeout_s * (len(ahead) + 1) + 10)
+
+    async def refresh() -> dict[str, dict]:
+        await asyncio.sleep(cfg.swarm.heartbeat_s)  # a donor's record can lag its last merge by one heartbeat
+        return live_records(await read_subkeys(dht, peers_key(cfg.swarm.run_id)))
+
+    # every live record counts in checking a donor's state, not only those claiming to be ahead
+    got = loop.run(sync.fetch(records, peer_id, timeout=cfg.swarm.merge_timeout_s, refresh=refresh),
+                   timeout=(cfg.swarm.merge_timeout_s + cfg.swarm.heartbeat_s + 5) * (len(records) + 1) + 10)
     if got is None:
         logger.warning("[%s] no live peer could give its state; the first merge will bring this peer in line",
                        peer_id[-6:])
@@ -322,8 +328,8 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         learner.report.tokens_per_byte = data.tokens_per_byte
         if unit.world_size > 1:
             UnitSync(unit, device).attach(learner)
-        state_sync = StateSync(dht, cfg.swarm.run_id, n_params, lambda: learner.shared, learner.report.traffic.state,
-                               auth=auth)
+        state_sync = StateSync(dht, cfg.swarm.run_id, n_params, hooks.wrap_state(lambda: learner.shared),
+                               learner.report.traffic.state, auth=auth)
         loop.run(state_sync.start(), timeout=30)
         loop.submit(learner.report.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
         if cfg.run.resume:

@@ -20,8 +20,10 @@ PRECISIONS = ("auto", "fp32", "bf16")
 """Inner-step compute precisions (see accel.py)."""
 ARCHS = ("gpt", "llama")
 """Model architectures (see training/model.py and training/llama.py)."""
-HOSTILE_KINDS = ("nan", "scale", "noise", "signflip")
-"""How a hostile peer corrupts its contributions (see testing/hostile.py; config field emulate.hostile)."""
+HOSTILE_KINDS = ("nan", "scale", "noise", "signflip", "takeover", "final", "leader", "donor")
+"""How a hostile peer attacks (see testing/hostile.py; config field emulate.hostile): the first four corrupt its
+pseudo-gradients; the others lie about itself (its model and weights, the end of the run, its leadership, the
+state it serves to joiners)."""
 
 __all__ = [
     "AGGREGATORS", "ARCHS", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "Config", "ConfigError", "DataConfig",
@@ -340,7 +342,8 @@ class EmulateConfig(_Section):
     """Pad each inner step to at least this long (emulated accelerator time, so that benchmark peers sharing
     few cores do not compete for them); 0 disables."""
     hostile: str = ""
-    """Corrupt this peer's own contributions (nan, scale, noise, signflip); empty: an honest peer."""
+    """Make this peer hostile (one of HOSTILE_KINDS: nan, scale, noise, signflip, takeover, final, leader, donor; see
+    testing/hostile.py); empty: an honest peer."""
 
     def checks(self) -> Iterator[tuple[bool, str]]:
         yield self.slow_factor >= 1, "emulate.slow_factor must be >= 1"

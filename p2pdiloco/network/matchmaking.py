@@ -1,10 +1,16 @@
 """Forming a merge group with whichever peers are ready now, through the DHT.
 
 1. **Ready.** The peer writes a `ready` record (with its matchmaking deadline) to the DHT.
-2. **Group.** The peer with the smallest id among those ready is the leader. It invites the others as soon
-   as every live peer is ready, or at its deadline with whoever is. Each peer accepts at most one invite
-   per merge; the leader then sends the final member list, the members' weights and whether their global
-   models disagree (digests differ) to every member. A peer that is not invited in time merges alone.
+2. **Group.** Among those ready, the leader is the peer whose id hashes lowest with the current leader epoch
+   (`leader_rank`): no peer id leads every group, and one generated to sort first leads no more often than
+   any other. It invites the others as soon as every live peer is ready, or at its deadline with whoever
+   is. Each peer accepts at most one invite per merge; the leader then sends the final member list, the
+   members' weights and whether their global models disagree (digests differ) to every member. A peer that
+   is not invited in time merges alone; a leader that never invites is passed over for a while.
+
+Nothing a peer claims is taken as is: weights are capped by the group's median (`bounded_weights`), a member
+checks that the notice carries its own claims unchanged, and a ready record whose deadline lies further off
+than any honest window is ignored.
 
 How long a peer looks is its *window* (see `Matchmaker._window`).
 """
@@ -12,6 +18,7 @@ How long a peer looks is its *window* (see `Matchmaker._window`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import secrets
@@ -21,7 +28,7 @@ from dataclasses import dataclass, field
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco.algorithm.guards import STALE, GuardBook, stale_members
+from p2pdiloco.algorithm.guards import STALE, GuardBook, bounded_weights, stale_members
 from p2pdiloco.config import GuardConfig, SwarmConfig
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed, Rpc
@@ -31,6 +38,28 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.25
 """How often a peer looking for a group re-reads the ready records."""
+
+LEADER_EPOCH_S = 30.0
+"""Leaders are drawn anew every this many seconds of DHT time (see `leader_rank`)."""
+
+SILENT_ROUNDS = 3
+"""A leader that never invited is passed over for this many of this peer's searches."""
+
+
+def leader_rank(run_id: str, peer: str, epoch: int) -> bytes:
+    """A peer's place in the leader order of `epoch`: the lowest rank among the ready peers leads.
+
+    A hash of (run id, peer id, epoch), so the order changes every epoch and nobody can choose an id that leads
+    every group (issue 18: with `min(ready)`, an id generated to sort first led every group it was in, and
+    by never inviting stopped all merging). Every peer computes the same order from the same ready records;
+    two peers whose clocks straddle an epoch's end may disagree for one search, which costs at most that
+    search (an invite from either is accepted).
+    """
+    return hashlib.blake2b(f"{run_id}\x00{peer}\x00{epoch}".encode(), digest_size=16).digest()
+
+
+def leader_epoch(now: float) -> int:
+    return int(now // LEADER_EPOCH_S)
 
 
 @dataclass
@@ -52,6 +81,11 @@ class Group:
     """A member is finishing its run (see `MergeResult.final`)."""
     slots: dict = field(default_factory=dict)
     """The all-reduce's state per tag while this group merges (see `AllReduce`)."""
+
+    def __post_init__(self) -> None:
+        # claims, as every member counts them: the same function of the same notice on every member
+        self.weights = bounded_weights(self.weights)
+        self.state_weights = bounded_weights(self.state_weights)
 
     def weights_for(self, tag: str) -> list[float]:
         return self.weights if tag == "d" else self.state_weights
@@ -96,6 +130,8 @@ class Matchmaker:
         self._round_ema: float | None = None
         self._alone_streak = 0
         self._tasks: set[asyncio.Task] = set()
+        self._passed_over: dict[str, int] = {}
+        """Leaders that never invited us: peer id -> searches left in which they are not followed."""
 
     def close(self) -> None:
         """Stop looking: a search in progress ends alone."""
@@ -130,7 +166,10 @@ class Matchmaker:
         search = _Search(contribution=c, deadline=get_dht_time() + window)
         self._search = search
         me = self.peer_id
+        passed_over = set(self._passed_over)  # never invited us in a recent search: not followed, still invited
+        self._passed_over = {p: n - 1 for p, n in self._passed_over.items() if n > 1}
         silent: set[str] = set()
+        followed = ""  # the leader this peer waited for at the last poll
         try:
             await self._write_ready({"looking": True, "deadline": search.deadline}, ttl=window + 5)
             while not self._closed:
@@ -139,13 +178,20 @@ class Matchmaker:
                 records = live_records(await read_subkeys(self.dht, peers_key(self.cfg.run_id)))
                 records = {p: r for p, r in records.items() if p not in self.book.banned}  # not ours to wait for
                 live = len(records)
-                ready = {
-                    p: r for p, r in (await read_subkeys(self.dht, ready_key(self.cfg.run_id))).items()
-                    if r.get("looking") and p in records and p not in silent
-                }  # a crashed peer's stale ready record must not make it everyone's leader
-                ready[me] = {"deadline": search.deadline}
                 now = get_dht_time()
-                leader = min(ready)
+                looking = {p: r for p, r in (await read_subkeys(self.dht, ready_key(self.cfg.run_id))).items()
+                           if r.get("looking") and p in records}
+                implausible = {p for p, r in looking.items() if not self._plausible(r, now)}
+                live -= len(implausible)  # a peer claiming to look until an hour from now is not waited for
+                # a crashed peer's stale ready record must not make it everyone's leader
+                ready = {p: r for p, r in looking.items() if p not in silent and p not in implausible}
+                ready[me] = {"deadline": search.deadline}
+                epoch = leader_epoch(now)
+                leader = min((p for p in ready if p not in passed_over or p == me),
+                             key=lambda p: leader_rank(self.cfg.run_id, p, epoch))
+                if followed and followed != leader and followed not in ready:
+                    self._passed_over[followed] = SILENT_ROUNDS  # it stopped looking without inviting us
+                followed = leader if leader != me else ""
                 if search.accepted_gid:
                     return await self._await_group(search)
                 if leader == me:
@@ -156,9 +202,12 @@ class Matchmaker:
                 else:
                     leader_deadline = float(ready[leader].get("deadline", search.deadline))
                     if now >= search.deadline + window:
+                        # it never invited us; whatever deadline it claims, follow others in the next searches
+                        self._passed_over[leader] = SILENT_ROUNDS
                         return None
                     if now >= max(search.deadline, leader_deadline) + RPC_TIMEOUT_S:
                         silent.add(leader)  # it never invited us: look past it (the next one may lead)
+                        self._passed_over[leader] = SILENT_ROUNDS  # and in the next searches too
                         continue
                 try:
                     await asyncio.wait_for(search.invited.wait(), POLL_S)
@@ -171,6 +220,13 @@ class Matchmaker:
             task = asyncio.create_task(self._write_ready({"looking": False}, ttl=window + 5))
             self._tasks.add(task)  # keep a reference until it is done, or it may be collected mid-flight
             task.add_done_callback(self._tasks.discard)
+
+    def _plausible(self, record: dict, now: float) -> bool:
+        """A ready record whose deadline an honest peer could have written: no window is longer than
+        `merge_window_s`, so a deadline further off is a claim meant to be waited for (issue 18)."""
+        deadline = record.get("deadline")
+        return (isinstance(deadline, int | float) and not isinstance(deadline, bool) and math.isfinite(deadline)
+                and deadline <= now + self.cfg.merge_window_s + RPC_TIMEOUT_S)
 
     async def _write_ready(self, value: dict, ttl: float) -> None:
         # each version of our ready record must expire later than the last, or the DHT keeps the old one
@@ -285,7 +341,7 @@ class Matchmaker:
                 return
             ok = (
                 search is not None and gid == search.accepted_gid and info.peer_id.to_base58() == search.leader
-                and self._valid_notice(header)
+                and self._valid_notice(header) and self._own_claims_kept(header, search.contribution)
             )
             if ok:
                 group = Group(
@@ -301,6 +357,11 @@ class Matchmaker:
             logger.debug("[%s] bad group notice: %r", self.peer_id[-6:], e)
         finally:
             writer.close()
+
+    def _own_claims_kept(self, h: dict, c: Contribution) -> bool:
+        """The leader wrote down this peer's weights as this peer offered them (it could raise or zero them)."""
+        i = h["members"].index(self.peer_id)
+        return float(h["weights"][i]) == float(c.weight) and float(h["state_weights"][i]) == float(c.state_weight)
 
     def _valid_notice(self, h: dict) -> bool:
         members, weights, sw = h.get("members"), h.get("weights"), h.get("state_weights")

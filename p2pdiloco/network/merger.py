@@ -69,6 +69,9 @@ class MergeResult:
     that the peers still training end on the global model the finishing ones leave with, instead of each
     drifting off alone after the others have gone."""
 
+    state_refused: bool = False
+    """The learner refused the group's averaged global model: too far from its own (see `GlobalModel.merge`)."""
+
     @property
     def alone(self) -> bool:
         return len(self.group) <= 1

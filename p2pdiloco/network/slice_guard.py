@@ -11,7 +11,6 @@ import torch
 
 from p2pdiloco.algorithm.codecs import CodecError, NonFiniteError
 from p2pdiloco.algorithm.guards import BANNED, NONFINITE, SHAPE, GuardBook, check_average, screen_parts
-from p2pdiloco.algorithm.outer import weighted_average
 from p2pdiloco.algorithm.robust import aggregate
 from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.matchmaking import Group
@@ -56,9 +55,12 @@ class SliceGuard:
             self.book.accept(group.members[i], group.group_id)
         if not keep:
             raise MergeFailed("every contribution to this slice was rejected")
+        if tag == "s" and any(weights[i] > 0 for i in keep):
+            keep = [i for i in keep if weights[i] > 0]  # a fresh peer's θg (no tokens absorbed) counts for nothing
         kept, kept_w = [parts[i] for i in keep], [weights[i] for i in keep]
-        if tag == "s":  # global models are averaged by tokens absorbed, so that a fresh peer adopts the swarm's
-            return weighted_average(kept, kept_w)
+        # global models too are combined by the robust rule: where most members agree and one differs (it merged
+        # alone), CenteredClip's median start and zero radius return the majority's bits exactly, and a member
+        # offering a model far off moves the result by at most the clipping radius (issue 18)
         return aggregate(g.aggregate, kept, kept_w, g.robust_min_group, g.trim_fraction)
 
     def accept(self, group: Group, owner: int, averaged: torch.Tensor, mine: torch.Tensor) -> None:

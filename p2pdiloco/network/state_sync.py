@@ -5,6 +5,11 @@ schedule step, tokens absorbed) with a sha256 of the payload in the header. The 
 checksum and finiteness before it uses anything, and tries the next donor on any failure. Donors serve
 one download at a time and answer "busy" otherwise, so several joiners spread over several donors
 instead of queueing on the freshest one.
+
+Nothing a donor says about its state is taken on its word (issue 18): the joiner takes a state only if its
+digest is the global model of at least two live peers (their heartbeat records carry `global_digest`; with a
+single live peer, that peer's), and the counters it adopts are capped by the median of the live peers' records,
+so one donor claiming step 10⁹ cannot end a joiner's run.
 """
 
 from __future__ import annotations
@@ -13,13 +18,15 @@ import asyncio
 import hashlib
 import logging
 import random
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import hivemind
 import torch
 from hivemind.p2p import PeerID
 
+from p2pdiloco.algorithm.outer import state_digest
 from p2pdiloco.network.swarm_key import SwarmAuth
 from p2pdiloco.network.wire import ByteCounter, WireError, await_requester_close, recv_msg, send_msg
 
@@ -71,18 +78,39 @@ def unpack_state(header: dict, payload: bytes, n_params: int) -> GlobalState:
     return GlobalState(flat[:n_params].clone(), flat[n_params:].clone(), round_, step, tokens)
 
 
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def donor_order(records: dict[str, dict], me: str, rng: random.Random | None = None) -> list[str]:
-    """Donors to try, freshest first; peers within one round of the freshest are shuffled so that joiners
-    arriving together pick different donors."""
+    """Donors to try: peers whose global model the most live peers share first (by the digests in their
+    records), shuffled among equals so that joiners arriving together pick different donors. A peer with no
+    digest yet (no merge applied) has nothing to give."""
     rng = rng or random.Random()
-    donors = [(p, r) for p, r in records.items() if p != me and float(r.get("global_tokens") or 0) > 0]
-    if not donors:
-        return []
-    best = max(int(r.get("round") or 0) for _, r in donors)
-    fresh = [p for p, r in donors if int(r.get("round") or 0) >= best - 1]
-    rng.shuffle(fresh)
-    stale = sorted((p for p, r in donors if p not in fresh), key=lambda p: -int(records[p].get("round") or 0))
-    return fresh + stale
+    digests = {p: r.get("global_digest") for p, r in records.items() if p != me}
+    digests = {p: d for p, d in digests.items() if isinstance(d, str) and d}
+    support = Counter(digests.values())
+    donors = list(digests)
+    rng.shuffle(donors)
+    return sorted(donors, key=lambda p: -support[digests[p]])  # stable: the shuffle orders equals
+
+
+def state_support(records: dict[str, dict], me: str, digest: str) -> tuple[int, int]:
+    """(live peers other than `me` whose record says their global model has `digest`, how many must agree)."""
+    digests = [r.get("global_digest") for p, r in records.items() if p != me]
+    holders = [d for d in digests if isinstance(d, str) and d]
+    return sum(d == digest for d in holders), min(2, len(holders))
+
+
+def bounded_counters(state: GlobalState, records: dict[str, dict], me: str) -> GlobalState:
+    """The donor's counters capped by the (lower) median of the live peers' records: a donor's claim alone
+    cannot put a joiner at the end of the schedule or make its θg count for more than the swarm's."""
+    def cap(value: float, field: str) -> float:
+        claims = sorted(x for p, r in records.items() if p != me and (x := _number(r.get(field))) is not None)
+        return min(value, claims[(len(claims) - 1) // 2]) if claims else value
+
+    return GlobalState(state.global_params, state.momentum, int(cap(state.round, "round")), int(cap(state.step, "step")),
+                       cap(state.global_tokens, "global_tokens"))
 
 
 class StateSync:
@@ -146,12 +174,31 @@ class StateSync:
             raise StateError("donor busy" if header.get("busy") else f"donor refused: {header.get('error')}")
         return unpack_state(header, payload, self.n_params)
 
-    async def fetch(self, records: dict[str, dict], me: str, timeout: float) -> tuple[GlobalState, str] | None:
-        """Try donors in `donor_order` until one yields a verified state; None if none does."""
+    async def fetch(self, records: dict[str, dict], me: str, timeout: float,
+                    refresh: Callable[[], Awaitable[dict[str, dict]]] | None = None) -> tuple[GlobalState, str] | None:
+        """Try donors in `donor_order` until one yields a verified state that other live peers hold too.
+
+        Args:
+            records: live peers' heartbeat records, {peer id: record}.
+            me: this peer's id.
+            timeout: bound on one download.
+            refresh: re-reads the live records; used when a state's digest is not (yet) in enough of them, since
+                a record can lag its peer's last merge by a heartbeat.
+
+        Returns:
+            (the state, with counters bounded by the records; the donor), or None if no donor's state qualified.
+        """
         for donor in donor_order(records, me):
             try:
                 state = await asyncio.wait_for(self.fetch_from(donor, timeout), timeout)
-                return state, donor
+                digest = state_digest(state.global_params, state.momentum)
+                support, need = state_support(records, me, digest)
+                if support < need and refresh is not None:
+                    records = await refresh()
+                    support, need = state_support(records, me, digest)
+                if support < need:
+                    raise StateError(f"its global model is held by {support} live peer(s), {need} must agree")
+                return bounded_counters(state, records, me), donor
             except (StateError, WireError, TimeoutError, ConnectionError, OSError, Exception) as e:
                 logger.warning("state download from %s failed (%s); trying the next donor", donor[-6:], e)
         return None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from p2pdiloco.config import Config
 from p2pdiloco.network.merger import Merger
 from p2pdiloco.testing.faults import Faults, faults_from_env
-from p2pdiloco.testing.hostile import HostileMerger
+from p2pdiloco.testing.hostile import HostileMerger, poisoned_state
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,10 @@ class PeerHooks:
         """The merger the learner submits to: `merger` itself, or a hostile wrapper around it (the real merger
         still counts the bytes)."""
         return HostileMerger(merger, self.hostile, self.seed) if self.hostile else merger
+
+    def wrap_state(self, provider):
+        """The state this peer serves to joiners: its own, or a poisoned one (hostile kind `donor`)."""
+        return poisoned_state(provider) if self.hostile == "donor" else provider
 
 
 def peer_hooks(cfg: Config) -> PeerHooks:

@@ -1,24 +1,40 @@
 """Hostile peers on demand (`p2pdiloco local --hostile INDEX:KIND`, config field emulate.hostile).
 
-A hostile peer runs the ordinary code but corrupts its own pseudo-gradient before it offers it to a merge,
-as a broken accelerator or a peer with bad intent would. It changes nothing in other peers' processes:
-what they see is only what it sends.
+A hostile peer runs the ordinary code but lies in what it sends, as a broken accelerator or a peer with bad
+intent would. It changes nothing in other peers' processes: what they see is only what it sends.
+
+- nan, scale, noise, signflip: its pseudo-gradient is corrupted (see `corrupt`).
+- takeover: it offers θg = −(its θg) with weights of 1e30, so that a group that averages global models adopts
+  its model (issue 18, attack 2).
+- final: every contribution says "this is my last", which used to end every member's run (attack 3).
+- leader: its ready records claim a deadline an hour away and it never invites anyone, which used to stop
+  every group it would have led from forming (attack 5).
+- donor: it serves joiners θg = −(its θg) with counters claiming step 10⁹ (attack 6).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from concurrent.futures import Future
 
 import torch
+from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import HOSTILE_KINDS as KINDS
 from p2pdiloco.network.merger import Contribution, Merger, MergeResult
+from p2pdiloco.network.state_sync import GlobalState
 
 logger = logging.getLogger(__name__)
 
 SCALE = 1000.0
 """The `scale` kind multiplies Δ by this."""
+
+CORRUPTING = ("nan", "scale", "noise", "signflip")
+"""Kinds that corrupt the pseudo-gradient."""
+
+CLAIM = 1e30
+"""What a lying peer claims: tokens, steps."""
 
 
 def corrupt(pseudo_grad: torch.Tensor, kind: str, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -41,7 +57,7 @@ def corrupt(pseudo_grad: torch.Tensor, kind: str, generator: torch.Generator | N
 
 
 class HostileMerger:
-    """Wraps this peer's merger and corrupts every contribution it submits.
+    """Wraps this peer's merger and lies in every contribution it submits.
 
     Args:
         inner: the real merger.
@@ -55,11 +71,48 @@ class HostileMerger:
         self.inner, self.kind = inner, kind
         self.peer_id = inner.peer_id
         self._gen = torch.Generator().manual_seed(seed)
-        logger.warning("[%s] HOSTILE peer: every contribution is corrupted (%s)", self.peer_id[-6:], kind)
+        if kind == "leader":
+            silent_leader(inner)
+        logger.warning("[%s] HOSTILE peer: %s", self.peer_id[-6:], kind)
 
     def submit(self, contribution: Contribution) -> Future[MergeResult]:
-        bad = corrupt(contribution.pseudo_grad, self.kind, self._gen)
-        return self.inner.submit(Contribution(**{**contribution.__dict__, "pseudo_grad": bad}))
+        c = contribution
+        if self.kind in CORRUPTING:
+            c = Contribution(**{**c.__dict__, "pseudo_grad": corrupt(c.pseudo_grad, self.kind, self._gen)})
+        elif self.kind == "takeover":
+            c = Contribution(**{**c.__dict__, "global_params": -c.global_params, "weight": CLAIM, "state_weight": CLAIM,
+                                "state_digest": "takeover-" + c.state_digest})
+        elif self.kind == "final":
+            c = Contribution(**{**c.__dict__, "final": True})
+        return self.inner.submit(c)
 
     def close(self) -> None:
         self.inner.close()
+
+
+def silent_leader(merger) -> None:
+    """Make a P2PMerger's matchmaker claim a far deadline in every ready record and never invite anyone."""
+    mm = merger.matchmaker
+    write_ready = mm._write_ready
+
+    async def far_ready(value: dict, ttl: float) -> None:
+        if value.get("looking"):
+            value = {**value, "deadline": value["deadline"] + 3600.0}
+        await write_ready(value, ttl)
+
+    async def never_lead(search, candidates):  # looks until its real deadline, declining invites as leaders do
+        search.leading = True
+        await asyncio.sleep(max(0.0, search.deadline - get_dht_time()))
+        return None
+
+    mm._write_ready, mm._lead = far_ready, never_lead
+
+
+def poisoned_state(provider):
+    """A state provider serving −θg with counters claiming step 10⁹ (the `donor` kind)."""
+    def serve() -> GlobalState | None:
+        state = provider()
+        if state is None:
+            return None
+        return GlobalState(-state.global_params, state.momentum, int(CLAIM), int(CLAIM), CLAIM)
+    return serve

@@ -200,6 +200,18 @@ class Learner:
         """This peer's run is over: its step budget or time limit is reached, or it merged with a finishing peer."""
         return self.c.step >= self.cfg.run.total_steps or self.clock.out_of_time() or self.ended_with_swarm
 
+    def near_end(self, rounds: int = 2) -> bool:
+        """Within `rounds` rounds of this peer's own end (its step budget or time limit), by its own counters.
+
+        Only then does a group member's "final" end this peer's run: peers that finish together end on the same
+        global model, and a member that says "final" at any other time ends nobody's run (issue 18).
+        """
+        steps_per_round = self.c.step / max(1, self.c.round)
+        if self.cfg.run.total_steps - self.c.step <= rounds * max(1.0, steps_per_round):
+            return True
+        limit, elapsed = self.clock.time_limit_s, time.monotonic() - self.clock.t_train
+        return limit > 0 and limit - elapsed <= rounds * elapsed / max(1, self.c.round)
+
     def round_done(self) -> bool:
         """True when this round should be submitted; never while a merge is still in flight."""
         if self.in_flight is not None or self.c.steps_in_round == 0 or self.ended_with_swarm:
@@ -270,9 +282,13 @@ class Learner:
         flight, self.in_flight = self.in_flight, None
         self.apply_merge(result, flight.local_at_submit)
         if result.final and not result.alone and not flight.contribution.final:
-            self.ended_with_swarm = True  # the steps taken since this contribution are not in any global model
-            logger.info("[%s] merged with a peer that finished its run: ending at step %d", self.tag, self.c.step)
-        self.report.merge(result, flight.compute_s, self.g.digest(), self.scheduled_eval())
+            if self.near_end():
+                self.ended_with_swarm = True  # the steps taken since this contribution are not in any global model
+                logger.info("[%s] merged with a peer that finished its run: ending at step %d", self.tag, self.c.step)
+            else:  # a claim from another peer; only this peer's own counters end its run (issue 18)
+                logger.warning("[%s] a member of group %s said the run is over, but this peer is at step %d of %d: "
+                               "going on", self.tag, result.group_id, self.c.step, self.cfg.run.total_steps)
+        self.report.merge(result, flight.compute_s, self.c.global_digest, self.scheduled_eval())
         if self.checkpoint_due():
             self.checkpoint()
 
@@ -286,13 +302,20 @@ class Learner:
                 restarts from θg regardless.
         """
         if result.global_state is not None:  # members disagreed: the group's averaged global model is adopted
-            self.c.global_tokens = max(self.c.global_tokens, result.state_weight)
-        self.g.merge(result)
+            if self.g.merge(result, own_weight=self.c.global_tokens):
+                self.c.global_tokens = max(self.c.global_tokens, result.state_weight)
+            else:
+                logger.warning("[%s] refused group %s's averaged global model: farther from ours than any honest "
+                               "divergence (see algorithm/outer.py, state_within_reach)", self.tag, result.group_id)
+                result.global_state, result.state_refused = None, True
+        else:
+            self.g.merge(result)
         if local_at_submit is None:
             load_flat_(self.model, self.g.params)
         else:
             load_flat_(self.model, rebase(self.g.params, self._local_params(), local_at_submit))
         self.c.add_merge(result)
+        self.c.global_digest = self.g.digest()
         self.shared = self.snapshot()
 
     # ---- state: sharing with joiners, adopting the swarm's, checkpoints ----
@@ -307,6 +330,7 @@ class Learner:
         self.g.adopt(state.global_params, state.momentum)
         load_flat_(self.model, self.g.params)
         self.c.round, self.c.step, self.c.global_tokens = state.round, state.step, state.global_tokens
+        self.c.global_digest = self.g.digest()
         self.shared = self.snapshot()
         self.schedule.joined_at(state.step)
 

@@ -68,6 +68,9 @@ class Counters:
     compute_in_round: float = 0.0
     join_s: float | None = None
     """Seconds from process start to the first merge with other peers."""
+    global_digest: str = ""
+    """Digest of (θg, momentum) after the last merge or adoption ('' before either): in the heartbeat, so that a
+    joiner can check a donor's state against what other live peers hold."""
 
     def add_step(self, tokens: int, compute_s: float) -> None:
         """Count one inner step on `tokens` tokens that took `compute_s` seconds."""
@@ -204,7 +207,7 @@ class Reporter:
             kind="merge", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round, tokens=self.c.tokens,
             group_size=len(result.group), group_id=result.group_id, merges=self.c.merges, failure=result.failure,
             merge_s=result.duration_s, bytes_sent=self.bytes_io()[0], bytes_received=self.bytes_io()[1],
-            global_digest=global_digest, adopted_state=result.global_state is not None, eval_loss=eval_loss,
+            global_digest=global_digest, adopted_state=result.global_state is not None, state_refused=result.state_refused, eval_loss=eval_loss,
             eval_loss_per_byte=self.per_byte(eval_loss),
             round_compute_s=round_compute_s, rejected=result.rejected, final=result.final,
             **({"traffic": self.traffic.snapshot()} if self.traffic else {}),
@@ -228,7 +231,7 @@ class Reporter:
             "step": self.c.step, "round": self.c.round, "tokens": self.c.tokens, "loss": _finite(self.loss_avg.value),
             "eval_loss": _finite(self.last_eval_loss), "eval_loss_per_byte": self.per_byte(_finite(self.last_eval_loss)),
             "tokens_per_s": self.throughput.rate(),
-            "global_tokens": self.c.global_tokens, "merges": self.c.merges,
+            "global_tokens": self.c.global_tokens, "global_digest": self.c.global_digest, "merges": self.c.merges,
             "bytes_sent": self.bytes_io()[0], "bytes_received": self.bytes_io()[1],
             "last_group_size": self.c.last_group_size, "last_merge_s": self.c.last_merge_s,
             "last_merge_time": self.c.last_merge_time, "mfu": self.mfu(self.throughput.rate()),

@@ -1,0 +1,153 @@
+"""Strangers inside the swarm (issue 18): peers that hold the key but lie about themselves.
+
+Each attack that worked against a real swarm is reproduced here, and the refusal itself is asserted: the
+weights a group counts, the global model a member keeps, a run that goes on, a leader that is passed over.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from p2pdiloco.algorithm.guards import bounded_weights
+from p2pdiloco.algorithm.outer import STATE_REACH, outer_step, state_within_reach
+from p2pdiloco.config import GuardConfig, OuterOptConfig, SwarmConfig
+from p2pdiloco.network import matchmaking
+from p2pdiloco.network.matchmaking import leader_epoch, leader_rank
+from p2pdiloco.network.merger import Contribution, MergeResult
+from p2pdiloco.testing.hostile import CLAIM, silent_leader
+from p2pdiloco.training.global_model import GlobalModel
+from tests.test_learner import _cfg, _learner
+
+N = 1001
+
+
+# ---- attack 2: self-reported weights ----
+
+def test_bounded_weights_cap_a_claim_at_twice_the_median():
+    assert bounded_weights([1.0, 1.0, 1.0, CLAIM]) == [1.0, 1.0, 1.0, 2.0]
+    assert bounded_weights([100.0, CLAIM]) == [100.0, 200.0]  # a pair: at most twice the smaller claim
+    assert bounded_weights([0.0, 5.0]) == [0.0, 5.0]  # a fresh peer's θg still counts for nothing
+    assert bounded_weights([float("nan"), -3.0, "x", True, 4.0]) == [0.0, 0.0, 0.0, 0.0, 4.0]
+    assert bounded_weights([1.0, 3.0, 2.0]) == [1.0, 3.0, 2.0]  # honest spreads within the cap are kept
+
+
+def test_a_global_model_far_off_is_refused_unless_this_peer_is_fresh():
+    gen = torch.Generator().manual_seed(0)
+    theta, delta = torch.randn(N, generator=gen), 1e-3 * torch.randn(N, generator=gen)
+    outer = OuterOptConfig()
+    step, _ = outer_step(theta, torch.zeros(N), delta, outer.lr, outer.momentum)
+    assert state_within_reach(theta, theta + 0.5 * STATE_REACH * (step - theta), step - theta)
+    assert not state_within_reach(theta, -theta, step - theta)
+    assert not state_within_reach(theta, torch.full((N,), float("nan")), step - theta)
+
+    takeover = MergeResult(group=["a", "b"], pseudo_grad=delta, total_weight=2.0,
+                           global_state=torch.cat([-theta, torch.zeros(N)]), state_weight=CLAIM)
+    g = GlobalModel(theta.clone(), outer)
+    assert g.merge(takeover, own_weight=1000.0) is False  # refused: this peer keeps its own model, stepped
+    assert torch.equal(g.params, step)
+    fresh = GlobalModel(torch.zeros(N), outer)
+    assert fresh.merge(takeover, own_weight=0.0) is True  # a peer with nothing of its own takes the group's
+
+
+@pytest.fixture
+def guarded_mergers(bootstrap_dht, net_loop):
+    from tests.conftest import running_mergers
+
+    cfg = SwarmConfig(run_id="ins", merge_window_s=8, merge_timeout_s=4, codec="none", sync=True)
+    with running_mergers(bootstrap_dht, net_loop, 4, cfg, N, guard=GuardConfig(ban_after=0)) as ms:
+        yield ms
+
+
+def _honest(theta: torch.Tensor, delta: torch.Tensor) -> Contribution:
+    return Contribution(pseudo_grad=delta, weight=100.0, global_params=theta, momentum=torch.zeros(N),
+                        state_digest="honest", state_weight=1000.0)
+
+
+def test_a_member_claiming_huge_weights_and_offering_minus_theta_takes_over_nothing(guarded_mergers):
+    """Attack 2: θg = −θg with weight and state weight 1e30 (it replaced the model of every member before)."""
+    gen = torch.Generator().manual_seed(1)
+    theta = torch.randn(N, generator=gen)
+    deltas = [1e-3 * torch.randn(N, generator=gen) for _ in range(4)]
+    hostile = Contribution(pseudo_grad=deltas[3], weight=CLAIM, global_params=-theta, momentum=torch.zeros(N),
+                           state_digest="takeover", state_weight=CLAIM)
+    sent = [_honest(theta, d) for d in deltas[:3]] + [hostile]
+    results = [f.result(timeout=60) for f in [m.submit(c) for m, c in zip(guarded_mergers, sent, strict=True)]]
+    for r in results:
+        assert r.failure == "" and len(r.group) == 4 and torch.equal(r.global_state, results[0].global_state)
+    # the agreement step returned the honest majority's model bit for bit, not the hostile one
+    assert torch.equal(results[0].global_state[:N], theta)
+    # the hostile member's Δ counted as at most twice the median member, not 1e30 times
+    assert results[0].total_weight == pytest.approx(500.0)
+    assert results[0].state_weight == pytest.approx(2000.0)  # the counters others adopt are capped as well
+
+
+# ---- attack 3: "final" ends everyone's run ----
+
+class _FinalGroupMerger:
+    """Every merge is with a member that says it is finishing (a hostile `final` peer)."""
+
+    def __init__(self):
+        self.peer_id = "victim"
+
+    def submit(self, c: Contribution) -> Future[MergeResult]:
+        f: Future[MergeResult] = Future()
+        f.set_result(MergeResult(group=["victim", "liar"], pseudo_grad=c.pseudo_grad, total_weight=c.weight, final=True))
+        return f
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_members_final_ends_this_peers_run_only_within_its_last_rounds(tmp_path):
+    cfg = _cfg(**{"run.total_steps": 40, "swarm.sync": "true"})  # rounds of 5 steps
+    learner = _learner(cfg, _FinalGroupMerger(), tmp_path, 0)
+    summary = learner.run()
+    # every merge said "final"; the run went on to its own last two rounds (it ended at step 2 before the fix)
+    assert summary["inner_steps"] == 30 and learner.ended_with_swarm
+
+
+# ---- attack 5: leader capture ----
+
+def test_no_peer_id_leads_every_epoch():
+    peers = [f"12D3KooW{'0' * 6}captor"] + [f"12D3KooW{i:06d}honest" for i in range(1, 8)]
+    assert min(peers) == peers[0]  # the id that `min(ready)` made everyone's leader
+    leaders = [min(peers, key=lambda p: leader_rank("run", p, epoch)) for epoch in range(400)]
+    share = leaders.count(peers[0]) / len(leaders)
+    assert 0.05 < share < 0.25  # about 1/8, like any other peer
+    assert len(set(leaders)) == len(peers)
+    # every peer computes the same order from the same ready set
+    assert min(peers, key=lambda p: leader_rank("run", p, 7)) == min(reversed(peers), key=lambda p: leader_rank("run", p, 7))
+    assert leader_epoch(matchmaking.LEADER_EPOCH_S * 3 + 0.5) == 3
+
+
+@pytest.mark.parametrize("far_deadline", [True, False])
+def test_a_ready_peer_that_never_invites_does_not_stop_the_others_from_merging(guarded_mergers, monkeypatch,
+                                                                              far_deadline):
+    """Attack 5: a peer that ranks first and never invites (0 group merges after it joined, before the fix).
+
+    With a deadline an hour away its ready record is ignored; with a plausible one it is waited for once, then
+    passed over."""
+    captor = guarded_mergers[0]
+    write_ready = captor.matchmaker._write_ready
+    silent_leader(captor)  # it stays "looking" until its deadline and declines every invite, as a leader does
+    if not far_deadline:
+        captor.matchmaker._write_ready = write_ready  # its deadlines as an honest peer's
+    monkeypatch.setattr(matchmaking, "leader_rank", lambda run, p, epoch: b"" if p == captor.peer_id else p.encode())
+    gen = torch.Generator().manual_seed(2)
+    theta = torch.randn(N, generator=gen)
+    durations = []
+    for _ in range(2):
+        futures = [m.submit(_honest(theta, 1e-3 * torch.randn(N, generator=gen))) for m in guarded_mergers]
+        results = [f.result(timeout=60) for f in futures]
+        honest = results[1:]
+        # the honest peers merged, together (the captor may join as a member when it accepts an invite)
+        assert all(set(r.group) >= {m.peer_id for m in guarded_mergers[1:]} and r.group == honest[0].group
+                   and r.failure == "" for r in honest), [r.group for r in results]
+        durations.append(max(r.duration_s for r in honest))
+    if far_deadline:  # its ready record is ignored: nobody waits for it
+        assert all(d < 8.0 for d in durations) and results[0].alone, durations
+    else:  # waited for once (up to its deadline and the invite timeout), then passed over as a leader
+        assert durations[1] < 8.0, durations
