@@ -22,6 +22,7 @@ from p2pdiloco.network.identity import (
     PeerIdentity,
     PeerRecordValidator,
     load_or_create_identity,
+    record_message,
 )
 from p2pdiloco.network.swarm import SwarmError, peers_key, read_subkeys, start_dht, write_subkey
 from p2pdiloco.network.swarm_key import KeyedRecordValidator, load_key, write_new_key
@@ -75,13 +76,13 @@ def test_a_record_under_someone_elses_id_is_refused(rsa_identity):
     assert PeerRecordValidator(attacker).sign_value(forged) == forged.value  # an honest node never signs for others
     assert not honest.validate(forged)  # unsigned
     # signed by the attacker's key, in the layout the victim's would have (an Ed25519 id carries its own key)
-    sig = attacker.sign(PeerRecordValidator._message(forged, forged.value))
+    sig = attacker.sign(record_message(forged.key, forged.subkey, forged.expiration_time, forged.value))
     assert not honest.validate(dataclasses.replace(forged, value=forged.value + sig + b"\x00\x00\x00\x40"))
     # an RSA victim: the attacker's RSA key carried in the record does not hash to the victim's id
     other_rsa = PeerIdentity(rsa.generate_private_key(public_exponent=65537, key_size=2048))
     rsa_forged = _record(rsa_identity.peer_id, FORGED)
     carried = other_rsa.public_protobuf
-    sig = other_rsa.sign(PeerRecordValidator._message(rsa_forged, rsa_forged.value))
+    sig = other_rsa.sign(record_message(rsa_forged.key, rsa_forged.subkey, rsa_forged.expiration_time, rsa_forged.value))
     layout = carried + sig + len(carried).to_bytes(2, "big") + len(sig).to_bytes(2, "big")
     assert not honest.validate(dataclasses.replace(rsa_forged, value=rsa_forged.value + layout))
     # a made-up peer: a string subkey that is no peer id, signed or not
