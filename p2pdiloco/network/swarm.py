@@ -3,6 +3,7 @@
 DHT keys are prefixed by the run id, so several swarms can share one bootstrap node:
 ``{run_id}_peers`` holds one expiring record per live peer (subkey = peer id),
 ``{run_id}_ready`` one record per peer that is looking for a merge group.
+Only the peer a subkey names can write under it (`PeerRecordValidator`, network/identity.py).
 """
 
 from __future__ import annotations
