@@ -13,7 +13,8 @@ import psutil
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco.network.swarm import peers_key, write_subkey
+from p2pdiloco.config import SwarmConfig
+from p2pdiloco.network.swarm import peers_key, start_dht, write_subkey
 from tests.conftest import free_port, wait_for
 
 CLI = [sys.executable, "-m", "p2pdiloco"]
@@ -63,8 +64,12 @@ def test_peer_with_different_model_is_refused(tmp_path, bootstrap_dht, net_loop)
     maddr = str(bootstrap_dht.get_visible_maddrs()[0])
     theirs = {"model": {"n_layer": 4}, "tokenizer": "bytes"}
     record = {"fingerprint": theirs}
-    net_loop.run(write_subkey(bootstrap_dht, peers_key("fp"), "somepeer", record, get_dht_time() + 60), 10)
-    out = run_cli("peer", "--initial-peers", maddr, "--run-id", "fp", "--run-dir", str(tmp_path), *TINY)
+    other = start_dht(SwarmConfig(host="127.0.0.1", initial_peers=[maddr]))  # records are signed by their peer
+    try:
+        net_loop.run(write_subkey(other, peers_key("fp"), other.peer_id.to_base58(), record, get_dht_time() + 60), 10)
+        out = run_cli("peer", "--initial-peers", maddr, "--run-id", "fp", "--run-dir", str(tmp_path), *TINY)
+    finally:
+        other.shutdown()
     _one_line_error(out, "config differs from the swarm")
     assert "model.n_layer: 1 here, 4 in the swarm" in out.stderr
 

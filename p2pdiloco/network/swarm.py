@@ -3,12 +3,14 @@
 DHT keys are prefixed by the run id, so several swarms can share one bootstrap node:
 ``{run_id}_peers`` holds one expiring record per live peer (subkey = peer id),
 ``{run_id}_ready`` one record per peer that is looking for a merge group.
+Only the peer a subkey names can write under it (`PeerRecordValidator`, network/identity.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -24,6 +26,13 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig, fingerprint_diff
+from p2pdiloco.network.identity import (
+    IdentityError,
+    PeerIdentity,
+    PeerRecordValidator,
+    load_or_create_identity,
+    write_temporary_identity,
+)
 from p2pdiloco.network.swarm_key import KeyedRecordValidator, SwarmAuth, SwarmKeyError, load_key
 from p2pdiloco.network.traffic import install_dht_counter
 
@@ -53,8 +62,17 @@ def check_maddrs(addrs: list[str], what: str) -> None:
 def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: bool = False) -> hivemind.DHT:
     """Start this process's DHT node and join the swarm through `cfg.initial_peers` (if any).
 
+    The node runs with a libp2p identity this process holds, so that it can sign its own peer records and
+    every node can refuse records signed by anyone else (`PeerRecordValidator`).
+
+    Args:
+        cfg: the swarm's config.
+        identity_path: the node's identity key file, created if missing and reused afterwards (same peer id);
+            None: a fresh identity, handed to p2pd through a private temporary file removed once it started.
+        client_mode: join as a DHT client (stores nothing, serves nobody), as `status` and `dashboard` do.
+
     Raises:
-        SwarmError: bad addresses, or no initial peer reachable within `cfg.join_timeout_s`.
+        SwarmError: bad addresses or identity file, or no initial peer reachable within `cfg.join_timeout_s`.
     """
     check_maddrs(cfg.initial_peers, "initial peer")
     check_maddrs(cfg.announce, "announce address")
@@ -64,15 +82,25 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
             validators.append(KeyedRecordValidator(load_key(cfg.swarm_key)))
         except SwarmKeyError as e:
             raise SwarmError(str(e)) from None
+    try:
+        identity = PeerIdentity.generate() if identity_path is None else load_or_create_identity(identity_path)
+    except IdentityError as e:
+        raise SwarmError(str(e)) from None
+    validators.append(PeerRecordValidator(identity))
+    temporary = write_temporary_identity(identity) if identity_path is None else None
     t0 = time.monotonic()
     install_dht_counter()  # before the DHT process forks, so that it counts its own traffic
     try:
-        return hivemind.DHT(
+        dht = hivemind.DHT(
             start=True,
             initial_peers=cfg.initial_peers or None,
             host_maddrs=host_maddrs(cfg.host, cfg.port),
             announce_maddrs=cfg.announce or None,
-            identity_path=identity_path,
+            identity_path=temporary or identity_path,
+            # hivemind's check that nobody else runs with this key starts a second p2pd (~0.3 s a start) and
+            # cannot read Ed25519 keys; a fresh key is nobody else's, and a reused file is the operator's to keep
+            # to one process
+            check_if_identity_free=False,
             client_mode=client_mode,
             startup_timeout=cfg.join_timeout_s,
             await_ready=True,
@@ -89,6 +117,13 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
         raise SwarmError(f"could not start the p2p daemon on {cfg.host}:{cfg.port} ({reason})") from None
     except TimeoutError:
         raise SwarmError(f"the DHT did not start within {cfg.join_timeout_s:.0f} s") from None
+    finally:
+        if temporary is not None:
+            os.unlink(temporary)  # p2pd has read it; the key now lives only in this process and its children
+    if dht.peer_id.to_base58() != identity.peer_id:  # p2pd ignored the key: our records would all be refused
+        dht.shutdown()
+        raise SwarmError(f"the p2p daemon runs as {dht.peer_id} instead of its identity {identity.peer_id}")
+    return dht
 
 
 class Reaper:

@@ -1,0 +1,206 @@
+"""Owner-bound peer records (issue 18, attack 4): only the peer a subkey names can write its records.
+
+The unit tests sign and check records with `PeerRecordValidator` alone; the integration tests run real hivemind
+DHTs on loopback, with an attacker node that overwrites a victim's heartbeat by a 'left, finished' record."""
+
+from __future__ import annotations
+
+import dataclasses
+import stat
+
+import hivemind
+import pytest
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.dht.validation import CompositeValidator, DHTRecord
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.timed_storage import get_dht_time
+
+from p2pdiloco.config import SwarmConfig
+from p2pdiloco.network.identity import (
+    IdentityError,
+    PeerIdentity,
+    PeerRecordValidator,
+    load_or_create_identity,
+    record_message,
+)
+from p2pdiloco.network.swarm import SwarmError, peers_key, read_subkeys, start_dht, write_subkey
+from p2pdiloco.network.swarm_key import KeyedRecordValidator, load_key, write_new_key
+from p2pdiloco.observe.status import read_status
+from tests.conftest import wait_for
+
+FORGED = {"left": True, "finished": True, "step": 10**9}
+"""What the attacker writes over each victim's heartbeat: 'this peer finished the run and left'."""
+
+
+def _record(subkey, value: dict, expiration: float = 1000.0) -> DHTRecord:
+    return DHTRecord(b"key-id", MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), expiration)
+
+
+def _signed(validator, record: DHTRecord) -> DHTRecord:
+    return dataclasses.replace(record, value=validator.sign_value(record))
+
+
+@pytest.fixture(scope="module")
+def rsa_identity(tmp_path_factory) -> PeerIdentity:
+    path = tmp_path_factory.mktemp("rsa") / "rsa.key"
+    P2P.generate_identity(str(path))  # how hivemind (and older bootstrap nodes) make identities: RSA, ids Qm...
+    identity = load_or_create_identity(path)
+    assert identity.peer_id == PeerID.from_identity(path.read_bytes()).to_base58()
+    return identity
+
+
+@pytest.mark.parametrize("kind", ["ed25519", "rsa"])
+def test_own_record_round_trips_and_every_tampering_is_refused(kind, rsa_identity):
+    me = PeerIdentity.generate() if kind == "ed25519" else rsa_identity
+    other = PeerIdentity.generate()
+    validator = PeerRecordValidator(me)
+    record = _record(me.peer_id, {"step": 3})
+    signed = _signed(validator, record)
+    assert validator.validate(signed) and validator.strip_value(signed) == record.value
+    assert PeerRecordValidator(other).validate(signed)  # any node can check it, not just its writer
+
+    value = MSGPackSerializer.dumps({"step": 4})
+    tampered_value = dataclasses.replace(signed, value=value + signed.value[len(record.value):])
+    tampered_expiration = dataclasses.replace(signed, expiration_time=signed.expiration_time + 3600)
+    other_subkey = dataclasses.replace(signed, subkey=MSGPackSerializer.dumps(other.peer_id))
+    other_key = dataclasses.replace(signed, key=b"other-key-id")
+    for bad in (tampered_value, tampered_expiration, other_subkey, other_key):
+        assert not validator.validate(bad)
+
+
+def test_a_record_under_someone_elses_id_is_refused(rsa_identity):
+    victim, attacker = PeerIdentity.generate(), PeerIdentity.generate()
+    honest = PeerRecordValidator(victim)
+    forged = _record(victim.peer_id, FORGED, expiration=10**10)
+    assert PeerRecordValidator(attacker).sign_value(forged) == forged.value  # an honest node never signs for others
+    assert not honest.validate(forged)  # unsigned
+    # signed by the attacker's key, in the layout the victim's would have (an Ed25519 id carries its own key)
+    sig = attacker.sign(record_message(forged.key, forged.subkey, forged.expiration_time, forged.value))
+    assert not honest.validate(dataclasses.replace(forged, value=forged.value + sig + b"\x00\x00\x00\x40"))
+    # an RSA victim: the attacker's RSA key carried in the record does not hash to the victim's id
+    other_rsa = PeerIdentity(rsa.generate_private_key(public_exponent=65537, key_size=2048))
+    rsa_forged = _record(rsa_identity.peer_id, FORGED)
+    carried = other_rsa.public_protobuf
+    sig = other_rsa.sign(record_message(rsa_forged.key, rsa_forged.subkey, rsa_forged.expiration_time, rsa_forged.value))
+    layout = carried + sig + len(carried).to_bytes(2, "big") + len(sig).to_bytes(2, "big")
+    assert not honest.validate(dataclasses.replace(rsa_forged, value=rsa_forged.value + layout))
+    # a made-up peer: a string subkey that is no peer id, signed or not
+    assert not honest.validate(_signed(PeerRecordValidator(attacker), _record("somepeer", FORGED)))
+    # junk trailers are refused, never raised
+    for junk in (b"", b"\x01", b"\xff\xff\xff\xff", forged.value + b"\x00\x00\xff\xff"):
+        assert not honest.validate(dataclasses.replace(forged, value=junk))
+
+
+def test_records_without_a_peer_subkey_pass_untouched():
+    validator = PeerRecordValidator(PeerIdentity.generate())
+    for subkey in (None, b"raw-bytes", 7):
+        record = _record(subkey, {"x": 1})
+        assert validator.sign_value(record) == record.value
+        assert validator.validate(record) and validator.strip_value(record) == record.value
+
+
+def test_chains_with_the_swarm_key_both_must_hold():
+    key, me = b"k" * 32, PeerIdentity.generate()
+    honest = CompositeValidator([KeyedRecordValidator(key), PeerRecordValidator(me)])
+    record = _record(me.peer_id, {"step": 1})
+    signed = _signed(honest, record)
+    assert honest.validate(signed) and honest.strip_value(signed) == record.value
+    # a key holder (the insider of a private swarm) cannot write under another peer's id
+    insider = CompositeValidator([KeyedRecordValidator(key), PeerRecordValidator(PeerIdentity.generate())])
+    assert not honest.validate(_signed(insider, _record(me.peer_id, FORGED, 10**10)))
+    # and the peer's own signature is no use without the key
+    assert not honest.validate(_signed(PeerRecordValidator(me), record))
+
+
+def test_identity_file_is_private_and_reused(tmp_path):
+    path = tmp_path / "peer.key"
+    first = load_or_create_identity(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_or_create_identity(path).peer_id == first.peer_id  # that p2pd agrees: the restart test below
+    (tmp_path / "junk.key").write_bytes(b"not a key")
+    with pytest.raises(IdentityError, match="is not a libp2p identity"):
+        load_or_create_identity(tmp_path / "junk.key")
+    with pytest.raises(SwarmError, match="is not a libp2p identity"):
+        start_dht(SwarmConfig(host="127.0.0.1"), identity_path=str(tmp_path / "junk.key"))
+
+
+# ---- real DHTs on loopback --------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["public", "private"])
+def swarm(request, tmp_path):
+    """A bootstrap node (identity file, as `p2pdiloco bootstrap` runs it), a victim peer, an honest reader, and an
+    attacker: a plain hivemind node with its own identity (and, in the private swarm, the swarm key), so it signs
+    nothing for anyone and stores what it likes."""
+    key = str(write_new_key(tmp_path / "swarm.key")) if request.param == "private" else ""
+    cfg = SwarmConfig(run_id="rec", host="127.0.0.1", swarm_key=key)
+    started = [start_dht(cfg, identity_path=str(tmp_path / "boot.key"))]
+    try:
+        joined = SwarmConfig(**{**cfg.__dict__, "initial_peers": [str(m) for m in started[0].get_visible_maddrs()]})
+        started += [start_dht(joined), start_dht(joined)]
+        attacker = hivemind.DHT(start=True, initial_peers=joined.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                record_validators=[KeyedRecordValidator(load_key(key))] if key else [],
+                                startup_timeout=15)
+        started.append(attacker)
+        yield {"boot": started[0], "victim": started[1], "reader": started[2], "attacker": attacker,
+               "joined": joined, "tmp": tmp_path}
+    finally:
+        for d in started:
+            d.shutdown()
+
+
+def _seen(net_loop, dht, peer_id: str, want: dict, timeout: float = 20) -> dict:
+    return wait_for(lambda: (r := net_loop.run(read_subkeys(dht, peers_key("rec")), 10)).get(peer_id) == want and r,
+                    timeout=timeout, what=f"{want} under {peer_id[-6:]}")
+
+
+@pytest.mark.integration
+def test_forged_left_record_is_refused_and_the_victims_own_stays(swarm, net_loop):
+    victim, attacker = swarm["victim"], swarm["attacker"]
+    victim_id = victim.peer_id.to_base58()
+    own = {"step": 5, "loss": 2.0}
+    assert net_loop.run(write_subkey(victim, peers_key("rec"), victim_id, own, get_dht_time() + 60), 10)
+    _seen(net_loop, swarm["reader"], victim_id, own)
+
+    # the attack: the victim's subkey, a later expiration, 'left, finished at step 10^9'; every honest node refuses
+    assert net_loop.run(_store_elsewhere(attacker, victim_id, FORGED, get_dht_time() + 3600), 15) is False
+    # the attacker keeps it in its own storage and serves it: honest readers drop that answer, never return it
+    net_loop.run(_store_elsewhere(attacker, victim_id, FORGED, get_dht_time() + 3600, exclude_self=False), 15)
+    # readers on honest nodes (a peer, the bootstrap node, `status`'s DHT client) see the victim's own record
+    for dht in (swarm["reader"], swarm["boot"], victim):
+        records = net_loop.run(read_subkeys(dht, peers_key("rec")), 10)
+        assert records.get(victim_id) == own, records
+    status_dht = start_dht(swarm["joined"], client_mode=True)
+    try:
+        status = read_status(net_loop, status_dht, "rec", wait_s=10)
+        assert [p["peer_id"] for p in status["peers"]] == [victim_id] and status["peers"][0]["step"] == 5
+    finally:
+        status_dht.shutdown()
+    # the attacker can still write under its own id (that is a fake peer, not a forged one: another issue)
+    attacker_id = attacker.peer_id.to_base58()
+    unsigned = _store_elsewhere(attacker, attacker_id, {"step": 1}, get_dht_time() + 60)
+    assert net_loop.run(unsigned, 15) is False  # unsigned: a plain hivemind node cannot write at all
+
+
+async def _store_elsewhere(dht: hivemind.DHT, subkey: str, value: dict, expiration: float,
+                           exclude_self: bool = True) -> bool:
+    """Store on the other nodes only (not in `dht`'s own storage), so the result is their verdict."""
+    return await dht.store(peers_key("rec"), value, expiration, subkey=subkey, exclude_self=exclude_self,
+                           return_future=True)
+
+
+@pytest.mark.integration
+def test_own_records_round_trip_across_a_restart_with_the_same_identity(swarm, net_loop):
+    path = str(swarm["tmp"] / "peer.key")
+    expiration = get_dht_time() + 60
+    for step in (1, 2):
+        peer = start_dht(swarm["joined"], identity_path=path)
+        try:
+            peer_id = peer.peer_id.to_base58()
+            assert peer_id == load_or_create_identity(path).peer_id
+            expiration += 1  # a restarted peer's record must expire after its previous one (write_subkey)
+            assert net_loop.run(write_subkey(peer, peers_key("rec"), peer_id, {"step": step}, expiration), 10)
+            _seen(net_loop, swarm["reader"], peer_id, {"step": step})
+        finally:
+            peer.shutdown()
