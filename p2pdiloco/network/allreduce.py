@@ -226,9 +226,10 @@ class AllReduce:
             except BaseException:
                 slot.unclaim(index)
                 raise
-            await self.rpc.reply(reader, writer, "part", sender, {"ok": True}, data)
+            reply = {"ok": True}
         except (MergeFailed, TimeoutError, WireError) as e:
-            await self.rpc.reply(reader, writer, "part", sender, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+            reply, data = {"ok": False, "error": f"{type(e).__name__}: {e}"}, b""
+        await self.rpc.reply(reader, writer, "part", sender, reply, data)  # a failed send is not answered twice
 
     async def _expect_part(self, sender: str, header: dict) -> tuple[Group, str, int, int, tuple[int, int]]:
         """What a part's header announces, checked before its payload is read.
