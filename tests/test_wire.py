@@ -5,12 +5,15 @@ import time
 
 import pytest
 
+from p2pdiloco.network import wire
 from p2pdiloco.network.wire import (
     MAX_HEADER_BYTES,
     ByteCounter,
     WireError,
     await_requester_close,
+    recv_header,
     recv_msg,
+    recv_payload,
     send_msg,
 )
 
@@ -73,3 +76,41 @@ async def test_a_handler_keeps_the_stream_until_the_requester_closes_and_no_long
     t0 = time.monotonic()
     await await_requester_close(asyncio.StreamReader(), limit_s=0.3)
     assert 0.25 < time.monotonic() - t0 < 5
+
+
+async def test_a_request_of_another_size_than_expected_is_refused_before_its_payload():
+    sink = _Sink()
+    await send_msg(sink, {"op": "part"}, b"x" * 100)
+    reader = _reader(bytes(sink.data))
+    assert await recv_header(reader) == {"op": "part"}
+    with pytest.raises(WireError, match="expected 99"):
+        await recv_payload(reader, 99, exact=True)  # smaller than declared
+    assert len(await reader.read()) == 100  # the payload itself was left unread
+    reader = _reader(bytes(sink.data))
+    await recv_header(reader)
+    with pytest.raises(WireError, match="expected 101"):
+        await recv_payload(reader, 101, exact=True)  # larger than declared is refused too
+
+
+class _StalledWriter(_Sink):
+    """A stream whose reader never reads: drain never returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.aborted = False
+        self.transport = self
+
+    def abort(self):
+        self.aborted = True
+
+    async def drain(self):
+        await asyncio.Event().wait()
+
+
+async def test_a_bounded_send_to_a_reader_that_never_reads_is_aborted(monkeypatch):
+    monkeypatch.setattr(wire, "SEND_STALL_S", 0.2)
+    writer, t0 = _StalledWriter(), time.monotonic()
+    with pytest.raises(WireError, match="reader took less than"):
+        await send_msg(writer, {}, b"x" * (3 * wire.SEND_CHUNK), deadline_s=30)
+    assert writer.aborted and time.monotonic() - t0 < 5
+    assert len(writer.data) < 2 * wire.SEND_CHUNK  # the rest was never handed to the stream

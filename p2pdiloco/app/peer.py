@@ -329,7 +329,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         if unit.world_size > 1:
             UnitSync(unit, device).attach(learner)
         state_sync = StateSync(dht, cfg.swarm.run_id, n_params, hooks.wrap_state(lambda: learner.shared),
-                               learner.report.traffic.state, auth=auth)
+                               learner.report.traffic.state, auth=auth, gate=merger.rpc.gate)
         loop.run(state_sync.start(), timeout=30)
         loop.submit(learner.report.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
         if cfg.run.resume:

@@ -24,9 +24,11 @@ import torch
 
 from p2pdiloco.algorithm.codecs import Codec, CodecError, NonFiniteError
 from p2pdiloco.algorithm.outer import weighted_average
+from p2pdiloco.network.admission import Request
 from p2pdiloco.network.matchmaking import Group
 from p2pdiloco.network.merger import FaultHook
 from p2pdiloco.network.rpc import MergeFailed, Rpc
+from p2pdiloco.network.wire import WireError
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,19 @@ class _Slot:
     reduce: Callable[[list, list, dict], torch.Tensor] = lambda parts, weights, flags: weighted_average(parts, weights)
     """(parts, weights, flags) -> the averaged slice; flags: {member index: reason} decided on arrival."""
     flags: dict[int, str] = field(default_factory=dict)
+    claimed: set[int] = field(default_factory=set)
+    """Members whose part is being received or is here."""
+
+    def claim(self, index: int) -> None:
+        """A stream carrying member `index`'s part arrived: it is the only one read."""
+        if index in self.claimed or self.parts[index] is not None:
+            raise MergeFailed(f"duplicate part from member {index}")
+        self.claimed.add(index)
+
+    def unclaim(self, index: int) -> None:
+        """Member `index`'s part did not arrive on the stream that claimed it."""
+        if self.parts[index] is None:
+            self.claimed.discard(index)
 
     def add(self, index: int, part: torch.Tensor, flag: str = "") -> None:
         if self.parts[index] is not None:
@@ -129,18 +144,16 @@ class AllReduce:
             peer is not part of); see `Matchmaker.expected_group`.
         codecs: how the slices of each tag travel: {'d': pseudo-gradient codec, 's': (θg, momentum) codec}.
         reducer: what an owner does with the parts of its slice, and what a member accepts back.
-        merge_timeout_s: bound on receiving one part, and on waiting for a slice's average.
-        max_part: largest part payload accepted, in bytes.
+        merge_timeout_s: bound on receiving one part's payload, and on waiting for a slice's average.
         faults: test hook; stage 'serve_part' fires on each part received from another member, keyed by
             `round`, which the caller keeps current.
     """
 
     def __init__(self, rpc: Rpc, expected_group: Callable[[str], Awaitable[Group]], codecs: dict[str, Codec],
-                 reducer: SliceReducer | None = None, merge_timeout_s: float = 30.0, max_part: int = 0,
-                 faults: FaultHook | None = None):
+                 reducer: SliceReducer | None = None, merge_timeout_s: float = 30.0, faults: FaultHook | None = None):
         self.rpc, self.expected_group, self.codecs = rpc, expected_group, codecs
         self.reducer = reducer or PlainReducer()
-        self.merge_timeout_s, self.max_part, self.faults = merge_timeout_s, max_part, faults
+        self.merge_timeout_s, self.faults = merge_timeout_s, faults
         self.round = -1
         """This peer's current round (the key of injected faults)."""
 
@@ -197,24 +210,37 @@ class AllReduce:
 
     # ---- the handler: another member sends us its part of the slice we own ----
 
-    async def on_part(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def on_part(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A member's part of the slice this peer owns (its tag already checked; the stream is closed after, see
+        `Rpc.start`). The payload is read only once the header names a group, tag and member this peer expects a
+        part from, and only if it has exactly the size of that part."""
+        sender = request.sender
         try:
-            header, payload = await asyncio.wait_for(self.rpc.receive(reader, self.max_part), self.merge_timeout_s)
-            sender = info.peer_id.to_base58()
-            if not self.rpc.authorized("part", sender, header):
-                return
+            group, tag, index, me, (lo, hi) = await self._expect_part(sender, request.header)
+            slot = self._slot(group, tag, me)
+            slot.claim(index)  # one part per member: a second stream for the same part is refused unread
             try:
-                data = await self._reduce_part(sender, header, payload)
-                await self.rpc.reply(reader, writer, "part", sender, {"ok": True}, data)
-            except (MergeFailed, TimeoutError) as e:
-                await self.rpc.reply(reader, writer, "part", sender, {"ok": False, "error": f"{type(e).__name__}: {e}"})
-        except Exception as e:
-            logger.debug("[%s] part exchange failed: %r", self.rpc.peer_id[-6:], e)
-        finally:
-            writer.close()
+                payload = await self.rpc.receive_payload(reader, self.codecs[tag].encoded_size(hi - lo),
+                                                         self.merge_timeout_s)
+                data = await self._reduce_part(group, tag, index, me, sender, payload)
+            except BaseException:
+                slot.unclaim(index)
+                raise
+            reply = {"ok": True}
+        except (MergeFailed, TimeoutError, WireError) as e:
+            reply, data = {"ok": False, "error": f"{type(e).__name__}: {e}"}, b""
+        await self.rpc.reply(reader, writer, "part", sender, reply, data)  # a failed send is not answered twice
 
-    async def _reduce_part(self, sender: str, header: dict, payload: bytes) -> bytes:
-        """Add a member's slice to the slot this peer reduces; return the encoded average once all arrived."""
+    async def _expect_part(self, sender: str, header: dict) -> tuple[Group, str, int, int, tuple[int, int]]:
+        """What a part's header announces, checked before its payload is read.
+
+        Returns:
+            (the group, tag, the sender's member index, this peer's member index, [start, end) of its slice).
+
+        Raises:
+            MergeFailed: a malformed header, an unknown group, or a sender that is not that member of it.
+            TimeoutError: the group's notice did not come in time.
+        """
         gid, tag, index = header.get("group_id"), header.get("tag"), header.get("index")
         if not isinstance(gid, str) or tag not in ("d", "s") or not isinstance(index, int):
             raise MergeFailed("malformed part header")
@@ -225,6 +251,11 @@ class AllReduce:
         if not 0 <= index < len(group.members) or group.members[index] != sender:
             raise MergeFailed("sender is not that member of the group")
         me = group.members.index(self.rpc.peer_id)
+        return group, tag, index, me, slice_bounds(group.lengths[tag], len(group.members))[me]
+
+    async def _reduce_part(self, group: Group, tag: str, index: int, me: int, sender: str, payload: bytes) -> bytes:
+        """Add member `index`'s part of this peer's slice; return the encoded average once all arrived."""
+        codec = self.codecs[tag]
         lo, hi = slice_bounds(group.lengths[tag], len(group.members))[me]
         part, flag = self.reducer.admit(group, sender, lambda: codec.decode(payload, hi - lo), hi - lo)
         if self.faults is not None:

@@ -30,6 +30,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.algorithm.guards import STALE, GuardBook, bounded_weights, stale_members
 from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.network.admission import Request
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed, Rpc
 from p2pdiloco.network.swarm import live_records, peers_key, read_subkeys, ready_key, write_subkey
@@ -309,54 +310,44 @@ class Matchmaker:
 
     # ---- handlers: what other peers' leaders ask of us ----
 
-    async def on_invite(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            header, _ = await asyncio.wait_for(self.rpc.receive(reader), RPC_TIMEOUT_S)
-            search, gid, leader = self._search, header.get("group_id"), info.peer_id.to_base58()
-            reply = {"accept": False}
-            if not self.rpc.authorized("invite", leader, header):
-                return
-            if leader in self.book.banned:
-                reply["error"] = "banned"
-            elif header.get("fp", "") != self.fingerprint:
-                reply["error"] = "config fingerprint differs"
-            elif search is not None and not search.leading and not search.accepted_gid and isinstance(gid, str) and gid:
-                search.accepted_gid, search.leader = gid, leader
-                search.invited.set()
-                c = search.contribution
-                reply = {"accept": True, "weight": c.weight, "state_weight": c.state_weight, "digest": c.state_digest,
-                         "round": c.round, "final": c.final}
-            await self.rpc.reply(reader, writer, "invite", leader, reply)
-        except Exception as e:
-            logger.debug("[%s] bad invite: %r", self.peer_id[-6:], e)
-        finally:
-            writer.close()
+    async def on_invite(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Another leader's invite (its tag already checked; the stream is closed after, see `Rpc.start`)."""
+        await self.rpc.receive_payload(reader, 0)  # an invite carries none
+        header, leader = request.header, request.sender
+        search, gid = self._search, header.get("group_id")
+        reply = {"accept": False}
+        if leader in self.book.banned:
+            reply["error"] = "banned"
+        elif header.get("fp", "") != self.fingerprint:
+            reply["error"] = "config fingerprint differs"
+        elif search is not None and not search.leading and not search.accepted_gid and isinstance(gid, str) and gid:
+            search.accepted_gid, search.leader = gid, leader
+            search.invited.set()
+            c = search.contribution
+            reply = {"accept": True, "weight": c.weight, "state_weight": c.state_weight, "digest": c.state_digest,
+                     "round": c.round, "final": c.final}
+        await self.rpc.reply(reader, writer, "invite", leader, reply)
 
-    async def on_group(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            header, _ = await asyncio.wait_for(self.rpc.receive(reader), RPC_TIMEOUT_S)
-            gid = header.get("group_id")
-            search = self._search
-            if not self.rpc.authorized("group", info.peer_id.to_base58(), header):
-                return
-            ok = (
-                search is not None and gid == search.accepted_gid and info.peer_id.to_base58() == search.leader
-                and self._valid_notice(header) and self._own_claims_kept(header, search.contribution)
+    async def on_group(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The leader's group notice (its tag already checked; the stream is closed after, see `Rpc.start`)."""
+        await self.rpc.receive_payload(reader, 0)  # a notice carries none
+        header = request.header
+        gid = header.get("group_id")
+        search = self._search
+        ok = (
+            search is not None and gid == search.accepted_gid and request.sender == search.leader
+            and self._valid_notice(header) and self._own_claims_kept(header, search.contribution)
+        )
+        if ok:
+            group = Group(
+                gid, [str(m) for m in header["members"]], [float(w) for w in header["weights"]],
+                [float(w) for w in header["state_weights"]], bool(header["need_state"]), dict(self.lengths),
+                header.get("final") is True,
             )
-            if ok:
-                group = Group(
-                    gid, [str(m) for m in header["members"]], [float(w) for w in header["weights"]],
-                    [float(w) for w in header["state_weights"]], bool(header["need_state"]), dict(self.lengths),
-                    header.get("final") is True,
-                )
-                fut = self._group_future(gid)
-                if not fut.done():
-                    fut.set_result(group)
-            await self.rpc.reply(reader, writer, "group", info.peer_id.to_base58(), {"ok": ok})
-        except Exception as e:
-            logger.debug("[%s] bad group notice: %r", self.peer_id[-6:], e)
-        finally:
-            writer.close()
+            fut = self._group_future(gid)
+            if not fut.done():
+                fut.set_result(group)
+        await self.rpc.reply(reader, writer, "group", request.sender, {"ok": ok})
 
     def _own_claims_kept(self, h: dict, c: Contribution) -> bool:
         """The leader wrote down this peer's weights as this peer offered them (it could raise or zero them)."""

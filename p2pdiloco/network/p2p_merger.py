@@ -84,7 +84,7 @@ class P2PMerger:
         self.allreduce = AllReduce(
             self.rpc, self.matchmaker.expected_group, {"d": self.codec, "s": Codec()},
             SliceGuard(self.guard, self.book) if self.guard.enabled else PlainReducer(),
-            merge_timeout_s=cfg.merge_timeout_s, max_part=2 * n_params * 4, faults=faults,
+            merge_timeout_s=cfg.merge_timeout_s, faults=faults,
         )
         self._loop.run(self.rpc.start({"invite": self.matchmaker.on_invite, "group": self.matchmaker.on_group,
                                        "part": self.allreduce.on_part}), timeout=30)

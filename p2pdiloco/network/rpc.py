@@ -1,29 +1,35 @@
 """Authenticated request and reply between two peers over hivemind's libp2p streams, every byte counted.
 
 One request is one stream: the requester sends a frame (see wire.py) whose header carries the swarm key's tag
-for (op, requester, responder); the responder checks it, sends one reply frame tagged for (op + ':reply'),
-and keeps the stream open until the requester has read it. Protocol names are `p2pdiloco.<run id>.<op>`.
+for (op, requester, responder); the responder admits the stream within its bounds and checks the tag before it
+reads the payload (admission.py), sends one reply frame tagged for (op + ':reply') with a bounded send, and
+keeps the stream open until the requester has read it. Protocol names are `p2pdiloco.<run id>.<op>`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Awaitable, Callable
 
 import hivemind
 from hivemind.p2p import PeerID
 
+from p2pdiloco.network.admission import Handler, StreamGate, serve_stream
 from p2pdiloco.network.swarm_key import SwarmAuth
-from p2pdiloco.network.wire import ByteCounter, await_requester_close, recv_msg, send_msg
+from p2pdiloco.network.wire import (
+    ByteCounter,
+    await_requester_close,
+    recv_header,
+    recv_payload,
+    send_deadline,
+    send_msg,
+)
 
 logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 5.0
 """Bound on one small request (invite, group notice)."""
-
-Handler = Callable[[object, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-"""(stream info with the requester's peer id, reader, writer): serves one request."""
 
 
 class MergeFailed(Exception):
@@ -38,10 +44,14 @@ class Rpc:
         run_id: the swarm's run id, which prefixes every protocol name.
         auth: the swarm key's request authenticator.
         counter: where the bytes of every frame sent and received are added.
+        gate: bounds on the incoming streams this peer serves (None: its own, with the default bounds);
+            share one with the peer's `StateSync` so that the bounds hold across all its protocols.
     """
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, auth: SwarmAuth, counter: ByteCounter):
+    def __init__(self, dht: hivemind.DHT, run_id: str, auth: SwarmAuth, counter: ByteCounter,
+                 gate: StreamGate | None = None):
         self.dht, self.run_id, self.auth, self.counter = dht, run_id, auth, counter
+        self.gate = gate or StreamGate()
         self.peer_id = dht.peer_id.to_base58()
         self._p2p = None
 
@@ -49,10 +59,16 @@ class Rpc:
         return f"p2pdiloco.{self.run_id}.{op}"
 
     async def start(self, handlers: dict[str, Handler]) -> None:
-        """Attach to the DHT's p2p daemon and serve `handlers`: {op: handler}, registered in that order."""
+        """Attach to the DHT's p2p daemon and serve `handlers`: {op: handler}, registered in that order.
+
+        Each handler gets requests whose header carried a valid tag, within the gate's bounds (admission.py);
+        it reads the payload with `receive_payload` and answers with `reply`.
+        """
         self._p2p = await self.dht.replicate_p2p()
         for op, handler in handlers.items():
-            await self._p2p.add_binary_stream_handler(self.proto(op), handler)
+            serve = functools.partial(serve_stream, self.gate, op, self.peer_id, functools.partial(self.authorized, op),
+                                      self.counter, handler)
+            await self._p2p.add_binary_stream_handler(self.proto(op), serve)
 
     async def call(self, peer: str, op: str, header: dict, payload: bytes = b"", max_reply: int = 0) -> tuple[dict, bytes]:
         """Send one request to `peer` and return its (reply header, reply payload).
@@ -64,11 +80,12 @@ class Rpc:
         _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.proto(op))
         try:
             await send_msg(writer, {**header, "auth": self.auth.tag(op, self.peer_id, peer)}, payload, self.counter)
-            reply, data = await recv_msg(reader, max_reply, self.counter)
+            reply = await recv_header(reader, self.counter)
+            if not self.auth.verify(op + ":reply", peer, self.peer_id, reply.get("auth")):
+                raise MergeFailed(f"{op} reply from {peer[-6:]} without the swarm key")  # its payload unread
+            data = await recv_payload(reader, max_reply, self.counter)
         finally:
             writer.close()
-        if not self.auth.verify(op + ":reply", peer, self.peer_id, reply.get("auth")):
-            raise MergeFailed(f"{op} reply from {peer[-6:]} without the swarm key")
         return reply, data
 
     async def request(self, peer: str, op: str, header: dict) -> dict | None:
@@ -80,9 +97,16 @@ class Rpc:
             logger.debug("[%s] %s to %s failed: %r", self.peer_id[-6:], op, peer[-6:], e)
             return None
 
-    async def receive(self, reader: asyncio.StreamReader, max_payload: int = 0) -> tuple[dict, bytes]:
-        """A handler's request: (header, payload), counted."""
-        return await recv_msg(reader, max_payload, self.counter)
+    async def receive_payload(self, reader: asyncio.StreamReader, size: int = 0,
+                              timeout_s: float = RPC_TIMEOUT_S) -> bytes:
+        """A handler's request payload, which must be exactly `size` bytes and arrive within `timeout_s`.
+
+        Raises:
+            WireError: another size was declared (nothing of it is read), or the stream broke.
+            TimeoutError: it did not arrive in time.
+        """
+        async with asyncio.timeout(timeout_s):
+            return await recv_payload(reader, size, self.counter, exact=True)
 
     def authorized(self, op: str, requester: str, header: dict) -> bool:
         """Whether a request's header carries the swarm key's tag (a refusal is logged)."""
@@ -93,7 +117,8 @@ class Rpc:
 
     async def reply(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, op: str, requester: str,
                     header: dict, payload: bytes = b"") -> None:
-        """Send a handler's reply and keep the stream open until the requester has read it (see wire.py)."""
+        """Send a handler's reply, within `send_deadline` of its size, and keep the stream open until the requester
+        has read it (see wire.py)."""
         await send_msg(writer, {**header, "auth": self.auth.tag(op + ":reply", self.peer_id, requester)}, payload,
-                       self.counter)
+                       self.counter, deadline_s=send_deadline(len(payload)))
         await await_requester_close(reader)

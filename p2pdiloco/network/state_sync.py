@@ -3,8 +3,10 @@
 What travels: θg and the outer momentum (fp32, concatenated) as the payload, and the counters (round,
 schedule step, tokens absorbed) with a sha256 of the payload in the header. The joiner verifies length,
 checksum and finiteness before it uses anything, and tries the next donor on any failure. Donors serve
-one download at a time and answer "busy" otherwise, so several joiners spread over several donors
-instead of queueing on the freshest one.
+`SERVING_SLOTS` downloads at a time and answer "busy" otherwise, so several joiners spread over several
+donors instead of queueing on the freshest one. A download is a bounded send (`wire.send_msg`): a joiner
+that stops reading is cut off within seconds, so it cannot keep a slot (or a copy of the state) for long.
+Requests pass the peer's stream admission first (admission.py): the key is checked before anything else.
 
 Nothing a donor says about its state is taken on its word (issue 18): the joiner takes a state only if its
 digest is the global model of at least two live peers (their heartbeat records carry `global_digest`; with a
@@ -15,6 +17,7 @@ so one donor claiming step 10⁹ cannot end a joiner's run.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import random
@@ -27,10 +30,23 @@ import torch
 from hivemind.p2p import PeerID
 
 from p2pdiloco.algorithm.outer import state_digest
+from p2pdiloco.network.admission import Request, StreamGate, serve_stream
 from p2pdiloco.network.swarm_key import SwarmAuth
-from p2pdiloco.network.wire import ByteCounter, WireError, await_requester_close, recv_msg, send_msg
+from p2pdiloco.network.wire import (
+    HEADER_TIMEOUT_S,
+    ByteCounter,
+    WireError,
+    await_requester_close,
+    recv_header,
+    recv_payload,
+    send_deadline,
+    send_msg,
+)
 
 logger = logging.getLogger(__name__)
+
+SERVING_SLOTS = 2
+"""Downloads a donor serves at once: one slow joiner does not make every other one "busy"."""
 
 
 class StateError(Exception):
@@ -123,82 +139,116 @@ class StateSync:
         provider: returns this peer's current state, or None while it has none worth serving.
         counter: where bytes sent and received are added.
         auth: the swarm key's authenticator: requests and replies without a valid tag are refused (None: public).
+        gate: bounds on the incoming streams this peer serves; pass the merger's (`P2PMerger.rpc.gate`) so that
+            they hold across all of the peer's protocols (None: its own).
     """
 
     def __init__(self, dht: hivemind.DHT, run_id: str, n_params: int,
-                 provider: Callable[[], GlobalState | None], counter: ByteCounter, auth: SwarmAuth | None = None):
+                 provider: Callable[[], GlobalState | None], counter: ByteCounter, auth: SwarmAuth | None = None,
+                 gate: StreamGate | None = None):
         self.dht, self.proto, self.n_params, self.provider, self.counter = dht, f"p2pdiloco.{run_id}.state", n_params, provider, counter
         self.auth = auth or SwarmAuth(None, run_id)
+        self.gate = gate or StreamGate()
         self.me = dht.peer_id.to_base58()
-        self._serving = asyncio.Semaphore(1)
+        self._serving = asyncio.Semaphore(SERVING_SLOTS)
+        self.aborted = 0
+        """Downloads cut off because the joiner did not read them in time."""
         self._p2p = None
 
     async def start(self) -> None:
         self._p2p = await self.dht.replicate_p2p()
-        await self._p2p.add_binary_stream_handler(self.proto, self._on_request)
+        serve = functools.partial(serve_stream, self.gate, "state", self.me, self._authorized, self.counter,
+                                  self._on_request)
+        await self._p2p.add_binary_stream_handler(self.proto, serve)
 
-    async def _on_request(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request, _ = await asyncio.wait_for(recv_msg(reader, 0, self.counter), 5.0)
-            joiner = info.peer_id.to_base58()
-            if not self.auth.verify("state", joiner, self.me, request.get("auth")):
-                logger.warning("refused a state request from %s: no valid swarm key", joiner[-8:])
-                return
-            tag = self.auth.tag("state:reply", self.me, joiner)
-            state = self.provider()
-            if state is None:
-                await send_msg(writer, {"ok": False, "error": "no state yet", "auth": tag}, counter=self.counter)
-            elif self._serving.locked():
-                await send_msg(writer, {"ok": False, "busy": True, "auth": tag}, counter=self.counter)
-            else:
-                async with self._serving:
-                    header, payload = pack_state(state)
-                    await send_msg(writer, {**header, "auth": tag}, payload, self.counter)
-                logger.info("served state of round %d to %s", state.round, info.peer_id.to_base58()[-6:])
-            await await_requester_close(reader)  # closing at once could lose the reply (see wire.py)
-        except Exception as e:  # a joiner that went away mid-download is normal
-            logger.debug("state request failed: %r", e)
-        finally:
-            writer.close()
+    def _authorized(self, joiner: str, header: dict) -> bool:
+        if self.auth.verify("state", joiner, self.me, header.get("auth")):
+            return True
+        logger.warning("[%s] refused a state request from %s: no valid swarm key", self.me[-6:], joiner[-8:])
+        return False
+
+    async def _on_request(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A joiner's request (its tag already checked; the stream is closed after, see admission.py)."""
+        async with asyncio.timeout(HEADER_TIMEOUT_S):
+            await recv_payload(reader, 0, self.counter, exact=True)  # a request carries none
+        joiner = request.sender
+        tag = self.auth.tag("state:reply", self.me, joiner)
+        state = self.provider()
+        if state is None:
+            await send_msg(writer, {"ok": False, "error": "no state yet", "auth": tag}, counter=self.counter,
+                           deadline_s=send_deadline(0))
+        elif self._serving.locked():
+            await send_msg(writer, {"ok": False, "busy": True, "auth": tag}, counter=self.counter,
+                           deadline_s=send_deadline(0))
+        else:
+            async with self._serving:
+                header, payload = pack_state(state)
+                try:
+                    await send_msg(writer, {**header, "auth": tag}, payload, self.counter,
+                                   deadline_s=send_deadline(len(payload)))
+                except WireError as e:
+                    self.aborted += 1
+                    logger.warning("[%s] cut off a state download to %s: %s", self.me[-6:], joiner[-6:], e)
+                    return
+            logger.info("[%s] served state of round %d to %s", self.me[-6:], state.round, joiner[-6:])
+        await await_requester_close(reader)  # closing at once could lose the reply (see wire.py)
 
     async def fetch_from(self, peer: str, timeout: float) -> GlobalState:
+        """Download `peer`'s state: its reply's tag is checked before its payload is read."""
         _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.proto)
         try:
             await send_msg(writer, {"auth": self.auth.tag("state", self.me, peer)}, counter=self.counter)
-            header, payload = await asyncio.wait_for(recv_msg(reader, 2 * self.n_params * 4, self.counter), timeout)
+            async with asyncio.timeout(timeout):
+                header = await recv_header(reader, self.counter)
+                if not self.auth.verify("state:reply", peer, self.me, header.get("auth")):
+                    raise StateError("the donor does not hold the swarm key")
+                if not header.get("ok"):
+                    raise StateError("donor busy" if header.get("busy") else f"donor refused: {header.get('error')}")
+                payload = await recv_payload(reader, 2 * self.n_params * 4, self.counter, exact=True)
         finally:
             writer.close()
-        if not self.auth.verify("state:reply", peer, self.me, header.get("auth")):
-            raise StateError("the donor does not hold the swarm key")
-        if not header.get("ok"):
-            raise StateError("donor busy" if header.get("busy") else f"donor refused: {header.get('error')}")
         return unpack_state(header, payload, self.n_params)
 
     async def fetch(self, records: dict[str, dict], me: str, timeout: float,
                     refresh: Callable[[], Awaitable[dict[str, dict]]] | None = None) -> tuple[GlobalState, str] | None:
-        """Try donors in `donor_order` until one yields a verified state that other live peers hold too.
+        """Try donors in `donor_order` until a state is held by enough live peers: those that served it to us
+        (bit for bit, as its digest shows) and those whose record names its digest, together at least two (one
+        if only one live peer has a model).
 
         Args:
             records: live peers' heartbeat records, {peer id: record}.
             me: this peer's id.
             timeout: bound on one download.
-            refresh: re-reads the live records; used when a state's digest is not (yet) in enough of them, since
-                a record can lag its peer's last merge by a heartbeat.
+            refresh: re-reads the live records, once, if no state qualified: a record can lag its peer's last
+                merge by a heartbeat, and donors that merged in between serve a state their records do not name yet.
 
         Returns:
-            (the state, with counters bounded by the records; the donor), or None if no donor's state qualified.
+            (the state, with counters bounded by the records; the donor), or None if no state qualified.
         """
+        got: dict[str, tuple[GlobalState, str]] = {}
+        served: dict[str, set[str]] = {}
+
+        def agreed(records: dict[str, dict]) -> tuple[GlobalState, str] | None:
+            for digest, (state, donor) in got.items():
+                named = {p for p, r in records.items() if p != me and r.get("global_digest") == digest}
+                if len(served[digest] | named) >= state_support(records, me, digest)[1]:
+                    return bounded_counters(state, records, me), donor
+            return None
+
         for donor in donor_order(records, me):
             try:
                 state = await asyncio.wait_for(self.fetch_from(donor, timeout), timeout)
-                digest = state_digest(state.global_params, state.momentum)
-                support, need = state_support(records, me, digest)
-                if support < need and refresh is not None:
-                    records = await refresh()
-                    support, need = state_support(records, me, digest)
-                if support < need:
-                    raise StateError(f"its global model is held by {support} live peer(s), {need} must agree")
-                return bounded_counters(state, records, me), donor
             except (StateError, WireError, TimeoutError, ConnectionError, OSError, Exception) as e:
                 logger.warning("state download from %s failed (%s); trying the next donor", donor[-6:], e)
+                continue
+            digest = state_digest(state.global_params, state.momentum)
+            got.setdefault(digest, (state, donor))
+            served.setdefault(digest, set()).add(donor)
+            if (found := agreed(records)) is not None:
+                return found
+            logger.info("the state from %s is held by no other live peer yet; trying the next donor", donor[-6:])
+        if got and refresh is not None and (found := agreed(await refresh())) is not None:
+            return found
+        if got:
+            logger.warning("no state offered by %d donor(s) was held by enough live peers: not taken", len(got))
         return None
