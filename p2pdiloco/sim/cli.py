@@ -47,9 +47,18 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
     return scn.validate()
 
 
+def _finite(x):
+    """JSON has no infinity: an infinite MTBF is written as null."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
 def _write(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(_finite(data), indent=2, sort_keys=True, allow_nan=False) + "\n")
     os.replace(tmp, path)
 
 

@@ -53,7 +53,7 @@ def account(scn: Scenario, steps: np.ndarray, ledger: Ledger) -> dict:
         "tokens_per_s": reached_tokens / duration, "reached_tokens": reached_tokens,
         "kills": int(L.inc_killed.sum()), "rounds": int(m),
         "group_merges": int(len(L.group_sizes)), "failed_merges": int(L.failed_merges),
-        "merges_alone": int(m - L.ok.sum() - 0), "events": int(L.events),
+        "merges_alone": int(m - L.ok.sum()), "events": int(L.events),  # alone, or in a group that failed
     }
     budget = scn.run.token_budget
     if budget > 0:

@@ -76,10 +76,10 @@ def merge_cost(scn: Scenario, g: int, state: bool) -> tuple[float, float]:
 class _Incarnations:
     """Growing arrays of incarnations: who, process start, first step, end, killed."""
 
-    def __init__(self, n: int, start: float, train: float):
+    def __init__(self, n: int, train: float):
+        """`n` first incarnations, whose processes start at 0 and first step at `train`."""
         self.peer, self.start = list(range(n)), [0.0] * n
         self.train, self.end, self.killed = [train] * n, [math.inf] * n, [False] * n
-        del start
 
     def new(self, peers: np.ndarray, starts: np.ndarray, trains: np.ndarray) -> np.ndarray:
         first = len(self.peer)
@@ -119,7 +119,7 @@ def simulate_decoupled(scn: Scenario, steps: np.ndarray, killer: Killer) -> Ledg
     end = t0 + scn.duration
     t, grid = np.full(n, t0), np.full(n, t0)
     inc = np.arange(n)
-    incs = _Incarnations(n, 0.0, t0)
+    incs = _Incarnations(n, t0)
     nk = killer.next_after(np.arange(n), np.zeros(n))
     active = np.ones(n, bool)
     rows: list[tuple[np.ndarray, ...]] = []
@@ -235,7 +235,7 @@ def simulate_sync(scn: Scenario, steps: np.ndarray, killer: Killer) -> Ledger:
     rnd = np.zeros(n, int)  # rounds in each learner's global model; a joiner adopts the swarm's
     rs = np.full(n, t0)  # start of the current round (first step of the incarnation after a restart)
     inc = np.arange(n)
-    incs = _Incarnations(n, 0.0, t0)
+    incs = _Incarnations(n, t0)
     nk = killer.next_after(np.arange(n), np.zeros(n))
     expiry = np.full(n, -math.inf)  # the dead incarnation's record is live until then
     died = np.full(n, math.inf)
