@@ -22,6 +22,7 @@ from p2pdiloco.app.commands import (
 )
 from p2pdiloco.bench.cli import cmd_bench
 from p2pdiloco.config import ConfigError, DataConfig, SwarmConfig
+from p2pdiloco.sim.cli import cmd_simulate
 
 EPILOG = "Docs: README.md, docs/architecture.md, docs/operations.md."
 
@@ -253,6 +254,29 @@ def build_parser() -> argparse.ArgumentParser:
                     help="loader: override one config value, e.g. --set data.tokenizer=tokenizer.json (repeatable)")
     be.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     be.set_defaults(func=cmd_bench)
+
+    si = sub.add_parser("simulate", help="simulate a swarm of many learners: goodput, tokens/s, bandwidth", epilog=EPILOG,
+                        description="A discrete-event model (numpy, no network, no training) of N learners under "
+                        "mixed speeds, failures and links, for decoupled p2pdiloco, --sync DiLoCo and data-parallel "
+                        "(restarted from checkpoints, or elastic). Prints goodput, tokens/s, time to a token budget, "
+                        "bytes and link rate per learner, merge group sizes, and writes simulate.json, timing.json, "
+                        "goodput_vs_failure_rate.png and scaling.png into --out. --preset seeds sets the Decoupled "
+                        "DiLoCo paper's scale and prints its published figures beside the simulated ones; --calibrate "
+                        "RUN_DIR compares a bench straggler or bench churn folder with its simulation. See "
+                        "docs/simulation.md.")
+    si.add_argument("--preset", metavar="NAME", help="seeds, churn, straggler or volunteers (p2pdiloco/sim/presets.py)")
+    si.add_argument("--config", metavar="FILE", help="TOML (or .json) with [compute] [failures] [network] [protocol] "
+                    "[run] tables, over the preset or the defaults")
+    si.add_argument("--set", dest="sets", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                    help="override one value, e.g. --set failures.mtbf_s=3600 (repeatable)")
+    si.add_argument("--learners", type=int, metavar="N", help="number of learners (run.learners)")
+    si.add_argument("--seed", type=int, help="random seed (run.seed); the same seed gives the same simulate.json")
+    si.add_argument("--calibrate", metavar="RUN_DIR", help="a bench straggler or bench churn output folder: print "
+                    "measured and simulated figures side by side")
+    si.add_argument("--out", metavar="DIR", help="output folder (default runs/simulate)")
+    si.add_argument("--no-sweep", action="store_true", help="skip the failure-rate and swarm-size sweeps and plots")
+    si.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    si.set_defaults(func=cmd_simulate)
     return parser
 
 

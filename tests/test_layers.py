@@ -1,6 +1,6 @@
 """The package's folders are layers, and imports only point down (docs/architecture.md draws them).
 
-algorithm < config < network < {training, observe, testing} < app < bench < cli. Training, observation and
+algorithm < config < network < {training, observe, testing} < app < bench < sim < cli. Training, observation and
 the testing aids are siblings that do not import each other, and production code reaches the testing aids
 only through `p2pdiloco.testing.hooks`. Lazy imports inside functions count too.
 """
@@ -22,6 +22,7 @@ BELOW = {
     "testing": {"network", "config", "algorithm"},
     "app": {"training", "observe", "testing", "network", "config", "algorithm"},
     "bench": {"app", "training", "observe", "testing", "network", "config", "algorithm"},
+    "sim": {"bench", "app", "training", "observe", "testing", "network", "config", "algorithm"},
 }
 PRODUCTION = ("algorithm", "config", "network", "training", "observe", "app")
 TEST_HOOK = "p2pdiloco.testing.hooks"

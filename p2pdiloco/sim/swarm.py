@@ -1,0 +1,334 @@
+"""Decoupled and synchronous DiLoCo as p2pdiloco implements them, simulated with numpy, all learners at once.
+
+Decoupled (network/matchmaking.py, training/rounds.py): a learner's rounds follow its own clock (timed rounds end
+at the first step past the next multiple of `round_seconds`, step rounds after `round_steps` steps); it never waits
+for a merge. Contributions form groups in time order: the earliest waiting one opens a window of
+`window_fraction` of its round (within [min_window_s, merge_window_s], doubled after each merge alone); the group
+is everyone who became ready inside it, and forms as soon as every live learner is ready. A member that dies
+before the merge ends fails the whole group (nobody applies a partial average); members whose global models
+differ (after a merge alone) also exchange (θg, momentum) as fp32.
+
+Sync (--sync): every learner runs `round_steps` steps, then waits until every live learner is ready (a dead
+one's record counts as live for `record_ttl_s`; a restarted one counts from its first step) or
+`sync_window_s` has passed, merges, and starts the next round when the merge is done.
+
+Both produce a `Ledger`; `account` turns it into goodput by bench/churn.py's rule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from p2pdiloco.sim.failures import Killer
+from p2pdiloco.sim.scenario import Scenario, bytes_per_value
+
+EPS = 1e-9
+
+
+@dataclass
+class Ledger:
+    """What happened to every contribution (one row a submitted round) and every incarnation of every learner."""
+
+    peer: np.ndarray
+    inc: np.ndarray
+    """Incarnation id of the row (global, 0..): a restarted learner is a new incarnation."""
+    t_submit: np.ndarray
+    compute: np.ndarray
+    """Inner-step seconds of the round."""
+    ok: np.ndarray
+    """Merged in a group that succeeded."""
+    t_done: np.ndarray
+    """When the merge (or merge alone) returned."""
+    landed: np.ndarray
+    """The result reached the learner before it died."""
+    inc_peer: np.ndarray
+    inc_start: np.ndarray
+    """Process start of each incarnation."""
+    inc_end: np.ndarray
+    inc_killed: np.ndarray
+    group_sizes: np.ndarray
+    """Size of every successful group merge."""
+    failed_merges: int
+    bytes_sent: np.ndarray
+    """Merge bytes each learner sent."""
+    train_end: np.ndarray
+    """When each learner's training loop ended (steps/s = steps ÷ (train_end − its first step))."""
+    events: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def merge_cost(scn: Scenario, g: int, state: bool) -> tuple[float, float]:
+    """(seconds, bytes each member sends) of one group merge of `g` members; `state`: (θg, momentum) too.
+
+    Reduce-scatter plus all-gather through slice owners: each member sends 2(g−1)/g of the payload.
+    """
+    n = scn.network
+    share = 2 * (g - 1) / g
+    sent = share * n.params * bytes_per_value(n.codec) + (share * 2 * n.params * 4.0 if state else 0.0)
+    phases = 2 if state else 1
+    seconds = n.matchmaking_s + phases * 2 * n.latency_s + sent * 8 / (n.bandwidth_gbps * 1e9)
+    return seconds, sent
+
+
+class _Incarnations:
+    """Growing arrays of incarnations: who, process start, first step, end, killed."""
+
+    def __init__(self, n: int, train: float):
+        """`n` first incarnations, whose processes start at 0 and first step at `train`."""
+        self.peer, self.start = list(range(n)), [0.0] * n
+        self.train, self.end, self.killed = [train] * n, [math.inf] * n, [False] * n
+
+    def new(self, peers: np.ndarray, starts: np.ndarray, trains: np.ndarray) -> np.ndarray:
+        first = len(self.peer)
+        self.peer += peers.tolist()
+        self.start += starts.tolist()
+        self.train += trains.tolist()
+        self.end += [math.inf] * len(peers)
+        self.killed += [False] * len(peers)
+        return np.arange(first, first + len(peers))
+
+    def close(self, ids: np.ndarray, ends: np.ndarray, killed: bool) -> None:
+        for i, e in zip(ids.tolist(), ends.tolist(), strict=True):
+            self.end[i], self.killed[i] = e, killed
+
+    def live_counter(self, ttl: float):
+        """live(t): learners whose record is up at t (first step ≤ t < death + ttl)."""
+        ups = np.sort(np.asarray(self.train))
+        downs = np.sort(np.where(self.killed, np.asarray(self.end) + ttl, math.inf))
+        return lambda t: int(np.searchsorted(ups, t, "right") - np.searchsorted(downs, t, "right"))
+
+
+def _round_ends(scn: Scenario, t: np.ndarray, grid: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """The end of the round that starts at `t` for learners whose steps end on `grid` + k·steps."""
+    p = scn.protocol
+    if p.round_seconds > 0:
+        tick = (np.floor(t / p.round_seconds + EPS) + 1) * p.round_seconds
+        k = np.maximum(np.ceil((tick - grid) / steps - EPS), np.floor((t - grid) / steps + EPS) + 1)
+        return grid + k * steps
+    return t + p.round_steps * steps
+
+
+def simulate_decoupled(scn: Scenario, steps: np.ndarray, killer: Killer) -> Ledger:
+    """Decoupled rounds: timelines learner by learner (nobody waits), then groups in time order."""
+    f = scn.failures
+    n = len(steps)
+    t0 = f.first_start_s
+    end = t0 + scn.duration
+    t, grid = np.full(n, t0), np.full(n, t0)
+    inc = np.arange(n)
+    incs = _Incarnations(n, t0)
+    nk = killer.next_after(np.arange(n), np.zeros(n))
+    active = np.ones(n, bool)
+    rows: list[tuple[np.ndarray, ...]] = []
+    kills = 0
+    while active.any():
+        idx = np.flatnonzero(active)
+        ti, gi, si, nki = t[idx], grid[idx], steps[idx], nk[idx]
+        e = _round_ends(scn, ti, gi, si)
+        last = gi + np.floor((end - gi) / si + EPS) * si
+        final = e >= last - EPS
+        e = np.minimum(e, last)
+        killed = nki < e
+        sub = ~killed & (e > ti + EPS)
+        rows.append((idx[sub], inc[idx[sub]], e[sub], e[sub] - ti[sub], nki[sub]))
+        ok_idx = idx[~killed]
+        t[ok_idx] = e[~killed]
+        finished = idx[~killed & final]
+        active[finished] = False
+        incs.close(inc[finished], np.full(len(finished), end), killed=False)
+        if killed.any():
+            kidx, kt = idx[killed], nki[killed]
+            kills += len(kidx)
+            incs.close(inc[kidx], kt, killed=True)
+            ps = kt + f.down_s
+            resume = ps + f.restart_s
+            back = resume < end
+            active[kidx[~back]] = False
+            kidx, ps, resume = kidx[back], ps[back], resume[back]
+            inc[kidx] = incs.new(kidx, ps, resume)
+            t[kidx] = grid[kidx] = resume
+            nk[kidx] = killer.next_after(kidx, ps)
+    peer, rinc, ts, comp, kill_after = (np.concatenate(c) if rows else np.empty(0) for c in zip(*rows, strict=True))
+    peer, rinc = peer.astype(int), rinc.astype(int)
+    ledger = _form_groups(scn, steps, peer, rinc, ts, comp, kill_after, incs, end)
+    ledger.events = len(ts) + kills
+    ledger.train_end = np.full(n, end)
+    ledger.extra["end"] = end
+    return ledger
+
+
+def _form_groups(scn, steps, peer, rinc, ts, comp, kill_after, incs: _Incarnations, end: float) -> Ledger:
+    p = scn.protocol
+    n = len(steps)
+    order = np.argsort(ts, kind="stable")
+    peer, rinc, ts, comp, kill_after = peer[order], rinc[order], ts[order], comp[order], kill_after[order]
+    m = len(ts)
+    round_len = np.full(n, p.round_seconds) if p.round_seconds > 0 else p.round_steps * steps
+    base = np.clip(p.window_fraction * round_len, p.min_window_s, p.merge_window_s)
+    live = incs.live_counter(p.record_ttl_s)
+    ok = np.zeros(m, bool)
+    t_done = ts.copy()
+    streak = np.zeros(n, int)
+    diverged = np.zeros(n, bool)
+    last_inc = np.arange(n)
+    sent = np.zeros(n)
+    sizes: list[int] = []
+    failed = 0
+    cap = p.group_cap or m
+    j = 0
+    while j < m:
+        lead = peer[j]
+        if rinc[j] != last_inc[lead]:  # a restarted learner: fresh matchmaker, the swarm's global model
+            streak[lead], diverged[lead], last_inc[lead] = 0, False, rinc[j]
+        window = min(base[lead] * 2 ** min(streak[lead], 8), p.merge_window_s, 0.9 * round_len[lead])
+        k = int(np.searchsorted(ts, ts[j] + window, "right"))
+        n_live = max(live(ts[j]), 1)
+        if k - j >= n_live:  # everyone live is ready: the leader invites at once
+            k = j + n_live
+            t_form = ts[k - 1]
+        else:
+            t_form = ts[j] + window if n_live > 1 else ts[j]
+        members = np.arange(j, k)
+        fresh = rinc[members] != last_inc[peer[members]]
+        if fresh.any():
+            fp = peer[members[fresh]]
+            streak[fp], diverged[fp], last_inc[fp] = 0, False, rinc[members[fresh]]
+        for c0 in range(0, len(members), cap):
+            chunk = members[c0:c0 + cap]
+            who = peer[chunk]
+            t_done[chunk] = t_form
+            if len(chunk) == 1:
+                streak[who] += 1
+                diverged[who] = True
+                continue
+            seconds, nbytes = merge_cost(scn, len(chunk), bool(diverged[who].any()))
+            done = t_form + seconds
+            t_done[chunk] = done
+            sent[who] += nbytes
+            if (kill_after[chunk] <= done).any():  # a member died mid-merge: nobody applies it
+                failed += 1
+                streak[who] += 1
+                diverged[who] = True
+                continue
+            ok[chunk] = True
+            sizes.append(len(chunk))
+            streak[who] = 0
+            diverged[who] = False
+        j = k
+    landed = t_done < kill_after
+    return Ledger(peer, rinc, ts, comp, ok, t_done, landed, np.asarray(incs.peer), np.asarray(incs.start),
+                  np.minimum(np.asarray(incs.end), end), np.asarray(incs.killed), np.asarray(sizes, int), failed,
+                  sent, np.zeros(n))
+
+
+def simulate_sync(scn: Scenario, steps: np.ndarray, killer: Killer) -> Ledger:
+    """--sync rounds: one group formation per iteration, all learners vectorized."""
+    f, p = scn.failures, scn.protocol
+    n = len(steps)
+    t0 = f.first_start_s
+    budget = math.ceil(scn.run.total_steps / p.round_steps) if scn.run.total_steps else 0
+    end = math.inf if budget else t0 + scn.run.duration_s
+    H = p.round_steps
+    rnd = np.zeros(n, int)  # rounds in each learner's global model; a joiner adopts the swarm's
+    rs = np.full(n, t0)  # start of the current round (first step of the incarnation after a restart)
+    inc = np.arange(n)
+    incs = _Incarnations(n, t0)
+    nk = killer.next_after(np.arange(n), np.zeros(n))
+    expiry = np.full(n, -math.inf)  # the dead incarnation's record is live until then
+    died = np.full(n, math.inf)
+    active = np.ones(n, bool)
+    train_end = np.full(n, end if math.isfinite(end) else t0)
+    diverged = np.zeros(n, bool)
+    sent = np.zeros(n)
+    rows: list[tuple[np.ndarray, ...]] = []
+    sizes: list[int] = []
+    failed = kills = 0
+
+    def ready_times() -> tuple[np.ndarray, np.ndarray]:
+        last = rs + np.floor((end - rs) / steps + EPS) * steps
+        r = rs + H * steps
+        return np.minimum(r, last), r >= last - EPS
+
+    def kill(who: np.ndarray) -> None:
+        nonlocal kills
+        kills += len(who)
+        kt = nk[who]
+        incs.close(inc[who], kt, killed=True)
+        died[who], expiry[who] = kt, kt + p.record_ttl_s
+        ps = kt + f.down_s
+        resume = ps + f.restart_s
+        back = resume < end
+        active[who[~back]] = False
+        who, ps, resume = who[back], ps[back], resume[back]
+        inc[who] = incs.new(who, ps, resume)
+        rs[who] = resume
+        rnd[who] = rnd.max()
+        diverged[who] = False
+        nk[who] = killer.next_after(who, ps)
+
+    while active.any():
+        r, final = ready_times()
+        r = np.where(active, r, math.inf)
+        act = np.flatnonzero(active)
+        while (dying := act[nk[act] < r[act]]).size:  # deaths before their round ends
+            kill(dying)
+            r, final = ready_times()
+            r = np.where(active, r, math.inf)
+            act = np.flatnonzero(active)
+        if not act.size:
+            break
+        t_min = r[act].min()
+        deadline = t_min + p.sync_window_s
+        t_form = t_min
+        while True:  # wait for every learner whose record is live at t_form
+            has_record = (rs <= t_form + EPS) & active
+            block = max(r[has_record].max(initial=t_min),
+                        expiry[(died <= t_form) & (expiry > t_form)].max(initial=t_form))
+            new = min(max(t_form, block), deadline)
+            dying = act[(nk[act] < new) & (r[act] <= new)]  # died while waiting: its record still counts
+            if dying.size:
+                kill(dying)
+                r, final = ready_times()
+                r = np.where(active, r, math.inf)
+                act = np.flatnonzero(active)
+                continue
+            if new <= t_form + EPS:
+                break
+            t_form = new
+        members = act[r[act] <= t_form + EPS]
+        if not members.size:
+            continue
+        g = len(members)
+        if g > 1:
+            seconds, nbytes = merge_cost(scn, g, bool(diverged[members].any()))
+            sent[members] += nbytes
+        else:
+            seconds = 0.0
+        done = t_form + seconds
+        good = g > 1 and not (nk[members] <= done).any()
+        failed += int(g > 1 and not good)
+        if good:
+            sizes.append(g)
+        diverged[members] = not good
+        rows.append((members, inc[members], r[members], r[members] - rs[members], np.full(g, good),
+                     np.full(g, done), nk[members]))
+        rnd[members] = rnd[members].max() + 1
+        if budget and rnd[members].max() >= budget:  # the swarm's step budget is reached: everyone stops
+            final = np.ones(n, bool)
+            members = np.flatnonzero(active)
+        fin = members[final[members]]
+        in_loop = members[~final[members]]
+        train_end[in_loop] = np.maximum(train_end[in_loop], done)
+        if budget:
+            train_end[fin] = np.maximum(train_end[fin], done)
+        active[fin] = False
+        incs.close(inc[fin], np.full(len(fin), max(done, end if math.isfinite(end) else done)), killed=False)
+        rs[members] = done
+    peer, rinc, ts, comp, ok, t_done, kill_after = (np.concatenate(c) for c in zip(*rows, strict=True))
+    return Ledger(peer.astype(int), rinc.astype(int), ts, comp, ok.astype(bool), t_done, t_done < kill_after,
+                  np.asarray(incs.peer), np.asarray(incs.start), np.asarray(incs.end),
+                  np.asarray(incs.killed), np.asarray(sizes, int), failed, sent, train_end,
+                  events=len(ts) + kills)
