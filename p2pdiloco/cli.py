@@ -231,8 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "inner step ÷ data-parallel for each codec and H, with eval loss at equal tokens (20 runs of "
                         "2 peers). parity: eval loss at equal tokens, decoupled and --sync DiLoCo ÷ data-parallel "
                         "(gloo). slowlink (root): compute utilization of peers in network namespaces over "
-                        "tbf-limited links, decoupled vs --sync. byzantine: honest peers' eval loss with one hostile "
-                        "peer in 5 ÷ a clean run, per hostile kind, guards on and off (10 short runs). loader: the data "
+                        "tbf-limited links, decoupled vs --sync. byzantine: honest peers' eval loss with 2 hostile "
+                        "peers ÷ a clean run, per hostile kind, swarm size (5, 9) and mode (sync, decoupled), default "
+                        "guards (32 runs, about an hour; --sizes, --modes, --kinds pick fewer). loader: the data "
                         "loader's tokens/s (cold tokenization, cached load, next_batch) beside the trainer's inner "
                         "steps on CPU, as a ratio (target >= 10x; under a minute; --set picks tokenizer, data, model).")
     be.add_argument("which", choices=["straggler", "overhead", "churn", "bandwidth", "parity", "slowlink", "byzantine",
@@ -242,16 +243,22 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--seconds", type=float, default=60.0, help="straggler: wall time of each of its 4 runs")
     be.add_argument("--steps", type=int, help="overhead: inner steps measured (default 600); bandwidth: inner "
                     "steps per peer per run (1000); parity: inner steps per worker (3000); slowlink: inner "
-                    "steps per peer (250); byzantine: inner steps of each run, in rounds of 10 (60)")
+                    "steps per peer (250); byzantine: inner steps of each run, in sync rounds of 5 (100)")
     be.add_argument("--h", metavar="H[,H...]", help="inner steps per round: bandwidth tries each (default "
                     "50,100,250,500); parity and slowlink take one (default 50, 25)")
     be.add_argument("--codecs", metavar="C,C,...", help="bandwidth: codecs to try (default all)")
     be.add_argument("--peers", type=int, help="parity: workers (default 4); slowlink: peers (default 2)")
     be.add_argument("--rate-mbit", type=float, default=10.0, help="slowlink: link rate each way (default 10)")
+    be.add_argument("--sizes", metavar="N[,N...]", help="byzantine: swarm sizes (default 5,9)")
+    be.add_argument("--hostile", type=int, default=2, help="byzantine: hostile peers in each swarm (default 2)")
+    be.add_argument("--modes", metavar="M[,M]", help="byzantine: sync, decoupled or both (default both)")
+    be.add_argument("--kinds", metavar="K[,K...]", help="byzantine: hostile kinds (default nan, scale, noise, "
+                    "signflip, takeover, final, leader)")
     be.add_argument("--minutes", type=float, default=5.0, help="churn: length of each of its 4 runs (3 swarms and the data-parallel baseline)")
     be.add_argument("--kill-every", type=float, default=60.0, help="churn: seconds between kills")
     be.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="loader: override one config value, e.g. --set data.tokenizer=tokenizer.json (repeatable)")
+                    help="loader and byzantine: override one config value, e.g. --set data.tokenizer=tokenizer.json "
+                    "(repeatable)")
     be.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     be.set_defaults(func=cmd_bench)
 

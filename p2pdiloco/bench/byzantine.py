@@ -1,9 +1,17 @@
-"""`p2pdiloco bench byzantine`: what one hostile peer in five does to the swarm, with guards on and off.
+"""`p2pdiloco bench byzantine`: what hostile peers do to the honest ones, with the default guards.
 
-For each hostile kind (nan, scale ×1000, noise, signflip) a 5-peer swarm runs with peer 0 hostile; the
-figure is the honest peers' mean final eval loss ÷ that of a clean run (no hostile peer) with the same
-guard setting. Rounds are step-based and synchronous (every round merges all live peers), so the loss
-depends on the algorithm, not on how the shared CPU cores happened to schedule the peers.
+For each swarm size (default 5 and 9 peers, 2 of them hostile), each mode (sync: step-based rounds that merge
+every live peer; decoupled: timed rounds, groups of whoever is ready) and each hostile kind (see
+testing/hostile.py: corrupted pseudo-gradients, and peers that lie about their model, the end of the run or
+their leadership), a swarm runs with peers 0..k-1 hostile. The figure is the honest peers' mean final eval loss
+÷ that of a clean run (no hostile peer) of the same size and mode. Beside it: honest peers banned by honest
+peers (must be none), the fewest steps an honest peer took (a run ended early by a lie shows here), merges
+that adopted or refused a
+group's global model, and the rejections the guards counted.
+
+The `donor` kind is left out: it lies only to joiners, and these swarms have none (tests/test_join.py shows the
+refusal). Decoupled runs pad each inner step to `emulate.min_step_s` so that the 2 shared cores do not decide
+who meets whom.
 """
 
 from __future__ import annotations
@@ -18,67 +26,113 @@ from rich.console import Console
 from p2pdiloco.app.local import run_local
 from p2pdiloco.bench.common import BENCH_EVAL, BENCH_MODEL, machine, write_results
 from p2pdiloco.config import load_config, parse_set
-from p2pdiloco.testing.hostile import KINDS
+
+KINDS = ("nan", "scale", "noise", "signflip", "takeover", "final", "leader")
+MODES = ("sync", "decoupled")
+SIZES = (5, 9)
 
 BYZANTINE_SETS = [
-    *BENCH_MODEL, *BENCH_EVAL, "run.log_every=10",
-    "inner.warmup_steps=10", "swarm.sync=true", "swarm.merge_window_s=30", "run.checkpoint_every=0",
-    "swarm.merge_timeout_s=10",  # a merge of this model takes < 1 s; a failing one (guards off) should not take 60
+    *BENCH_MODEL, *BENCH_EVAL, "run.log_every=10", "inner.warmup_steps=10", "run.checkpoint_every=0",
+    "swarm.merge_window_s=30",
+    "swarm.merge_timeout_s=10",  # a merge of this model takes < 1 s; a failing one should not take 60
 ]
-HOSTILE_INDEX = 0
+MODE_SETS = {
+    "sync": ["swarm.sync=true"],
+    "decoupled": ["swarm.sync=false", "swarm.round_seconds=2", "emulate.min_step_s=0.1"],
+}
 
 
-def _honest_loss(summary: dict, hostile: str) -> tuple[float, dict]:
-    honest = [p for p in summary["peers"] if p.get("name") != f"peer{HOSTILE_INDEX}" or not hostile]
-    rejected = {p["name"]: p.get("guard", {}).get("rejected", 0) for p in honest}
-    banned = sorted({b[-8:] for p in honest for b in p.get("guard", {}).get("banned", [])})
+def _honest_outcome(summary: dict, hostile: set[str], steps: int) -> dict:
+    """The honest peers' mean final eval loss and what happened to them."""
+    honest = [p for p in summary["peers"] if p.get("name") not in hostile]
+    honest_ids = {p.get("peer_id") for p in honest}
     losses = [p["eval_loss_final"] for p in honest]
     finite = [x for x in losses if x is not None and x == x]
-    loss = statistics.mean(finite) if len(finite) == len(losses) else float("nan")
-    return loss, {"rejected": rejected, "banned": banned, "merges": statistics.mean(p["merges"] for p in honest)}
+    banned = sorted({b[-8:] for p in honest for b in p.get("guard", {}).get("banned", []) if b in honest_ids})
+    return {
+        "eval_loss": statistics.mean(finite) if len(finite) == len(losses) else float("nan"),
+        "honest_banned_by_honest": banned,
+        "min_honest_step": min(p.get("step", 0) for p in honest),
+        "ended_with_swarm": sum(1 for p in honest if p.get("ended_with_swarm")),
+        "merges": statistics.mean(p["merges"] for p in honest),
+        "rejected": sum(p.get("guard", {}).get("rejected", 0) for p in honest),
+        "hostile_banned_by_honest": sum(1 for p in honest for b in p.get("guard", {}).get("banned", [])
+                                        if b not in honest_ids),
+    }
 
 
-def bench_byzantine(out: Path, steps: int = 60, round_steps: int = 10, peers: int = 5,
-                    kinds: tuple[str, ...] = KINDS, console: Console | None = None) -> dict:
-    """Runs {clean, each kind} × {guards on, guards off}; returns and writes byzantine.json."""
+def _merge_lines(run_dir: Path, names: list[str]) -> tuple[int, int]:
+    """(merges that adopted a group's averaged global model, merges whose averaged model was refused)."""
+    import json
+
+    adopted = refused = 0
+    for name in names:
+        path = run_dir / "peers" / name / "metrics.jsonl"
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            if '"kind": "merge"' not in line and '"kind":"merge"' not in line:
+                continue
+            row = json.loads(line)
+            adopted += bool(row.get("adopted_state"))
+            refused += bool(row.get("state_refused"))
+    return adopted, refused
+
+
+def bench_byzantine(out: Path, steps: int = 100, round_steps: int = 5, sizes: tuple[int, ...] = SIZES,
+                    hostile_count: int = 2, modes: tuple[str, ...] = MODES, kinds: tuple[str, ...] = KINDS,
+                    extra_sets: tuple[str, ...] = (), console: Console | None = None) -> dict:
+    """Runs {clean, each kind} × modes × sizes with the default guards (or `extra_sets` on top, e.g.
+    guard.min_cosine=0.1); returns and writes byzantine.json."""
     console = console or Console()
     out.mkdir(parents=True, exist_ok=True)
     quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115 - closed with the process
-    results: dict = {"machine": machine(), "peers": peers, "steps": steps, "round_steps": round_steps,
-                     "hostile_index": HOSTILE_INDEX, "runs": {}}
-    for guards in ("on", "off"):
-        for kind in ("clean", *kinds):
-            name = f"{kind}_guards_{guards}"
-            sets = BYZANTINE_SETS + [f"run.total_steps={steps}", f"swarm.round_steps={round_steps}",
-                                     f"guard.enabled={'true' if guards == 'on' else 'false'}",
-                                     f"swarm.run_id=bench-byz-{name}"]
-            cfg = load_config(None, [parse_set(sets)])
-            console.print(f"[bold]{name}[/bold]: {peers} peers, {steps} steps ...")
-            t0 = time.monotonic()
-            peer_sets = {HOSTILE_INDEX: [f"emulate.hostile={kind}"]} if kind != "clean" else None
-            summary = run_local(peers, cfg, out / name, None, sets, console=quiet, reraise_interrupt=True, peer_sets=peer_sets)
-            if summary["peers_finished"] != peers:
-                raise RuntimeError(f"{name}: only {summary['peers_finished']} of {peers} peers finished; see {out / name}")
-            loss, detail = _honest_loss(summary, "" if kind == "clean" else kind)
-            results["runs"][name] = {"eval_loss": loss, "wall_s": time.monotonic() - t0, **detail}
+    results: dict = {"machine": machine(), "steps": steps, "round_steps": round_steps, "hostile_count": hostile_count,
+                     "sizes": list(sizes), "modes": list(modes), "kinds": list(kinds), "sets": list(extra_sets),
+                     "runs": {}}
+    for peers in sizes:
+        for mode in modes:
+            for kind in ("clean", *kinds):
+                name = f"{kind}_{mode}_{peers}"
+                sets = BYZANTINE_SETS + MODE_SETS[mode] + [
+                    f"run.total_steps={steps}", f"swarm.round_steps={round_steps}", f"swarm.run_id=bench-byz-{name}",
+                    *extra_sets]
+                cfg = load_config(None, [parse_set(sets)])
+                console.print(f"[bold]{name}[/bold]: {peers} peers, {hostile_count if kind != 'clean' else 0} "
+                              f"hostile, {steps} steps, {mode} ...")
+                t0 = time.monotonic()
+                hostile = {i: [f"emulate.hostile={kind}"] for i in range(hostile_count)} if kind != "clean" else {}
+                summary = run_local(peers, cfg, out / name, None, sets, console=quiet, reraise_interrupt=True,
+                                    peer_sets=hostile or None)
+                names = [f"peer{i}" for i in range(peers)]
+                hostile_names = {f"peer{i}" for i in hostile}
+                outcome = _honest_outcome(summary, hostile_names, steps)
+                adopted, refused = _merge_lines(out / name, [n for n in names if n not in hostile_names])
+                results["runs"][name] = {"peers_finished": summary["peers_finished"], **outcome,
+                                         "adopted_state": adopted, "state_refused": refused,
+                                         "wall_s": time.monotonic() - t0}
+                write_results(out, "byzantine", results)  # after every run: an interrupted bench keeps what it has
     runs = results["runs"]
-    for guards in ("on", "off"):
-        clean = runs[f"clean_guards_{guards}"]["eval_loss"]
-        for kind in kinds:
-            runs[f"{kind}_guards_{guards}"]["ratio"] = runs[f"{kind}_guards_{guards}"]["eval_loss"] / clean
-    results["clean_on_vs_off"] = runs["clean_guards_on"]["eval_loss"] / runs["clean_guards_off"]["eval_loss"]
+    for peers in sizes:
+        for mode in modes:
+            clean = runs[f"clean_{mode}_{peers}"]["eval_loss"]
+            for kind in kinds:
+                runs[f"{kind}_{mode}_{peers}"]["ratio"] = runs[f"{kind}_{mode}_{peers}"]["eval_loss"] / clean
     path = write_results(out, "byzantine", results)
 
     console.print(f"machine: {results['machine']}")
-    console.print(f"honest peers' final eval loss with peer {HOSTILE_INDEX} hostile ÷ a clean run "
-                  f"({peers} peers, {steps} steps, rounds of {round_steps} steps, sync):")
-    for kind in kinds:
-        on, off = runs[f"{kind}_guards_on"], runs[f"{kind}_guards_off"]
-        console.print(f"  {kind:9s} guards on: {on['eval_loss']:.4f} ÷ {runs['clean_guards_on']['eval_loss']:.4f} = "
-                      f"{on['ratio']:.3f} (rejected {sum(on['rejected'].values())}, banned by honest peers: "
-                      f"{', '.join(on['banned']) or 'none'})   guards off: {off['eval_loss']:.4f} ÷ "
-                      f"{runs['clean_guards_off']['eval_loss']:.4f} = {off['ratio']:.3f}")
-    console.print(f"  clean run, guards on ÷ off: {runs['clean_guards_on']['eval_loss']:.4f} ÷ "
-                  f"{runs['clean_guards_off']['eval_loss']:.4f} = {results['clean_on_vs_off']:.3f}")
+    console.print(f"honest peers' final eval loss with {hostile_count} hostile peers ÷ a clean run of the same size "
+                  f"and mode ({steps} steps, rounds of {round_steps} steps in sync, 2 s decoupled; default guards):")
+    for peers in sizes:
+        for mode in modes:
+            clean = runs[f"clean_{mode}_{peers}"]
+            console.print(f"  {peers} peers, {mode}: clean {clean['eval_loss']:.4f} ({clean['merges']:.0f} merges)")
+            for kind in kinds:
+                r = runs[f"{kind}_{mode}_{peers}"]
+                console.print(
+                    f"    {kind:9s} {r['eval_loss']:.4f} = {r['ratio']:.3f}  merges {r['merges']:.0f}, rejected "
+                    f"{r['rejected']}, hostile bans {r['hostile_banned_by_honest']}, honest banned "
+                    f"{len(r['honest_banned_by_honest'])}, fewest steps {r['min_honest_step']}, global models "
+                    f"adopted {r['adopted_state']} / refused {r['state_refused']}")
     console.print(f"wrote {path}")
     return results

@@ -29,6 +29,16 @@ def _one_round_length(text: str | None) -> int | None:
     return hs[0] if hs else None
 
 
+def _names(text: str | None, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    """--kinds "nan,final" -> ("nan", "final"); ConfigError naming the allowed values otherwise."""
+    if not text:
+        return allowed
+    names = tuple(text.split(","))
+    if any(n not in allowed for n in names):
+        raise ConfigError(f"{flag} takes a comma-separated list of {', '.join(allowed)}, got {text!r}")
+    return names
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     stop_on_signals()  # benches run local swarms (and slowlink its namespaces): stop and clean them up
     out = Path(args.out or f"runs/bench-{args.which}")
@@ -61,9 +71,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         bench_loader(out, sets=args.sets)
     elif args.which == "byzantine":
-        from p2pdiloco.bench.byzantine import bench_byzantine
+        from p2pdiloco.bench.byzantine import KINDS, MODES, SIZES, bench_byzantine
 
-        bench_byzantine(out, steps=args.steps or 60)
+        kinds = _names(args.kinds, KINDS, "--kinds")
+        modes = _names(args.modes, MODES, "--modes")
+        sizes = _round_lengths(args.sizes) if args.sizes else SIZES
+        if args.hostile < 1 or any(n < args.hostile + 3 for n in sizes):
+            raise ConfigError("byzantine needs --hostile >= 1 and at least 3 honest peers in every --sizes swarm")
+        bench_byzantine(out, steps=args.steps or 100, sizes=sizes, hostile_count=args.hostile, modes=modes,
+                        kinds=kinds, extra_sets=tuple(args.sets))
     else:
         from p2pdiloco.bench.overhead import bench_overhead
 

@@ -88,6 +88,12 @@ class Group:
         self.weights = bounded_weights(self.weights)
         self.state_weights = bounded_weights(self.state_weights)
 
+    def agreed_state_weight(self) -> float:
+        """What the group's agreed θg stands for, in tokens: the lower median of the members' (capped) claims, so
+        that no member's claim, however large, inflates every member's counter."""
+        claims = sorted(self.state_weights)
+        return claims[(len(claims) - 1) // 2] if claims else 0.0
+
     def weights_for(self, tag: str) -> list[float]:
         return self.weights if tag == "d" else self.state_weights
 

@@ -133,7 +133,7 @@ class P2PMerger:
                 MergeResult(
                     group=list(group.members), pseudo_grad=avg, total_weight=float(sum(group.weights)),
                     global_state=state, group_id=group.group_id,
-                    state_weight=max(group.state_weights) if state is not None else 0.0, final=group.final,
+                    state_weight=group.agreed_state_weight() if state is not None else 0.0, final=group.final,
                 )
             )
         except (MergeFailed, WireError, TimeoutError, ConnectionError, OSError) as e:
