@@ -1,7 +1,7 @@
 """`p2pdiloco bench byzantine`: what hostile peers do to the honest ones, with the default guards.
 
 For each swarm size (default 5 and 9 peers, 2 of them hostile), each mode (sync: step-based rounds that merge
-every live peer; decoupled: timed rounds, groups of whoever is ready) and each hostile kind (see
+every live peer; decoupled: timed rounds of 1 s, groups of whoever is ready; about 20 merges each) and each hostile kind (see
 testing/hostile.py: corrupted pseudo-gradients, and peers that lie about their model, the end of the run or
 their leadership), a swarm runs with peers 0..k-1 hostile. The figure is the honest peers' mean final eval loss
 ÷ that of a clean run (no hostile peer) of the same size and mode. Beside it: honest peers banned by honest
@@ -10,8 +10,8 @@ that adopted or refused a
 group's global model, and the rejections the guards counted.
 
 The `donor` kind is left out: it lies only to joiners, and these swarms have none (tests/test_join.py shows the
-refusal). Decoupled runs pad each inner step to `emulate.min_step_s` so that the 2 shared cores do not decide
-who meets whom.
+refusal). Decoupled runs pad each inner step to `emulate.min_step_s` so that the shared cores decide less of who
+meets whom.
 """
 
 from __future__ import annotations
@@ -33,16 +33,20 @@ SIZES = (5, 9)
 
 BYZANTINE_SETS = [
     *BENCH_MODEL, *BENCH_EVAL, "run.log_every=10", "inner.warmup_steps=10", "run.checkpoint_every=0",
-    "swarm.merge_window_s=30",
-    "swarm.merge_timeout_s=10",  # a merge of this model takes < 1 s; a failing one should not take 60
+    # a merge of this model takes < 1 s: a sync round waits 10 s at most for a peer that is not ready (banned
+    # hostile peers, left alone, waited the whole window every round), a failing merge should not take 60
+    "swarm.merge_window_s=10", "swarm.merge_timeout_s=10",
 ]
 MODE_SETS = {
     "sync": ["swarm.sync=true"],
-    "decoupled": ["swarm.sync=false", "swarm.round_seconds=2", "emulate.min_step_s=0.1"],
+    "decoupled": ["swarm.sync=false", "swarm.round_seconds=1", "emulate.min_step_s=0.05"],
 }
+DECOUPLED_STEPS = 4
+"""Decoupled runs take this many times `steps` (padded to 0.05 s, in rounds of 1 s: about 20 steps a round), so
+that they too merge about `steps` ÷ 5 times."""
 
 
-def _honest_outcome(summary: dict, hostile: set[str], steps: int) -> dict:
+def _honest_outcome(summary: dict, hostile: set[str]) -> dict:
     """The honest peers' mean final eval loss and what happened to them."""
     honest = [p for p in summary["peers"] if p.get("name") not in hostile]
     honest_ids = {p.get("peer_id") for p in honest}
@@ -94,19 +98,20 @@ def bench_byzantine(out: Path, steps: int = 100, round_steps: int = 5, sizes: tu
         for mode in modes:
             for kind in ("clean", *kinds):
                 name = f"{kind}_{mode}_{peers}"
+                run_steps = steps * (DECOUPLED_STEPS if mode == "decoupled" else 1)
                 sets = BYZANTINE_SETS + MODE_SETS[mode] + [
-                    f"run.total_steps={steps}", f"swarm.round_steps={round_steps}", f"swarm.run_id=bench-byz-{name}",
-                    *extra_sets]
+                    f"run.total_steps={run_steps}", f"swarm.round_steps={round_steps}",
+                    f"swarm.run_id=bench-byz-{name}", *extra_sets]
                 cfg = load_config(None, [parse_set(sets)])
                 console.print(f"[bold]{name}[/bold]: {peers} peers, {hostile_count if kind != 'clean' else 0} "
-                              f"hostile, {steps} steps, {mode} ...")
+                              f"hostile, {run_steps} steps, {mode} ...")
                 t0 = time.monotonic()
                 hostile = {i: [f"emulate.hostile={kind}"] for i in range(hostile_count)} if kind != "clean" else {}
                 summary = run_local(peers, cfg, out / name, None, sets, console=quiet, reraise_interrupt=True,
                                     peer_sets=hostile or None)
                 names = [f"peer{i}" for i in range(peers)]
                 hostile_names = {f"peer{i}" for i in hostile}
-                outcome = _honest_outcome(summary, hostile_names, steps)
+                outcome = _honest_outcome(summary, hostile_names)
                 adopted, refused = _merge_lines(out / name, [n for n in names if n not in hostile_names])
                 results["runs"][name] = {"peers_finished": summary["peers_finished"], **outcome,
                                          "adopted_state": adopted, "state_refused": refused,
@@ -122,7 +127,8 @@ def bench_byzantine(out: Path, steps: int = 100, round_steps: int = 5, sizes: tu
 
     console.print(f"machine: {results['machine']}")
     console.print(f"honest peers' final eval loss with {hostile_count} hostile peers ÷ a clean run of the same size "
-                  f"and mode ({steps} steps, rounds of {round_steps} steps in sync, 2 s decoupled; default guards):")
+                  f"and mode (sync: {steps} steps in rounds of {round_steps}; decoupled: {steps * DECOUPLED_STEPS} steps "
+                  f"of 0.05 s in rounds of 1 s; default guards):")
     for peers in sizes:
         for mode in modes:
             clean = runs[f"clean_{mode}_{peers}"]

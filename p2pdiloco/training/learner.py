@@ -133,6 +133,8 @@ class Learner:
         self.clock = RoundClock(cfg.swarm, cfg.run.time_limit_s)
         self.train_s = 0.0
         self.ended_with_swarm = False
+        self.last_round_steps, self.last_round_s = 0, 0.0
+        """Inner steps and seconds of the last round submitted (what `near_end` counts in)."""
         """A group merge included another peer's last contribution: the run is over (see `MergeResult.final`)."""
 
     # ---- the loop ----
@@ -200,17 +202,17 @@ class Learner:
         """This peer's run is over: its step budget or time limit is reached, or it merged with a finishing peer."""
         return self.c.step >= self.cfg.run.total_steps or self.clock.out_of_time() or self.ended_with_swarm
 
-    def near_end(self, rounds: int = 2) -> bool:
-        """Within `rounds` rounds of this peer's own end (its step budget or time limit), by its own counters.
+    def near_end(self) -> bool:
+        """Within one round of this peer's own end (its step budget or time limit), by its own counters: as many
+        steps, or seconds, as its last submitted round took.
 
         Only then does a group member's "final" end this peer's run: peers that finish together end on the same
         global model, and a member that says "final" at any other time ends nobody's run (issue 18).
         """
-        steps_per_round = self.c.step / max(1, self.c.round)
-        if self.cfg.run.total_steps - self.c.step <= rounds * max(1.0, steps_per_round):
+        if self.cfg.run.total_steps - self.c.step <= max(1, self.last_round_steps):
             return True
-        limit, elapsed = self.clock.time_limit_s, time.monotonic() - self.clock.t_train
-        return limit > 0 and limit - elapsed <= rounds * elapsed / max(1, self.c.round)
+        limit = self.clock.time_limit_s
+        return limit > 0 and limit - (time.monotonic() - self.clock.t_train) <= self.last_round_s
 
     def round_done(self) -> bool:
         """True when this round should be submitted; never while a merge is still in flight."""
@@ -240,6 +242,7 @@ class Learner:
         )
         self.in_flight = InFlight(self.merger.submit(contribution), local, contribution, time.monotonic(),
                                   self.c.compute_in_round, self.merger.peer_id, self.merge_bound())
+        self.last_round_steps, self.last_round_s = self.c.steps_in_round, self.clock.round_s()
         self.c.tokens_in_round = 0
         self.c.compute_in_round = 0.0
         self.start_round()
