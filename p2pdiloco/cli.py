@@ -252,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--sizes", metavar="N[,N...]", help="byzantine: swarm sizes (default 5,9)")
     be.add_argument("--hostile", type=int, default=2, help="byzantine: hostile peers in each swarm (default 2)")
     be.add_argument("--modes", metavar="M[,M]", help="byzantine: sync, decoupled or both (default both)")
-    be.add_argument("--kinds", metavar="K[,K...]", help="byzantine: hostile kinds (default nan, scale, noise, "
-                    "signflip, takeover, final, leader)")
+    be.add_argument("--kinds", metavar="K[,K...]", help="byzantine: hostile kinds (default honest_only, nan, scale, "
+                    "noise, signflip, takeover, final, leader; honest_only is a clean run of the honest peers alone)")
     be.add_argument("--minutes", type=float, default=5.0, help="churn: length of each of its 4 runs (3 swarms and the data-parallel baseline)")
     be.add_argument("--kill-every", type=float, default=60.0, help="churn: seconds between kills")
     be.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -4,7 +4,8 @@ For each swarm size (default 5 and 9 peers, 2 of them hostile), each mode (sync:
 every live peer; decoupled: timed rounds of 1 s, groups of whoever is ready; about 20 merges each) and each hostile kind (see
 testing/hostile.py: corrupted pseudo-gradients, and peers that lie about their model, the end of the run or
 their leadership), a swarm runs with peers 0..k-1 hostile. The figure is the honest peers' mean final eval loss
-÷ that of a clean run (no hostile peer) of the same size and mode. Beside it: honest peers banned by honest
+÷ that of a clean run (no hostile peer) of the same size and mode, and ÷ a clean run of the honest peers alone
+(`honest_only`: what the swarm would reach if the hostile peers never existed). Beside it: honest peers banned by honest
 peers (must be none), the fewest steps an honest peer took (a run ended early by a lie shows here), merges
 that adopted or refused a
 group's global model, and the rejections the guards counted.
@@ -27,7 +28,10 @@ from p2pdiloco.app.local import run_local
 from p2pdiloco.bench.common import BENCH_EVAL, BENCH_MODEL, machine, write_results
 from p2pdiloco.config import load_config, parse_set
 
-KINDS = ("nan", "scale", "noise", "signflip", "takeover", "final", "leader")
+HONEST_ONLY = "honest_only"
+"""Not a hostile kind: a clean run of only the honest peers (size − hostile), the best any defence can do, since a
+hostile peer's compute is lost to the swarm however well it is stopped."""
+KINDS = (HONEST_ONLY, "nan", "scale", "noise", "signflip", "takeover", "final", "leader")
 MODES = ("sync", "decoupled")
 SIZES = (5, 9)
 
@@ -103,13 +107,16 @@ def bench_byzantine(out: Path, steps: int = 100, round_steps: int = 5, sizes: tu
                     f"run.total_steps={run_steps}", f"swarm.round_steps={round_steps}",
                     f"swarm.run_id=bench-byz-{name}", *extra_sets]
                 cfg = load_config(None, [parse_set(sets)])
-                console.print(f"[bold]{name}[/bold]: {peers} peers, {hostile_count if kind != 'clean' else 0} "
-                              f"hostile, {run_steps} steps, {mode} ...")
+                console.print(f"[bold]{name}[/bold]: {peers - hostile_count if kind == HONEST_ONLY else peers} peers, "
+                              f"{hostile_count if kind not in ('clean', HONEST_ONLY) else 0} hostile, {run_steps} steps, "
+                              f"{mode} ...")
                 t0 = time.monotonic()
-                hostile = {i: [f"emulate.hostile={kind}"] for i in range(hostile_count)} if kind != "clean" else {}
-                summary = run_local(peers, cfg, out / name, None, sets, console=quiet, reraise_interrupt=True,
+                clean = kind in ("clean", HONEST_ONLY)
+                hostile = {i: [f"emulate.hostile={kind}"] for i in range(hostile_count)} if not clean else {}
+                n = peers - hostile_count if kind == HONEST_ONLY else peers
+                summary = run_local(n, cfg, out / name, None, sets, console=quiet, reraise_interrupt=True,
                                     peer_sets=hostile or None)
-                names = [f"peer{i}" for i in range(peers)]
+                names = [f"peer{i}" for i in range(n)]
                 hostile_names = {f"peer{i}" for i in hostile}
                 outcome = _honest_outcome(summary, hostile_names)
                 adopted, refused = _merge_lines(out / name, [n for n in names if n not in hostile_names])
@@ -121,8 +128,12 @@ def bench_byzantine(out: Path, steps: int = 100, round_steps: int = 5, sizes: tu
     for peers in sizes:
         for mode in modes:
             clean = runs[f"clean_{mode}_{peers}"]["eval_loss"]
+            honest_only = runs.get(f"{HONEST_ONLY}_{mode}_{peers}", {}).get("eval_loss")
             for kind in kinds:
-                runs[f"{kind}_{mode}_{peers}"]["ratio"] = runs[f"{kind}_{mode}_{peers}"]["eval_loss"] / clean
+                run = runs[f"{kind}_{mode}_{peers}"]
+                run["ratio"] = run["eval_loss"] / clean
+                if honest_only is not None:
+                    run["ratio_honest_only"] = run["eval_loss"] / honest_only
     path = write_results(out, "byzantine", results)
 
     console.print(f"machine: {results['machine']}")
@@ -135,8 +146,9 @@ def bench_byzantine(out: Path, steps: int = 100, round_steps: int = 5, sizes: tu
             console.print(f"  {peers} peers, {mode}: clean {clean['eval_loss']:.4f} ({clean['merges']:.0f} merges)")
             for kind in kinds:
                 r = runs[f"{kind}_{mode}_{peers}"]
+                vs_honest = f" (÷ honest only {r['ratio_honest_only']:.3f})" if "ratio_honest_only" in r else ""
                 console.print(
-                    f"    {kind:9s} {r['eval_loss']:.4f} = {r['ratio']:.3f}  merges {r['merges']:.0f}, rejected "
+                    f"    {kind:11s} {r['eval_loss']:.4f} = {r['ratio']:.3f}{vs_honest}  merges {r['merges']:.0f}, rejected "
                     f"{r['rejected']}, hostile bans {r['hostile_banned_by_honest']}, honest banned "
                     f"{len(r['honest_banned_by_honest'])}, fewest steps {r['min_honest_step']}, global models "
                     f"adopted {r['adopted_state']} / refused {r['state_refused']}")
