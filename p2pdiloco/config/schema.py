@@ -21,9 +21,8 @@ PRECISIONS = ("auto", "fp32", "bf16")
 ARCHS = ("gpt", "llama")
 """Model architectures (see training/model.py and training/llama.py)."""
 HOSTILE_KINDS = ("nan", "scale", "noise", "signflip", "takeover", "final", "leader", "donor")
-"""How a hostile peer attacks (see testing/hostile.py; config field emulate.hostile): the first four corrupt its
-pseudo-gradients; the others lie about itself (its model and weights, the end of the run, its leadership, the
-state it serves to joiners)."""
+"""How a hostile peer attacks (testing/hostile.py; emulate.hostile): the first four corrupt its pseudo-gradients,
+the others lie about itself (its model and weights, the end of its run, its leadership, the state it serves)."""
 
 __all__ = [
     "AGGREGATORS", "ARCHS", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "Config", "ConfigError", "DataConfig",

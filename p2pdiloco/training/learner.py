@@ -304,15 +304,13 @@ class Learner:
                 θ ← θg + (θ − θ_at_submit); in sync mode there are none, so θ ← θg exactly. None
                 restarts from θg regardless.
         """
-        if result.global_state is not None:  # members disagreed: the group's averaged global model is adopted
-            if self.g.merge(result, own_weight=self.c.global_tokens):
+        if self.g.merge(result, own_weight=self.c.global_tokens):
+            if result.global_state is not None:  # members disagreed: the group's agreed global model was adopted
                 self.c.global_tokens = max(self.c.global_tokens, result.state_weight)
-            else:
-                logger.warning("[%s] refused group %s's averaged global model: farther from ours than any honest "
-                               "divergence (see algorithm/outer.py, state_within_reach)", self.tag, result.group_id)
-                result.global_state, result.state_refused = None, True
         else:
-            self.g.merge(result)
+            logger.warning("[%s] refused group %s's averaged global model: farther from ours than any honest "
+                           "divergence (see algorithm/outer.py, state_within_reach)", self.tag, result.group_id)
+            result.global_state, result.state_refused = None, True
         if local_at_submit is None:
             load_flat_(self.model, self.g.params)
         else:
