@@ -90,3 +90,47 @@ def test_error_feedback_disabled_or_mismatched_shape_passes_through():
     ef = ErrorFeedback(True)
     ef.commit(torch.ones(3), torch.zeros(3))
     assert torch.equal(ef.compensate(x), x)  # a residual of another model's shape is never added
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_blockwise_codes_are_bitsandbytes_maps_nearest_code_and_its_layout(name):
+    """The plain-torch blockwise codec uses bitsandbytes' maps and byte layout: bitsandbytes' own dequantizer
+    reads our bytes to our values, and each code is the nearest one (|error| ≤ half the gap around it)."""
+    F = pytest.importorskip("bitsandbytes.functional")
+    from p2pdiloco.algorithm.codecs import DYNAMIC_MAP, NF4_MAP, BlockwiseCodec
+
+    assert torch.equal(DYNAMIC_MAP, F.create_dynamic_map().float())
+    _, state = F.quantize_4bit(torch.zeros(64), blocksize=64, quant_type="nf4")
+    assert torch.equal(NF4_MAP, state.code.float())
+    codec = BlockwiseCodec(name)
+    x = torch.randn(3 * codec.blocksize + 5, generator=torch.Generator().manual_seed(0))
+    data = codec.encode(x)
+    ours = codec.decode(data, x.numel())
+    blocks = codec._blocks(x.numel())
+    absmax = torch.frombuffer(bytearray(data[: 4 * blocks]), dtype=torch.float32)
+    codes = torch.frombuffer(bytearray(data[4 * blocks:]), dtype=torch.uint8)
+    if name == "int8":
+        st = F.QuantState(absmax=absmax, code=DYNAMIC_MAP, blocksize=codec.blocksize, shape=x.shape, dtype=torch.float32)
+        theirs = F.dequantize_blockwise(codes, st).float()
+    else:
+        st = F.QuantState(absmax=absmax, shape=x.shape, code=NF4_MAP, blocksize=codec.blocksize, quant_type="nf4",
+                          dtype=torch.float32)
+        theirs = F.dequantize_4bit(codes.view(-1, 1), st).float().reshape(-1)
+    assert torch.allclose(ours, theirs, rtol=1e-6, atol=0)
+    # nearest: no other code of the map is closer to x ÷ absmax than the one chosen
+    scale = absmax.repeat_interleave(codec.blocksize)[: x.numel()]
+    dist = ((x / scale)[:, None] - codec.code[None, :]).abs()
+    chosen = ((ours / scale)[:, None] - codec.code[None, :]).abs().argmin(dim=1)
+    assert torch.equal(dist.gather(1, chosen[:, None]).squeeze(1), dist.min(dim=1).values)
+
+
+def test_a_peer_merging_with_int4_does_not_import_bitsandbytes():
+    """bitsandbytes pulls in torch._dynamo (5–12 s of a peer's start-up, issue 14): the codecs need none of it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from p2pdiloco.algorithm.codecs import get_codec; c = get_codec('int4'); "
+            "c.decode(c.encode(torch.randn(1000)), 1000); import p2pdiloco.network.p2p_merger; "
+            "print(sorted(m for m in sys.modules if m.startswith(('bitsandbytes', 'torch._dynamo'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

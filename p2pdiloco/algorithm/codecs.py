@@ -9,7 +9,7 @@ merge group that decode one averaged slice hold the same bits.
 | none | 32 | 0 |
 | fp16 | 16 | 2^-11·|x| (values clamped to ±65504) |
 | bf16 | 16 | 2^-8·|x| |
-| int8 | 8 + 32/4096 | absmax of the 4096-value block × half the widest gap of bitsandbytes' dynamic map (+1%) |
+| int8 | 8 + 32/4096 | absmax of the 4096-value block × half the widest gap of bitsandbytes' dynamic map |
 | int4 | 4 + 32/128 | absmax of the 128-value block × half the widest gap of the NF4 map |
 
 Error feedback (1-bit SGD, Seide et al. 2014; EF-SGD, Karimireddy et al. 2019; INTELLECT-1 uses it with
@@ -20,8 +20,6 @@ one round's error.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import math
 from dataclasses import dataclass
@@ -41,13 +39,6 @@ class CodecError(ValueError):
 
 class NonFiniteError(CodecError):
     """Bytes that decode, but to a non-finite block scale (the sender quantized NaN or inf)."""
-
-
-def _bnb_functional():
-    # bitsandbytes prints a warning about CPU 4-bit gemm kernels on import; it is harmless for quantization.
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        import bitsandbytes.functional as F
-    return F
 
 
 def _from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype, count: int) -> torch.Tensor:
@@ -123,8 +114,14 @@ class HalfCodec(Codec):
 
 @dataclass(frozen=True)
 class BlockwiseCodec(Codec):
-    """bitsandbytes blockwise quantization: one fp32 absmax per block, then 8-bit (dynamic map) or 4-bit
-    (NF4) codes of the values divided by it. Layout: absmax (fp32 × blocks), then the codes."""
+    """Blockwise quantization in plain torch: one fp32 absmax per block, then the index of the code nearest to
+    each value ÷ absmax, in bitsandbytes' 8-bit dynamic map (int8) or the NF4 map (int4, two codes a byte, the
+    first in the high nibble). Layout: absmax (fp32 × blocks), then the codes.
+
+    bitsandbytes once did this; importing it pulled in torch._dynamo and cost every peer 5–12 s of start-up
+    (issue 14), for a few lines of arithmetic. The maps are the same numbers; the codes are the nearest ones
+    (bitsandbytes' CPU kernel sometimes picked the second nearest).
+    """
 
     name: str = "int8"
 
@@ -136,6 +133,10 @@ class BlockwiseCodec(Codec):
     def blocksize(self) -> int:
         return 4096 if self.name == "int8" else 128
 
+    @property
+    def code(self) -> torch.Tensor:
+        return DYNAMIC_MAP if self.name == "int8" else NF4_MAP
+
     def _blocks(self, n: int) -> int:
         return math.ceil(n / self.blocksize)
 
@@ -146,34 +147,35 @@ class BlockwiseCodec(Codec):
         return 4 * self._blocks(n) + self._code_bytes(n)
 
     def encode(self, x: torch.Tensor) -> bytes:
-        x = x.detach().float().contiguous().cpu()
-        if x.numel() == 0:
+        x = x.detach().float().contiguous().cpu().reshape(-1)
+        n = x.numel()
+        if n == 0:
             return b""
-        F = _bnb_functional()
-        if self.name == "int8":
-            codes, state = F.quantize_blockwise(x, blocksize=self.blocksize)
-        else:
-            codes, state = F.quantize_4bit(x, blocksize=self.blocksize, quant_type="nf4")
-        absmax = state.absmax.float().contiguous()
-        return absmax.numpy().tobytes() + codes.contiguous().view(torch.uint8).numpy().tobytes()
+        blocks = self._blocks(n)
+        padded = torch.nn.functional.pad(x, (0, blocks * self.blocksize - n)).reshape(blocks, self.blocksize)
+        absmax = padded.abs().amax(dim=1)
+        scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))  # an all-zero block codes as zeros
+        code = self.code
+        codes = torch.bucketize(padded / scale[:, None], (code[1:] + code[:-1]) / 2).to(torch.uint8).reshape(-1)[:n]
+        if self.name == "int4":
+            if n % 2:
+                codes = torch.cat([codes, codes.new_zeros(1)])
+            codes = (codes[0::2] << 4) | codes[1::2]
+        return absmax.numpy().tobytes() + codes.numpy().tobytes()
 
     def decode(self, data: bytes | memoryview, n: int) -> torch.Tensor:
         self._check(data, n)
         if n == 0:
             return torch.empty(0)
-        F = _bnb_functional()
         blocks = self._blocks(n)
         absmax = _from_bytes(memoryview(data)[: 4 * blocks], torch.float32, blocks)
         codes = _from_bytes(memoryview(data)[4 * blocks:], torch.uint8, self._code_bytes(n))
         if not torch.isfinite(absmax).all():
             raise NonFiniteError(f"{self.name}: non-finite block scale")
-        if self.name == "int8":
-            state = F.QuantState(absmax=absmax, code=_dynamic_map(), blocksize=self.blocksize,
-                                 shape=torch.Size([n]), dtype=torch.float32)
-            return F.dequantize_blockwise(codes, state).float()
-        state = F.QuantState(absmax=absmax, shape=torch.Size([n]), code=_nf4_map(), blocksize=self.blocksize,
-                             quant_type="nf4", dtype=torch.float32)
-        return F.dequantize_4bit(codes.view(-1, 1), state).float().reshape(n)
+        if self.name == "int4":
+            codes = torch.stack([codes >> 4, codes & 15], dim=1).reshape(-1)[:n]
+        values = self.code[codes.long()]
+        return values * absmax.repeat_interleave(self.blocksize)[:n]
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         x = x.detach().float().reshape(-1)
@@ -181,27 +183,34 @@ class BlockwiseCodec(Codec):
             return x.clone()
         pad = self._blocks(x.numel()) * self.blocksize - x.numel()
         absmax = torch.nn.functional.pad(x.abs(), (0, pad)).reshape(-1, self.blocksize).amax(dim=1)
-        code = _dynamic_map() if self.name == "int8" else _nf4_map()
-        half_gap = torch.diff(code.sort().values).max() / 2
-        # bitsandbytes' CPU quantizer does not always pick the nearest code: measured up to 0.2% past the
-        # half gap on Gaussian data; 1% of slack keeps the bound honest without hiding a real regression
-        return (absmax * (half_gap * 1.01) + 1e-30).repeat_interleave(self.blocksize)[: x.numel()]
+        half_gap = torch.diff(self.code).max() / 2
+        # the nearest code is picked; the slack covers fp32 rounding of x ÷ absmax and of code × absmax
+        return (absmax * (half_gap * (1 + 1e-5)) + 1e-30).repeat_interleave(self.blocksize)[: x.numel()]
 
 
-_MAPS: dict[str, torch.Tensor] = {}
+def _dynamic_map(max_exponent_bits: int = 7, total_bits: int = 8) -> torch.Tensor:
+    """bitsandbytes' signed 8-bit dynamic map (`create_dynamic_map`, Dettmers 2016): for each exponent 10^-6 … 10^0
+    the midpoints of a linear grid over [0.1, 1], both signs, then 0 and 1; 256 values, sorted."""
+    data: list[float] = []
+    non_sign_bits = total_bits - 1
+    for i in range(max_exponent_bits):
+        boundaries = torch.linspace(0.1, 1, 2 ** (i + non_sign_bits - max_exponent_bits) + 1, dtype=torch.float32)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        scale = 10 ** (-(max_exponent_bits - 1) + i)
+        data += (scale * means).tolist() + (-scale * means).tolist()  # fp32 products, as bitsandbytes computes them
+    data += [0.0, 1.0]
+    assert len(data) == 2**total_bits
+    return torch.tensor(sorted(data), dtype=torch.float32)
 
 
-def _dynamic_map() -> torch.Tensor:
-    if "int8" not in _MAPS:
-        _MAPS["int8"] = _bnb_functional().create_dynamic_map().float()
-    return _MAPS["int8"]
-
-
-def _nf4_map() -> torch.Tensor:
-    if "int4" not in _MAPS:
-        _, state = _bnb_functional().quantize_4bit(torch.zeros(64), blocksize=64, quant_type="nf4")
-        _MAPS["int4"] = state.code.float().clone()
-    return _MAPS["int4"]
+DYNAMIC_MAP = _dynamic_map()
+NF4_MAP = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+], dtype=torch.float32)
+"""NormalFloat4 (QLoRA, Dettmers et al. 2023): quantiles of a standard normal scaled to [−1, 1], as bitsandbytes
+ships them."""
 
 
 def get_codec(name: str) -> Codec:
@@ -213,12 +222,6 @@ def get_codec(name: str) -> Codec:
     if name in ("int8", "int4"):
         return BlockwiseCodec(name)
     raise ValueError(f"unknown codec {name!r} (known: {', '.join(CODECS)})")
-
-
-def warm_up(codec: Codec) -> None:
-    """Load what the codec needs (bitsandbytes takes seconds to import on a busy machine) before a merge
-    needs it, so that the first merge is not the one that pays for it and times out."""
-    roundtrip(codec, torch.zeros(256))
 
 
 def roundtrip(codec: Codec, x: torch.Tensor) -> tuple[bytes, torch.Tensor]:

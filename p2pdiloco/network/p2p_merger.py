@@ -28,7 +28,7 @@ from concurrent.futures import Future
 import hivemind
 import torch
 
-from p2pdiloco.algorithm.codecs import Codec, ErrorFeedback, get_codec, warm_up
+from p2pdiloco.algorithm.codecs import Codec, ErrorFeedback, get_codec
 from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.config import GuardConfig, SwarmConfig
 from p2pdiloco.network.allreduce import AllReduce, PlainReducer
@@ -74,10 +74,6 @@ class P2PMerger:
         """Codec of pseudo-gradient slices and their averages; (θg, momentum) always travel as fp32, because
         quantizing the model itself would have no error feedback to undo it."""
         self.feedback = ErrorFeedback(cfg.error_feedback and self.codec.lossy)
-        # in this thread, now: bitsandbytes takes seconds to import, and the first merge once paid for it on
-        # the network thread and timed out. (A background import raced the main thread's own first imports
-        # of torch._dynamo and failed with a circular-import error.)
-        warm_up(self.codec)
         self.rpc = Rpc(dht, cfg.run_id, self.auth, self.counter)
         self.matchmaker = Matchmaker(dht, cfg, self.rpc, self.book, self.guard, fingerprint,
                                      {"d": n_params, "s": 2 * n_params})
