@@ -77,11 +77,9 @@ class ModelConfig(_Section):
         yield self.ffn_hidden >= 0, "model.ffn_hidden must be >= 0 (0: automatic)"
         yield (self.tie_embeddings or self.arch == "llama",
                "model.tie_embeddings = false needs model.arch = 'llama' (the gpt always ties them)")
-        yield self.n_layer >= 1, "model.n_layer must be >= 1"
-        yield self.n_head >= 1 and self.d_model >= 1, "model.n_head and model.d_model must be >= 1"
+        yield min(self.n_layer, self.n_head, self.d_model) >= 1, "model.n_layer, n_head and d_model must be >= 1"
         yield self.d_model % self.n_head == 0, "model.d_model must be divisible by model.n_head"
-        yield self.seq_len >= 2, "model.seq_len must be >= 2"
-        yield self.vocab_size >= 2, "model.vocab_size must be >= 2"
+        yield self.seq_len >= 2 and self.vocab_size >= 2, "model.seq_len and model.vocab_size must be >= 2"
 
 
 def _int_list(text: str, sep: str) -> list[int] | None:
@@ -209,6 +207,8 @@ class SwarmConfig(_Section):
     the merge is abandoned and not applied."""
     heartbeat_s: float = 2.0
     """Seconds between peer records in the DHT; a record expires after three of these."""
+    group_size: int = 8
+    """Most members of one merge group: more ready peers split into groups of about equal size, redrawn each epoch."""
     join_timeout_s: float = 20.0
     """Give up on unreachable initial peers after this many seconds."""
     wait_for_peers: int = 0
@@ -229,8 +229,8 @@ class SwarmConfig(_Section):
         yield self.round_seconds >= 0, "swarm.round_seconds must be >= 0"
         yield 0 < self.window_fraction <= 1, "swarm.window_fraction must be in (0, 1]"
         yield 0 < self.min_window_s <= self.merge_window_s, "need 0 < swarm.min_window_s <= merge_window_s"
-        yield self.heartbeat_s > 0, "swarm.heartbeat_s must be > 0"
-        yield self.join_timeout_s > 0, "swarm.join_timeout_s must be > 0"
+        yield self.heartbeat_s > 0 and self.join_timeout_s > 0, "swarm.heartbeat_s and join_timeout_s must be > 0"
+        yield self.group_size >= 2, "swarm.group_size must be >= 2"
         yield self.wait_for_peers >= 0 and self.wait_for_peers_s >= 0, "swarm.wait_for_peers* must be >= 0"
         yield self.codec in CODECS, f"swarm.codec must be one of {', '.join(CODECS)}, got {self.codec!r}"
 

@@ -1,10 +1,10 @@
 """Forming a merge group with whichever peers are ready now, through the DHT.
 
 1. **Ready.** The peer writes a `ready` record (with its matchmaking deadline) to the DHT.
-2. **Group.** Among those ready, the leader is the peer whose id hashes lowest with the current leader epoch
-   (`leader_rank`): no peer id leads every group, and one generated to sort first leads no more often than
-   any other. It invites the others as soon as every live peer is ready, or at its deadline with whoever
-   is. Each peer accepts at most one invite per merge; the leader then sends the final member list, the
+2. **Group.** Those ready split into groups of at most `swarm.group_size`, dealt in the order of their ids'
+   hashes with the current epoch (`my_group`, `leader_rank`): no peer id leads every group, and one generated
+   to sort first leads no more often than any other. Each group's first peer leads it: it invites the others
+   as soon as every live peer is ready or its group is full, or at its deadline with whoever is. Each peer accepts at most one invite per merge; the leader then sends the final member list, the
    members' weights and whether their global models disagree (digests differ) to every member. A peer that
    is not invited in time merges alone; a leader that never invites is passed over for a while.
 
@@ -61,6 +61,23 @@ def leader_rank(run_id: str, peer: str, epoch: int) -> bytes:
 
 def leader_epoch(now: float) -> int:
     return int(now // LEADER_EPOCH_S)
+
+
+def my_group(run_id: str, me: str, ready: list[str], passed_over: set[str], epoch: int, group_size: int) -> list[str]:
+    """The ready peers `me` expects to merge with, its leader first: at most `group_size` of them.
+
+    The ready peers, ordered by `leader_rank` (peers passed over as leaders go last), are dealt round-robin
+    into the fewest groups of at most `group_size`: groups differ in size by one at most, and the first
+    peers of the order lead them. Every peer that sees the same ready records computes the same groups, and
+    the order is redrawn every epoch, so groups change and what one group learned reaches the others within
+    a few epochs (Moshpit SGD's changing groups, by hash rather than a grid: a grid needs the swarm's size,
+    which no peer can read without reading everyone's records). Peers that see different ready sets (records
+    still on their way) may expect different leaders; an invite from any leader is accepted, so that costs at
+    most a smaller group.
+    """
+    order = sorted(ready, key=lambda p: (p in passed_over and p != me, leader_rank(run_id, p, epoch)))
+    n_groups = -(-len(order) // group_size)
+    return order[order.index(me) % n_groups::n_groups]
 
 
 @dataclass
@@ -138,6 +155,7 @@ class Matchmaker:
         self._alone_streak = 0
         self._tasks: set[asyncio.Task] = set()
         self._passed_over: dict[str, int] = {}
+        self._live_cache: tuple[float, dict[str, dict]] | None = None
         """Leaders that never invited us: peer id -> searches left in which they are not followed."""
 
     def close(self) -> None:
@@ -182,7 +200,7 @@ class Matchmaker:
             while not self._closed:
                 if search.accepted_gid:
                     return await self._await_group(search)
-                records = live_records(await read_subkeys(self.dht, peers_key(self.cfg.run_id)))
+                records = await self._live()
                 records = {p: r for p, r in records.items() if p not in self.book.banned}  # not ours to wait for
                 live = len(records)
                 now = get_dht_time()
@@ -193,17 +211,17 @@ class Matchmaker:
                 # a crashed peer's stale ready record must not make it everyone's leader
                 ready = {p: r for p, r in looking.items() if p not in silent and p not in implausible}
                 ready[me] = {"deadline": search.deadline}
-                epoch = leader_epoch(now)
-                leader = min((p for p in ready if p not in passed_over or p == me),
-                             key=lambda p: leader_rank(self.cfg.run_id, p, epoch))
+                mine = my_group(self.cfg.run_id, me, list(ready), passed_over, leader_epoch(now), self.cfg.group_size)
+                leader = mine[0]
                 if followed and followed != leader and followed not in ready:
                     self._passed_over[followed] = SILENT_ROUNDS  # it stopped looking without inviting us
                 followed = leader if leader != me else ""
                 if search.accepted_gid:
                     return await self._await_group(search)
                 if leader == me:
-                    if len(ready) > 1 and (len(ready) >= live or now >= search.deadline):
-                        return await self._lead(search, sorted(p for p in ready if p != me))
+                    if len(mine) > 1 and (len(ready) >= live or len(mine) >= self.cfg.group_size
+                                          or now >= search.deadline):
+                        return await self._lead(search, sorted(p for p in mine if p != me))
                     if now >= search.deadline or live <= 1:
                         return None
                 else:
@@ -227,6 +245,14 @@ class Matchmaker:
             task = asyncio.create_task(self._write_ready({"looking": False}, ttl=window + 5))
             self._tasks.add(task)  # keep a reference until it is done, or it may be collected mid-flight
             task.add_done_callback(self._tasks.discard)
+
+    async def _live(self) -> dict[str, dict]:
+        """The live peers' records, read at most once a heartbeat: they change no faster, and every read moves
+        the whole swarm's records (hivemind returns a key's every subkey from each node on the way)."""
+        now = time.monotonic()
+        if self._live_cache is None or now - self._live_cache[0] >= self.cfg.heartbeat_s:
+            self._live_cache = (now, live_records(await read_subkeys(self.dht, peers_key(self.cfg.run_id))))
+        return self._live_cache[1]
 
     def _plausible(self, record: dict, now: float) -> bool:
         """A ready record whose deadline an honest peer could have written: no window is longer than
@@ -364,7 +390,8 @@ class Matchmaker:
         members, weights, sw = h.get("members"), h.get("weights"), h.get("state_weights")
         return (
             isinstance(members, list) and isinstance(weights, list) and isinstance(sw, list)
-            and 2 <= len(members) == len(weights) == len(sw) and all(isinstance(m, str) for m in members)
+            and 2 <= len(members) == len(weights) == len(sw) <= self.cfg.group_size
+            and all(isinstance(m, str) for m in members)
             and len(set(members)) == len(members) and self.peer_id in members
             and all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
                     for w in weights + sw)

@@ -1,0 +1,70 @@
+"""Bounded merge groups (issue 17): ready peers split into groups of at most `swarm.group_size`, redrawn every
+epoch, and every peer computes the same split from the same ready records."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.network.matchmaking import my_group
+from p2pdiloco.network.merger import Contribution
+from tests.conftest import running_mergers
+
+
+def _split(ready, epoch, size, passed_over=frozenset()):
+    return {p: tuple(my_group("run", p, ready, set(passed_over), epoch, size)) for p in ready}
+
+
+@pytest.mark.parametrize(("n", "size"), [(1, 8), (4, 8), (8, 8), (9, 8), (12, 4), (13, 4), (32, 8), (33, 8)])
+def test_every_peer_computes_the_same_groups_of_at_most_group_size(n, size):
+    ready = [f"peer{i:02d}" for i in range(n)]
+    split = _split(ready, 5, size)
+    groups = set(split.values())
+    assert all(p in split[p] for p in ready)  # each peer is in the group it computed
+    assert sorted(p for g in groups for p in g) == sorted(ready)  # the groups partition the ready peers
+    for g in groups:
+        assert all(split[p] == g for p in g)  # and every member computed the same group, the same leader first
+    sizes = [len(g) for g in groups]
+    assert max(sizes) <= size and max(sizes) - min(sizes) <= 1
+    assert len(groups) == -(-n // size)  # the fewest groups that fit
+
+
+def test_groups_change_every_epoch_and_no_peer_leads_every_one():
+    ready = [f"peer{i:02d}" for i in range(32)]
+    together, leads = Counter(), Counter()
+    for epoch in range(200):
+        for g in set(_split(ready, epoch, 8).values()):
+            leads[g[0]] += 1
+            together.update((a, b) for a in g for b in g if a < b)
+    # in 200 epochs of 4 random groups of 8, every pair of peers met (each epoch: P = 7/31)
+    assert len(together) == 32 * 31 // 2
+    assert max(leads.values()) < 200 * 4 / 32 * 2.5  # about 25 leads each; no id leads every group
+
+
+def test_a_passed_over_peer_is_a_member_but_not_a_leader():
+    ready = [f"peer{i:02d}" for i in range(9)]
+    first = _split(ready, 3, 8)["peer00"][0]
+    split = _split(ready, 3, 8, passed_over={first})  # as the others see it (nobody passes itself over)
+    others = {p: g for p, g in split.items() if p != first}
+    assert all(g[0] != first for g in others.values())
+    assert any(first in g for g in others.values())  # still invited, as a member
+
+
+def test_twelve_real_peers_merge_in_groups_of_at_most_four(bootstrap_dht, net_loop):
+    cfg = SwarmConfig(run_id="groups", merge_window_s=10, merge_timeout_s=10, codec="none", group_size=4)
+    with running_mergers(bootstrap_dht, net_loop, 12, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:
+        time.sleep(1.0)  # every peer record stored before the first search reads them
+        futures = [m.submit(Contribution(pseudo_grad=torch.full((64,), float(i)), weight=1.0,
+                                         global_params=torch.zeros(64), momentum=torch.zeros(64), state_digest="same",
+                                         state_weight=1.0)) for i, m in enumerate(mergers)]
+        results = [f.result(timeout=90) for f in futures]
+    groups = {tuple(r.group) for r in results}
+    assert all(2 <= len(r.group) <= 4 and r.failure == "" for r in results)  # everyone merged, none alone
+    assert sorted(p for g in groups for p in g) == sorted(m.peer_id for m in mergers)  # each in exactly one group
+    for r in results:  # and each group's members hold the mean of that group's parts, not the swarm's
+        values = [float(i) for i, m in enumerate(mergers) if m.peer_id in r.group]
+        assert torch.allclose(r.pseudo_grad, torch.full((64,), sum(values) / len(values)))
