@@ -16,8 +16,11 @@ from its restart to that kill. The seconds a killed peer is down count for nothi
 - A group merge whose result this peer took: the round counts by `own_kept`, the fraction of its Δ that entered
   the group's average (the slices' owners report whether their guards left this peer's part out).
 - A merge alone, a group merge that failed for this peer (it merged alone), and a group merge whose averaged
-  global model this peer refused (`state_refused`: it steps its own θg on): the round's effect is only in this
-  peer's own θg. It is pending, and reaches others only through that θg:
+  global model this peer refused (`state_refused`: it steps its own θg on): the round is counted as being only
+  in this peer's own θg. (The others may have taken its Δ all the same: a merge can fail for one member after
+  the others got every slice, and a refusing peer's Δ is in the Δ̄ they applied. Neither is counted: the peer
+  cannot tell the first, and in the second it judged the group's model farther off than honest peers drift.)
+  It is pending, and reaches others only through that θg:
   - a later group merge that averages the members' global models (`adopted_state`) carries the pending rounds
     by this peer's `state_share` of the agreed θg (its state weight ÷ the group's, by the group's count); the
     rest of them was replaced by the others' models and is lost;
@@ -89,7 +92,8 @@ def goodput_from_metrics(path: Path, chaos: list[dict] | None = None) -> dict:
         until = starts[i + 1] if i + 1 < len(starts) else float("inf")
         killed = next((k for k in kills if starts[i] <= k < until), None)
         spent += (killed if killed is not None else rows[-1]["t"]) - starts[i]
-        reached += _reached(rows, ended=killed is None and any(r.get("kind") == "eval" and r.get("final") for r in rows))
+        final_eval = any(r.get("kind") == "eval" and r.get("final") for r in rows)
+        reached += _reached(rows, ended=killed is None and final_eval)
     for r in restarts:  # a process killed before its start line: nothing else records it
         killed = next((k for k in kills if k > r), None)
         previous = max((k for k in kills if k < r), default=-math.inf)  # the kill this restart follows
