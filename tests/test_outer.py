@@ -11,6 +11,7 @@ from p2pdiloco.algorithm.outer import (
     pseudo_gradient,
     rebase,
     state_digest,
+    weight_shares,
     weighted_average,
 )
 
@@ -68,6 +69,14 @@ def test_rebase_keeps_steps_taken_since_submit():
     at_submit = torch.tensor([1.0, 2.0])
     now = torch.tensor([1.5, 1.0])
     assert torch.equal(rebase(new_global, now, at_submit), torch.tensor([10.5, 9.0]))
+
+
+def test_weight_shares_as_the_average_counts_them():
+    assert weight_shares([100, 300]) == [0.25, 0.75]
+    # the middle member's part was left out: the others share the whole, 100 / (100 + 300) and 300 / 400
+    assert weight_shares([100, 50, 300], [True, False, True]) == [0.25, 0.0, 0.75]
+    assert weight_shares([0, 0, 0], [True, True, False]) == [0.5, 0.5, 0.0]  # all zero: the kept count equally
+    assert weight_shares([5, 5], [False, False]) == [0.0, 0.0]
 
 
 def test_weighted_average_by_tokens():

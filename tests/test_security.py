@@ -164,6 +164,10 @@ def test_each_hostile_kind_is_rejected_in_a_real_merge_and_the_members_agree(fou
         got = [m.book.report()["rejected"] - b for m, b in zip(four_mergers[:3], before, strict=True)]
         assert got == [1, 1, 1], (kind, got, [m.book.report() for m in four_mergers])
         assert sum(r.rejected for r in results[:3]) >= 3
+        # and told each member whether its own part counted: the hostile part entered at most its own owner's
+        # slice (5001 of the 20,001 values), every honest part all of them
+        assert [r.own_kept for r in results[:3]] == [1.0, 1.0, 1.0]
+        assert results[3].own_kept <= 5001 / BIG
         avg = results[0].pseudo_grad
         assert torch.isfinite(avg).all()
         assert float(torch.nn.functional.cosine_similarity(avg, weighted_average(honest, [1, 1, 1]), dim=0)) > 0.99

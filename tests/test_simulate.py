@@ -140,6 +140,9 @@ def test_calibrate_reads_a_bench_churn_folder(tmp_path):
             killed = name != "decoupled_no_churn" and i == 1
             incs = [[(2.0, 2.0, 4), (4.0, 2.0, 1)], [(3.0, 2.0, 3)]] if killed else [[(2.0, 2.0, 4), (4.0, 2.0, 4)]]
             _metrics(tmp_path / name / "peers" / f"peer{i}" / "metrics.jsonl", incs, final=True)
+        if name != "decoupled_no_churn":  # peer1's first life (last line at t=1004) was killed at 1005
+            (tmp_path / name / "chaos.jsonl").write_text(
+                '{"t": 1005.0, "event": "kill", "peer": "peer1"}\n{"t": 1009.0, "event": "restart", "peer": "peer1"}\n')
         runs[name] = {"goodput": 0.5, "kills": 1 if name != "decoupled_no_churn" else 0}
     runs["data_parallel_churn"] = {"goodput": 0.6, "kills": 3}
     (tmp_path / "churn.json").write_text(json.dumps({"runs": runs, "peers": 4, "kill_every_s": 60.0,
@@ -147,8 +150,9 @@ def test_calibrate_reads_a_bench_churn_folder(tmp_path):
     cal = calibrate(tmp_path)
     assert cal["kind"] == "churn" and cal["inputs"]["first_start_s"] == 5.0
     # The others: 4 s reached of 5 + 4 + 1 s (start-up, merges, final eval). peer1 of a churn run: in its first
-    # life 2 s reached (its round merged alone is lost with it) of 5 + 4 s, in its second 2 s of 5 + 3 + 1 s.
-    assert cal["goodput"]["decoupled_churn"]["measured"] == pytest.approx((3 * 4 + 2 + 2) / (3 * 10 + 9 + 9))
+    # life 2 s reached (its round merged alone is lost with it) of 5 + 5 s (start-up, up to the kill), in its
+    # second 2 s of 5 + 3 + 1 s.
+    assert cal["goodput"]["decoupled_churn"]["measured"] == pytest.approx((3 * 4 + 2 + 2) / (3 * 10 + 10 + 9))
     assert cal["goodput"]["data_parallel_churn"]["measured"] == 0.6  # from churn.json: no metrics to recompute
     assert all(0 < v["simulated"] <= 1 for v in cal["goodput"].values())
     assert cal["goodput"]["sync_churn"]["kills_measured"] == 1

@@ -10,7 +10,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.algorithm.outer import weighted_average
 from p2pdiloco.config import GuardConfig, SwarmConfig
-from p2pdiloco.network.allreduce import slice_bounds
+from p2pdiloco.network.allreduce import by_values, slice_bounds
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.swarm import (
@@ -30,6 +30,11 @@ pytestmark = pytest.mark.integration
 def test_slice_bounds_cover_exactly():
     assert slice_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert slice_bounds(2, 3) == [(0, 1), (1, 2), (2, 2)]
+
+
+def test_by_values_weighs_each_slice_by_its_length():
+    # 10 values among 3 members: slices of 4, 3 and 3 values; per slice 1, 0 and 0.5 -> (4 + 0 + 1.5) / 10
+    assert by_values([1.0, 0.0, 0.5], 10) == pytest.approx(0.55)
 
 
 def test_slice_bounds_are_how_tensor_split_cuts():
@@ -113,6 +118,10 @@ def test_disagreeing_global_models_are_averaged_by_absorbed_tokens(three_mergers
         torch.testing.assert_close(r.global_state[:1001], torch.full((1001,), 15.0))
         torch.testing.assert_close(r.global_state[1001:], torch.full((1001,), 150.0))
         assert torch.equal(r.global_state, results[0].global_state)
+    # what each member's θg weighed in that agreement (goodput counts rounds merged alone by it): the joiner's
+    # nothing, the others' 500 ÷ 1000; every member's Δ counted in full
+    assert [r.state_share for r in results] == [0.0, 0.5, 0.5]
+    assert [r.own_kept for r in results] == [1.0, 1.0, 1.0]
 
 
 def test_member_frozen_mid_merge_fails_the_merge_for_everyone(bootstrap_dht, net_loop):

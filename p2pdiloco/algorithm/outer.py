@@ -104,6 +104,23 @@ def weighted_average(tensors: Sequence[torch.Tensor], weights: Sequence[float]) 
     return out
 
 
+def weight_shares(weights: Sequence[float], kept: Sequence[bool] | None = None) -> list[float]:
+    """Each member's share wᵢ / Σ w of a weighted average, as `weighted_average` counts the weights.
+
+    Args:
+        weights: non-negative weights, one per member.
+        kept: which members' parts the average used (None: all); the others' share is 0 and the kept ones
+            share the whole. If every kept weight is zero, the kept members count equally.
+    """
+    kept = [True] * len(weights) if kept is None else list(kept)
+    used = [w if k else 0.0 for w, k in zip(weights, kept, strict=True)]
+    total = float(sum(used))
+    if total <= 0:
+        n = sum(kept)
+        return [1.0 / n if k else 0.0 for k in kept] if n else [0.0] * len(weights)
+    return [w / total for w in used]
+
+
 def cosine_lr(step: int, peak_lr: float, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
     """Linear warmup to `peak_lr`, then cosine decay to `min_ratio`·peak at `total_steps` (nanoGPT's get_lr)."""
     min_lr = peak_lr * min_ratio

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
@@ -13,6 +12,7 @@ from rich.console import Console
 
 from p2pdiloco.app.local import run_local
 from p2pdiloco.bench.common import BENCH_MODEL_SETS, machine, write_results
+from p2pdiloco.bench.goodput import run_goodput
 from p2pdiloco.config import load_config, parse_set
 
 logger = logging.getLogger(__name__)
@@ -20,45 +20,6 @@ logger = logging.getLogger(__name__)
 DP_CHECKPOINT_STEPS = 100
 """The data-parallel baseline's checkpoint interval under churn: 10 s of steps, as often as the peers
 checkpoint (every 5 rounds of 2 s)."""
-
-
-def goodput_from_metrics(path: Path) -> dict:
-    """Compute that reached a global model ÷ compute spent, for one peer's metrics.jsonl (all incarnations).
-
-    Spent: each incarnation's wall time from process start (its `start` line's `process_s` before it)
-    to its last line, so start-up, state download, idle waiting and lost rounds all count.
-    Reached: the inner-step time of every round whose contribution was merged with other peers, and of
-    rounds merged alone that later reached others through this peer's next group merge (its θg is
-    averaged in) or through the run's end (its final global model); rounds merged alone before a kill,
-    and the steps after the last merge before a kill, are lost.
-    """
-    incarnations: list[list[dict]] = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a kill
-            continue
-        if row.get("kind") == "start" or not incarnations:
-            incarnations.append([])
-        incarnations[-1].append(row)
-    spent = reached = compute = 0.0
-    for rows in incarnations:
-        start = next((r for r in rows if r.get("kind") == "start"), None)
-        if start is None:
-            continue
-        spent += rows[-1]["t"] - (start["t"] - start.get("process_s", 0.0))
-        pending = 0.0
-        for r in rows:
-            if r.get("kind") == "merge":
-                compute += r.get("round_compute_s", 0.0)
-                if r["group_size"] > 1:
-                    reached += pending + r.get("round_compute_s", 0.0)
-                    pending = 0.0
-                else:
-                    pending += r.get("round_compute_s", 0.0)
-        if any(r.get("kind") == "eval" and r.get("final") for r in rows):
-            reached += pending
-    return {"spent_s": spent, "reached_s": reached, "incarnations": len(incarnations)}
 
 
 def bench_churn(out: Path, minutes: float = 5.0, peers: int = 4, kill_every: float = 60.0,
@@ -89,14 +50,11 @@ def bench_churn(out: Path, minutes: float = 5.0, peers: int = 4, kill_every: flo
         (out / name / "chaos.jsonl").unlink(missing_ok=True)
         t0 = time.monotonic()
         summary = run_local(peers, cfg, out / name, None, sets, console=quiet, reraise_interrupt=True, chaos=chaos)
-        per_peer = [goodput_from_metrics(out / name / "peers" / f"peer{i}" / "metrics.jsonl") for i in range(peers)]
-        spent, reached = sum(p["spent_s"] for p in per_peer), sum(p["reached_s"] for p in per_peer)
+        goodput = run_goodput(out / name) or {"goodput": 0.0, "spent_s": 0.0, "reached_s": 0.0, "incarnations": 0}
         final = [p["eval_loss_final"] for p in summary["peers"]]
         results["runs"][name] = {
-            "goodput": reached / spent if spent else 0.0, "spent_s": spent, "reached_s": reached,
-            "kills": summary.get("chaos_kills", 0), "peers_finished": summary["peers_finished"],
+            **goodput, "kills": summary.get("chaos_kills", 0), "peers_finished": summary["peers_finished"],
             "eval_loss": statistics.mean(final) if final else None, "wall_s": time.monotonic() - t0,
-            "incarnations": sum(p["incarnations"] for p in per_peer),
         }
     console.print(f"[bold]data_parallel_churn[/bold]: {peers} gloo ranks, {steps} steps, checkpoint every "
                   f"{DP_CHECKPOINT_STEPS} steps, a kill every {kill_every:.0f} s ...")
@@ -114,7 +72,8 @@ def bench_churn(out: Path, minutes: float = 5.0, peers: int = 4, kill_every: flo
                                                  / max(r["data_parallel_churn"]["goodput"], 1e-9))
     path = write_results(out, "churn", results)
     console.print(f"machine: {results['machine']}")
-    console.print("goodput = inner-step time that reached a global model ÷ peer wall time (start-up, rejoin, waiting count):")
+    console.print("goodput = inner-step time that reached another peer's model or the final one ÷ peer wall time "
+                  "(start-up, rejoin, waiting count; a killed peer up to its kill; bench/goodput.py):")
     for name, v in r.items():
         extra = f", eval loss ÷ no-churn {v['eval_loss_vs_no_churn']:.4f}" if "eval_loss_vs_no_churn" in v else ""
         console.print(f"  {name:19s}: goodput {v['goodput']:.3f} ({v['reached_s']:.0f} s ÷ {v['spent_s']:.0f} s), "

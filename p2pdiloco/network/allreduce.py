@@ -8,7 +8,9 @@ member that succeeds holds the same bits, because each slice is averaged once, b
 keeps the decoded copy of what it sends.
 
 What an owner does with the parts it receives (screen them, combine them robustly) and what a member accepts
-back is a `SliceReducer`'s business, given to the all-reduce; `PlainReducer` is the unguarded mean.
+back is a `SliceReducer`'s business, given to the all-reduce; `PlainReducer` is the unguarded mean. With each
+averaged slice the owner tells the member its share of that average (0 if its part was left out): a member
+cannot see from the averaged bits whether its own part counted, and goodput must know (bench/goodput.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -23,7 +26,7 @@ from typing import Protocol
 import torch
 
 from p2pdiloco.algorithm.codecs import Codec, CodecError, NonFiniteError
-from p2pdiloco.algorithm.outer import weighted_average
+from p2pdiloco.algorithm.outer import weight_shares, weighted_average
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.matchmaking import Group
 from p2pdiloco.network.merger import FaultHook
@@ -43,6 +46,13 @@ def slice_bounds(length: int, parts: int) -> list[tuple[int, int]]:
     return [(end - size, end) for size, end in zip(sizes, itertools.accumulate(sizes), strict=True)]
 
 
+def by_values(per_slice: list[float], length: int) -> float:
+    """A figure given per slice (a member's share of each slice's average) as its mean over the vector's values:
+    slices differ in length by one, and a figure of the whole vector must not count a short slice as long."""
+    bounds = slice_bounds(length, len(per_slice))
+    return sum(x * (hi - lo) for x, (lo, hi) in zip(per_slice, bounds, strict=True)) / length if length else 0.0
+
+
 class SliceReducer(Protocol):
     """The policy of an all-reduce: which parts count, how they combine, which averages are accepted."""
 
@@ -54,8 +64,9 @@ class SliceReducer(Protocol):
         """
 
     def reduce(self, group: Group, tag: str, me: int, parts: list[torch.Tensor], weights: list[float],
-               flags: dict[int, str]) -> torch.Tensor:
-        """The owner's average of its slice; flags: {member index: reason} decided on arrival.
+               flags: dict[int, str]) -> tuple[torch.Tensor, list[float]]:
+        """The owner's average of its slice, and each member's share of it (`weight_shares` of the parts used:
+        0 for a part left out); flags: {member index: reason} decided on arrival.
 
         Raises:
             MergeFailed: no average can be given.
@@ -82,8 +93,8 @@ class PlainReducer:
         return part, ""
 
     def reduce(self, group: Group, tag: str, me: int, parts: list[torch.Tensor], weights: list[float],
-               flags: dict[int, str]) -> torch.Tensor:
-        return weighted_average(parts, weights)
+               flags: dict[int, str]) -> tuple[torch.Tensor, list[float]]:
+        return weighted_average(parts, weights), weight_shares(weights)
 
     def accept(self, group: Group, owner: int, averaged: torch.Tensor, mine: torch.Tensor) -> None:
         pass
@@ -93,8 +104,8 @@ class PlainReducer:
 class _Slot:
     """The slice of one vector that this peer reduces for its group.
 
-    `result` resolves to (averaged slice as every member will decode it, its encoded bytes): the owner keeps
-    the decoded copy, not its exact average, so that all members hold the same bits.
+    `result` resolves to (averaged slice as every member will decode it, its encoded bytes, each member's share
+    of it): the owner keeps the decoded copy, not its exact average, so that all members hold the same bits.
     """
 
     weights: list[float]
@@ -102,8 +113,9 @@ class _Slot:
     result: asyncio.Future
     codec: Codec
     """How the average travels back to the members (and how they decode it)."""
-    reduce: Callable[[list, list, dict], torch.Tensor] = lambda parts, weights, flags: weighted_average(parts, weights)
-    """(parts, weights, flags) -> the averaged slice; flags: {member index: reason} decided on arrival."""
+    reduce: Callable[[list, list, dict], tuple[torch.Tensor, list[float]]]
+    """(parts, weights, flags) -> (the averaged slice, each member's share of it); flags: {member index: reason}
+    decided on arrival."""
     flags: dict[int, str] = field(default_factory=dict)
     claimed: set[int] = field(default_factory=set)
     """Members whose part is being received or is here."""
@@ -127,12 +139,12 @@ class _Slot:
             self.flags[index] = flag
         if all(p is not None for p in self.parts) and not self.result.done():
             try:
-                average = self.reduce(self.parts, self.weights, self.flags)
+                average, shares = self.reduce(self.parts, self.weights, self.flags)
             except MergeFailed as e:
                 self.result.set_exception(e)
                 return
             data = self.codec.encode(average)
-            self.result.set_result((self.codec.decode(data, average.numel()), data))
+            self.result.set_result((self.codec.decode(data, average.numel()), data, shares))
 
 
 class AllReduce:
@@ -157,12 +169,14 @@ class AllReduce:
         self.round = -1
         """This peer's current round (the key of injected faults)."""
 
-    async def average(self, group: Group, me: int, tag: str, vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    async def average(self, group: Group, me: int, tag: str,
+                      vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
         """Average `vector` over `group`, in which this peer is member `me`.
 
         Returns:
             (the average, as every member holds it; `vector` as the others received it: each slice sent
-            through the codec, this peer's own slice exact), the second for error feedback.
+            through the codec, this peer's own slice exact, for error feedback; this peer's share of each
+            slice's average as its owner counted it, 0 where its part was left out).
         """
         vector = vector.detach().float().contiguous().cpu()
         if vector.numel() != group.lengths[tag]:
@@ -173,10 +187,10 @@ class AllReduce:
         slot.add(me, slices[me].clone())
         sent = list(slices)
 
-        async def exchange(j: int) -> torch.Tensor:
+        async def exchange(j: int) -> tuple[torch.Tensor, float]:
             if j == me:
-                averaged, _ = await asyncio.shield(slot.result)
-                return averaged
+                averaged, _, shares = await asyncio.shield(slot.result)
+                return averaged, shares[me]
             n = slices[j].numel()
             data = codec.encode(slices[j])
             try:
@@ -194,10 +208,10 @@ class AllReduce:
             if not torch.isfinite(averaged).all():
                 raise MergeFailed(f"member {group.members[j][-6:]} returned non-finite values")
             self.reducer.accept(group, j, averaged, slices[j])  # the owner of a slice could return anything
-            return averaged
+            return averaged, _share(reply.get("share"))
 
         parts = await asyncio.gather(*(exchange(j) for j in range(len(group.members))))
-        return torch.cat(parts), torch.cat(sent)
+        return torch.cat([a for a, _ in parts]), torch.cat(sent), [share for _, share in parts]
 
     def _slot(self, group: Group, tag: str, me: int) -> _Slot:
         if tag not in group.slots:
@@ -222,11 +236,11 @@ class AllReduce:
             try:
                 payload = await self.rpc.receive_payload(reader, self.codecs[tag].encoded_size(hi - lo),
                                                          self.merge_timeout_s)
-                data = await self._reduce_part(group, tag, index, me, sender, payload)
+                data, share = await self._reduce_part(group, tag, index, me, sender, payload)
             except BaseException:
                 slot.unclaim(index)
                 raise
-            reply = {"ok": True}
+            reply = {"ok": True, "share": share}
         except (MergeFailed, TimeoutError, WireError) as e:
             reply, data = {"ok": False, "error": f"{type(e).__name__}: {e}"}, b""
         await self.rpc.reply(reader, writer, "part", sender, reply, data)  # a failed send is not answered twice
@@ -253,8 +267,10 @@ class AllReduce:
         me = group.members.index(self.rpc.peer_id)
         return group, tag, index, me, slice_bounds(group.lengths[tag], len(group.members))[me]
 
-    async def _reduce_part(self, group: Group, tag: str, index: int, me: int, sender: str, payload: bytes) -> bytes:
-        """Add member `index`'s part of this peer's slice; return the encoded average once all arrived."""
+    async def _reduce_part(self, group: Group, tag: str, index: int, me: int, sender: str,
+                           payload: bytes) -> tuple[bytes, float]:
+        """Add member `index`'s part of this peer's slice; once all arrived, return the encoded average and that
+        member's share of it."""
         codec = self.codecs[tag]
         lo, hi = slice_bounds(group.lengths[tag], len(group.members))[me]
         part, flag = self.reducer.admit(group, sender, lambda: codec.decode(payload, hi - lo), hi - lo)
@@ -262,5 +278,13 @@ class AllReduce:
             await self.faults.fire("serve_part", self.round, self.rpc.peer_id[-6:])
         slot = self._slot(group, tag, me)
         slot.add(index, part, flag)
-        _, data = await asyncio.wait_for(asyncio.shield(slot.result), self.merge_timeout_s)
-        return data
+        _, data, shares = await asyncio.wait_for(asyncio.shield(slot.result), self.merge_timeout_s)
+        return data, shares[index]
+
+
+def _share(value: object) -> float:
+    """A share an owner reported, in [0, 1]; anything else (a missing or malformed field) counts as left out, since
+    only the owner knows and a share nobody vouched for must not count as reached."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return min(max(float(value), 0.0), 1.0)
+    return 0.0

@@ -71,6 +71,12 @@ class MergeResult:
 
     state_refused: bool = False
     """The learner refused the group's averaged global model: too far from its own (see `GlobalModel.merge`)."""
+    own_kept: float = 1.0
+    """Fraction of this peer's Δ (by values) that entered the group's average: a slice whose owner's guards left
+    this peer's part out carries none of it (1 when alone). Goodput counts a round reached only by this much."""
+    state_share: float = 0.0
+    """When global models were averaged: this peer's θg's share of the agreed θg, its state weight ÷ the state
+    weights combined (as the group counted them), averaged over the values; 0 where its part was left out."""
 
     @property
     def alone(self) -> bool:

@@ -31,7 +31,7 @@ import torch
 from p2pdiloco.algorithm.codecs import Codec, ErrorFeedback, get_codec
 from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.config import GuardConfig, SwarmConfig
-from p2pdiloco.network.allreduce import AllReduce, PlainReducer
+from p2pdiloco.network.allreduce import AllReduce, PlainReducer, by_values
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.merger import Contribution, FaultHook, MergeResult, alone_result
 from p2pdiloco.network.rpc import MergeFailed, Rpc
@@ -118,10 +118,10 @@ class P2PMerger:
                 await self.faults.fire("exchange", c.round, self.peer_id[-6:])
             timeout = self.cfg.merge_timeout_s  # per exchange phase: Δ, then (θg, m) if they disagree
             target = self.feedback.compensate(c.pseudo_grad)
-            avg, sent = await asyncio.wait_for(self.allreduce.average(group, me, "d", target), timeout)
-            state = None
+            avg, sent, shares = await asyncio.wait_for(self.allreduce.average(group, me, "d", target), timeout)
+            state, state_shares = None, []
             if group.need_state:
-                state, _ = await asyncio.wait_for(
+                state, _, state_shares = await asyncio.wait_for(
                     self.allreduce.average(group, me, "s", torch.cat([c.global_params, c.momentum])), timeout
                 )
             self.feedback.commit(target, sent)  # only now: a failed merge sent nothing that counts
@@ -130,6 +130,8 @@ class P2PMerger:
                     group=list(group.members), pseudo_grad=avg, total_weight=float(sum(group.weights)),
                     global_state=state, group_id=group.group_id,
                     state_weight=group.agreed_state_weight() if state is not None else 0.0, final=group.final,
+                    own_kept=by_values([float(s > 0) for s in shares], group.lengths["d"]),
+                    state_share=by_values(state_shares, group.lengths["s"]) if state is not None else 0.0,
                 )
             )
         except (MergeFailed, WireError, TimeoutError, ConnectionError, OSError) as e:

@@ -11,6 +11,7 @@ import torch
 
 from p2pdiloco.algorithm.codecs import CodecError, NonFiniteError
 from p2pdiloco.algorithm.guards import BANNED, NONFINITE, SHAPE, GuardBook, check_average, screen_parts
+from p2pdiloco.algorithm.outer import weight_shares
 from p2pdiloco.algorithm.robust import aggregate
 from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.matchmaking import Group
@@ -39,10 +40,13 @@ class SliceGuard:
         return part, flag
 
     def reduce(self, group: Group, tag: str, me: int, parts: list[torch.Tensor], weights: list[float],
-               flags: dict[int, str]) -> torch.Tensor:
+               flags: dict[int, str]) -> tuple[torch.Tensor, list[float]]:
         """This peer's slice of the group average: screen every member's part, then combine those accepted.
 
-        Runs once per slice, on its owner, so whatever it decides every member receives the same bits.
+        Runs once per slice, on its owner, so whatever it decides every member receives the same bits. Each
+        member's share is its weight among the parts combined (0 if left out); a robust rule weighs parts its
+        own way (CenteredClip returns a majority's bits exactly, leaving a lone differing part nothing), which
+        the share does not see.
         """
         g = self.guard
         reasons = screen_parts(parts, me, g.norm_bound, g.min_cosine)
@@ -62,10 +66,11 @@ class SliceGuard:
             # started from −θ0 and ended 16 % worse)
             keep = [i for i in keep if weights[i] > 0]
         kept, kept_w = [parts[i] for i in keep], [weights[i] for i in keep]
+        shares = weight_shares(weights, [i in keep for i in range(len(parts))])
         # global models too are combined by the robust rule: where most members agree and one differs (it merged
         # alone), CenteredClip's median start and zero radius return the majority's bits exactly, and a member
         # offering a model far off moves the result by at most the clipping radius (issue 18)
-        return aggregate(g.aggregate, kept, kept_w, g.robust_min_group, g.trim_fraction)
+        return aggregate(g.aggregate, kept, kept_w, g.robust_min_group, g.trim_fraction), shares
 
     def accept(self, group: Group, owner: int, averaged: torch.Tensor, mine: torch.Tensor) -> None:
         bad = check_average(averaged, mine, self.guard.norm_bound)

@@ -3,8 +3,10 @@
 Reads what `bench straggler` (straggler.json) or `bench churn` (churn.json) wrote, takes the inputs the model needs
 from the run itself (the benches' settings, the measured first start-up from the peers' `start` lines, the --sync
 merge overhead from the spacing of its merges), simulates the same runs, and returns measured and simulated figures
-side by side. Measured goodput is computed by bench/churn.py's own `goodput_from_metrics`, so like is compared with
-like.
+side by side. Measured goodput is computed by bench/goodput.py's `run_goodput`, the rule `bench churn` reports.
+The model's rule is that one but for what it does not model (docs/simulation.md): rounds a learner merged alone
+count in full once a later group merge of its carries them, where the measured rule counts them by the learner's
+share of that merge's agreement, and no guard leaves a contribution out.
 """
 
 from __future__ import annotations
@@ -14,19 +16,10 @@ import json
 import statistics
 from pathlib import Path
 
+from p2pdiloco.bench.goodput import read_lines, run_goodput
 from p2pdiloco.config import ConfigError
 from p2pdiloco.sim.scenario import Scenario
 from p2pdiloco.sim.simulate import run_algorithm
-
-
-def _lines(path: Path) -> list[dict]:
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a kill
-            continue
-    return rows
 
 
 def _peer_files(run: Path) -> list[Path]:
@@ -34,12 +27,9 @@ def _peer_files(run: Path) -> list[Path]:
 
 
 def measured_goodput(run: Path) -> float | None:
-    """bench churn's goodput rule over every peer of a run folder (None: no metrics there)."""
-    from p2pdiloco.bench.churn import goodput_from_metrics  # torch comes with it: only when calibrating
-
-    per_peer = [goodput_from_metrics(p) for p in _peer_files(run)]
-    spent = sum(p["spent_s"] for p in per_peer)
-    return sum(p["reached_s"] for p in per_peer) / spent if spent else None
+    """bench churn's goodput rule over every peer of a run folder, its kills included (None: no metrics there)."""
+    got = run_goodput(run)
+    return got["goodput"] if got is not None and got["spent_s"] else None
 
 
 def first_start_s(runs: list[Path]) -> float | None:
@@ -47,7 +37,7 @@ def first_start_s(runs: list[Path]) -> float | None:
     starts = []
     for run in runs:
         for path in _peer_files(run):
-            rows = _lines(path)
+            rows = read_lines(path)
             if rows and rows[0].get("kind") == "start":
                 starts.append(float(rows[0].get("process_s", 0.0)))
     return statistics.median(starts) if starts else None
@@ -58,14 +48,14 @@ def sync_overhead_s(run: Path, round_compute_s: float) -> float | None:
     last gap (the partial round the time limit cut) is left out."""
     gaps = []
     for path in _peer_files(run):
-        t = [r["elapsed_s"] for r in _lines(path) if r.get("kind") == "merge" and r.get("group_size", 1) > 1]
+        t = [r["elapsed_s"] for r in read_lines(path) if r.get("kind") == "merge" and r.get("group_size", 1) > 1]
         gaps += [b - a for a, b in zip(t, t[1:-1], strict=False)]
     return max(statistics.mean(gaps) - round_compute_s, 0.0) if gaps else None
 
 
 def finish_s(run: Path, seconds: float) -> float | None:
     """Median time from a time-limited run's end of training to each peer's last line (final merge, eval)."""
-    tails = [rows[-1]["elapsed_s"] - seconds for p in _peer_files(run) if (rows := _lines(p))]
+    tails = [rows[-1]["elapsed_s"] - seconds for p in _peer_files(run) if (rows := read_lines(p))]
     return max(statistics.median(tails), 0.0) if tails else None
 
 

@@ -31,9 +31,9 @@ def print_results(results: dict, timing: dict, console: Console) -> None:
     wall = sum(t["wall_s"] for t in timing.values())
     console.print(f"simulated {events:,} events in {wall:.2f} s ({1e6 * wall / max(events, 1):.2f} µs per event, "
                   f"{events / max(wall, 1e-9):,.0f} events/s)")
-    console.print("goodput: compute that reached a model ÷ compute spent (bench churn's rule); link Gbps: what one "
-                  "learner's link must carry to keep up (decoupled/sync: a merge within a round; data-parallel: an "
-                  "all-reduce within a step)")
+    console.print("goodput: compute that reached a model ÷ compute spent (bench churn's rule, as far as the model "
+                  "goes); link Gbps: what one learner's link must carry to keep up (decoupled/sync: a merge within a "
+                  "round; data-parallel: an all-reduce within a step)")
 
 
 def print_seeds(results: dict, goodput_16: float, console: Console) -> None:

@@ -1,9 +1,11 @@
 """One simulated run of every algorithm of a scenario, and the sweeps behind the plots.
 
-Goodput is bench/churn.py's rule (`goodput_from_metrics`) applied to the simulated ledger: spent is each
-incarnation's wall time from its process start to its end; reached is the inner-step time of every round merged in
-a group, plus rounds merged alone that a later group merge of the same incarnation carried along, plus everything a
-learner that was never killed held at the end. Rounds whose merge had not returned when the learner died are lost.
+Goodput is bench/goodput.py's rule applied to the simulated ledger, as far as the model goes: spent is each
+incarnation's wall time from its process start to its end or kill; reached is the inner-step time of every round
+merged in a group, plus rounds merged alone that a later group merge of the same incarnation carried along, plus
+everything a learner that was never killed held at the end. Rounds whose merge had not returned when the learner
+died are lost. The model has no guards and no state weights, so it counts every part as kept and carried rounds in
+full, where the measured rule counts them by the learner's share of the later agreement (docs/simulation.md).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Sync (--sync): every learner runs `round_steps` steps, then waits until every li
 one's record counts as live for `record_ttl_s`; a restarted one counts from its first step) or
 `sync_window_s` has passed, merges, and starts the next round when the merge is done.
 
-Both produce a `Ledger`; `account` turns it into goodput by bench/churn.py's rule.
+Both produce a `Ledger`; `account` turns it into goodput by bench/goodput.py's rule, as far as the model goes.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pdiloco.algorithm.outer import weighted_average
+from p2pdiloco.algorithm.outer import weight_shares, weighted_average
 from p2pdiloco.network.merger import Contribution, MergeResult
 
 
@@ -44,18 +44,19 @@ class InMemoryMerger:
         group = sorted(rv.contributions)
         members = [rv.contributions[p] for p in group]
         avg = weighted_average([c.pseudo_grad for c in members], [c.weight for c in members])
-        state = None
+        state, shares = None, [0.0] * len(members)
         if len({c.state_digest for c in members}) > 1:
             state = weighted_average(
                 [torch.cat([c.global_params, c.momentum]) for c in members], [c.state_weight for c in members]
             )
+            shares = weight_shares([c.state_weight for c in members])
         total = sum(c.weight for c in members)
         state_weight = max(c.state_weight for c in members)
         final = any(c.final for c in members)
-        for p in group:
+        for p, share in zip(group, shares, strict=True):
             rv.futures[p].set_result(
                 MergeResult(group=group, pseudo_grad=avg, total_weight=total, global_state=state, state_weight=state_weight,
-                            final=final)
+                            final=final, state_share=share)
             )
         return future
 

@@ -191,7 +191,9 @@ class Reporter:
 
     def merge(self, result: MergeResult, round_compute_s: float, global_digest: str,
               eval_loss: float | None) -> None:
-        """After a merge is applied: `join_s` on the first group merge, and the `merge` line.
+        """After a merge is applied: `join_s` on the first group merge, and the `merge` line (what goodput is
+        computed from, bench/goodput.py: `round_compute_s`, `group_size`, `own_kept`, `adopted_state`,
+        `state_refused` and `state_share`).
 
         Args:
             result: the merge.
@@ -210,6 +212,7 @@ class Reporter:
             global_digest=global_digest, adopted_state=result.global_state is not None, state_refused=result.state_refused, eval_loss=eval_loss,
             eval_loss_per_byte=self.per_byte(eval_loss),
             round_compute_s=round_compute_s, rejected=result.rejected, final=result.final,
+            own_kept=result.own_kept, state_share=result.state_share,
             **({"traffic": self.traffic.snapshot()} if self.traffic else {}),
         )
         logger.info(
