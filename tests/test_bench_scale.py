@@ -133,3 +133,16 @@ def test_a_tiny_real_run_of_two_peers(tmp_path):
     assert all(r == 1.0 for r in run["ratios"].values() if r is not None)
     assert json.loads((tmp_path / "scale.json").read_text())["runs"]["2"]["peers_finished"] == 2
     assert (tmp_path / "scale.png").stat().st_size > 0
+
+
+def test_peers_takes_a_list_of_positive_integers_and_errors_name_the_flag():
+    from p2pdiloco.bench.cli import _one_int, _positive_ints
+    from p2pdiloco.cli import build_parser
+    from p2pdiloco.config import ConfigError
+
+    args = build_parser().parse_args(["bench", "scale", "--peers", "4,8", "--group-size", "4", "--steps", "50"])
+    assert _positive_ints(args.peers, "--peers") == (4, 8) and args.group_size == 4 and args.steps == 50
+    with pytest.raises(ConfigError, match="--peers takes positive integers"):
+        _positive_ints("4,0", "--peers")
+    with pytest.raises(ConfigError, match="takes one --peers"):
+        _one_int("2,3", "--peers")

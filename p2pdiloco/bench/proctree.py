@@ -1,5 +1,6 @@
-"""Host resources of each peer of a local swarm as a whole: the peer's python process, the DHT process it forks
-and the p2pd daemons they start, read from /proc while the swarm runs (Linux only).
+"""Host resources of each peer of a local swarm as a whole: the peer's python process and everything under it
+(the DHT process it forks, that process's p2pd daemon, torch's shared-memory manager, the reaper that stops p2pd
+if the peer dies), read from /proc while the swarm runs (Linux only).
 
 Memory is PSS (proportional set size: each shared page divided among the processes that map it, so that the
 peers' PSS add up to what the swarm really holds, torch's shared libraries counted once in all) and USS (pages

@@ -14,9 +14,9 @@ timed rounds of `ROUND_S`, groups of at most `swarm.group_size`. Figures, per ru
 - consensus distance of the final global models and whether their digests are identical (run summary).
 - final eval loss of each peer's global model (its summary's `eval_loss_final`): mean, min, max.
 - start-up: the `start` lines' `process_s` (process start to the learner's first line): median, max.
-- host memory per peer: PSS, and USS, of the peer's whole process tree (python, its DHT process, p2pd; see
-  proctree.py), from the sample nearest `MEMORY_AT` of the way from the last peer's initial eval to the first
-  peer's final eval (all peers training); median and max over peers.
+- host memory per peer: PSS, and USS, of the peer's whole process tree (python, its DHT process, p2pd and
+  helpers; see proctree.py), from the sample nearest `MEMORY_AT` of the way from the last peer's initial eval
+  to the first peer's final eval (all peers training); median and max over peers.
 - CPU outside inner steps per round: user + system CPU seconds of the peer's whole process tree while it
   trained (from its first reading after the peer's initial eval line to its last reading before its final eval
   line; readings 1 s apart, so start-up and shutdown are left out, the final eval's 16 batches are not), minus
@@ -284,14 +284,21 @@ def plot_scale(results: dict, path: Path) -> None:
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False).flatten()
     for ax, (panel, figures) in zip(axes, panels.items(), strict=False):
+        unit = figures[0].unit
+        values = [results["runs"][str(n)][f.key] for f in figures for n in ns]
+        scale, label = (1e6, "M" + unit) if unit.startswith("B") and max(v or 0 for v in values) >= 1e6 else (
+            (1e3, "k" + unit) if unit.startswith("B") else (1.0, unit))
         for f in figures:
-            points = [(n, results["runs"][str(n)][f.key]) for n in ns if results["runs"][str(n)][f.key] is not None]
+            points = [(n, results["runs"][str(n)][f.key] / scale) for n in ns
+                      if results["runs"][str(n)][f.key] is not None]
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", label=f.stat)
         ax.set_xscale("log", base=2)
         ax.set_xticks(ns, [str(n) for n in ns])
         ax.set_xlabel("peers")
-        ax.set_title(panel + (f" ({figures[0].unit})" if figures[0].unit not in ("", "share", "loss") else ""))
+        if unit != "loss":  # from 0, so that growth reads as a proportion
+            ax.set_ylim(bottom=0)
+        ax.set_title(panel + (f" ({label})" if label not in ("", "share", "loss") else ""))
         ax.legend(fontsize="small")
     for ax in axes[len(panels):]:
         ax.set_visible(False)
