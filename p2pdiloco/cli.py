@@ -235,19 +235,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "peers ÷ a clean run, per hostile kind, swarm size (5, 9) and mode (sync, decoupled), default "
                         "guards (32 runs, about an hour; --sizes, --modes, --kinds pick fewer). loader: the data "
                         "loader's tokens/s (cold tokenization, cached load, next_batch) beside the trainer's inner "
-                        "steps on CPU, as a ratio (target >= 10x; under a minute; --set picks tokenizer, data, model).")
+                        "steps on CPU, as a ratio (target >= 10x; under a minute; --set picks tokenizer, data, model). "
+                        "scale: per peer DHT bytes/s, merge bytes per round, merge time, group share, consensus, eval loss, "
+                        "start-up, host memory (PSS of its processes) and CPU outside inner steps, for swarms of "
+                        "--peers N (default 4, 8, 16, 32), each ÷ the smallest swarm's (one run of about 2-3 "
+                        "minutes per N).")
     be.add_argument("which", choices=["straggler", "overhead", "churn", "bandwidth", "parity", "slowlink", "byzantine",
-                                      "loader"],
+                                      "loader", "scale"],
                     help="which benchmark")
     be.add_argument("--out", metavar="DIR", help="output folder (default runs/bench-<which>)")
     be.add_argument("--seconds", type=float, default=60.0, help="straggler: wall time of each of its 4 runs")
     be.add_argument("--steps", type=int, help="overhead: inner steps measured (default 600); bandwidth: inner "
                     "steps per peer per run (1000); parity: inner steps per worker (3000); slowlink: inner "
-                    "steps per peer (250); byzantine: inner steps of each run, in sync rounds of 5 (100)")
+                    "steps per peer (250); byzantine: inner steps of each run, in sync rounds of 5 (100); scale: inner "
+                    "steps per peer, padded to 0.3 s each (350, about 105 s of training)")
     be.add_argument("--h", metavar="H[,H...]", help="inner steps per round: bandwidth tries each (default "
                     "50,100,250,500); parity and slowlink take one (default 50, 25)")
     be.add_argument("--codecs", metavar="C,C,...", help="bandwidth: codecs to try (default all)")
-    be.add_argument("--peers", type=int, help="parity: workers (default 4); slowlink: peers (default 2)")
+    be.add_argument("--peers", metavar="N[,N...]", help="parity: workers (default 4); slowlink: peers (default "
+                    "2); scale: swarm sizes, one run each, the smallest the baseline (default 4,8,16,32)")
+    be.add_argument("--group-size", type=int, help="scale: swarm.group_size, the largest merge group (default the "
+                    "config's, 8)")
     be.add_argument("--rate-mbit", type=float, default=10.0, help="slowlink: link rate each way (default 10)")
     be.add_argument("--sizes", metavar="N[,N...]", help="byzantine: swarm sizes (default 5,9)")
     be.add_argument("--hostile", type=int, default=2, help="byzantine: hostile peers in each swarm (default 2)")

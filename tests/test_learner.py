@@ -191,3 +191,11 @@ def test_a_learner_told_the_run_is_over_takes_no_step_and_submits_nothing(tmp_pa
     summary = learner.run()
     assert summary["inner_steps"] == 0 and summary["rounds"] == 0 and learner.in_flight is None
     assert summary["eval_loss_final"] == summary["eval_loss_initial"]
+
+
+def test_compute_cpu_s_counts_the_steps_cpu_and_not_their_padding(tmp_path):
+    # 10 steps padded to 0.05 s: compute_s holds the sleep, compute_cpu_s only the training thread's work
+    cfg = _cfg(**{"emulate.min_step_s": 0.05, "run.total_steps": 10})
+    summary = _learner(cfg, InMemoryMerger("solo", {"group_size": 1}), tmp_path, 0).run()
+    assert summary["compute_s"] >= 10 * 0.05
+    assert 0 < summary["compute_cpu_s"] < summary["compute_s"] / 2

@@ -9,24 +9,24 @@ from p2pdiloco.app.commands import stop_on_signals
 from p2pdiloco.config import CODECS, ConfigError
 
 
-def _round_lengths(text: str | None) -> tuple[int, ...]:
-    """--h "50,100" -> (50, 100); ConfigError on anything but positive integers."""
+def _positive_ints(text: str | None, flag: str) -> tuple[int, ...]:
+    """--h "50,100" -> (50, 100); ConfigError naming `flag` on anything but positive integers."""
     if not text:
         return ()
     try:
-        hs = tuple(int(h) for h in text.split(","))
+        values = tuple(int(v) for v in text.split(","))
     except ValueError:
-        hs = ()
-    if not hs or any(h < 1 for h in hs):
-        raise ConfigError(f"--h takes positive integers separated by commas, got {text!r}")
-    return hs
+        values = ()
+    if not values or any(v < 1 for v in values):
+        raise ConfigError(f"{flag} takes positive integers separated by commas, got {text!r}")
+    return values
 
 
-def _one_round_length(text: str | None) -> int | None:
-    hs = _round_lengths(text)
-    if len(hs) > 1:
-        raise ConfigError("this benchmark takes one --h")
-    return hs[0] if hs else None
+def _one_int(text: str | None, flag: str) -> int | None:
+    values = _positive_ints(text, flag)
+    if len(values) > 1:
+        raise ConfigError(f"this benchmark takes one {flag}")
+    return values[0] if values else None
 
 
 def _names(text: str | None, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
@@ -56,15 +56,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         codecs = tuple(args.codecs.split(",")) if args.codecs else CODECS
         if any(c not in CODECS for c in codecs):
             raise ConfigError(f"--codecs takes a comma-separated list of {', '.join(CODECS)}")
-        bench_bandwidth(out, steps=args.steps or 1000, hs=_round_lengths(args.h) or HS, codecs=codecs)
+        bench_bandwidth(out, steps=args.steps or 1000, hs=_positive_ints(args.h, "--h") or HS, codecs=codecs)
     elif args.which == "parity":
         from p2pdiloco.bench.parity import bench_parity
 
-        bench_parity(out, steps=args.steps or 3000, h=_one_round_length(args.h) or 50, peers=args.peers or 4)
+        bench_parity(out, steps=args.steps or 3000, h=_one_int(args.h, "--h") or 50,
+                     peers=_one_int(args.peers, "--peers") or 4)
     elif args.which == "slowlink":
         from p2pdiloco.bench.slowlink import bench_slowlink
 
-        bench_slowlink(out, steps=args.steps or 250, h=_one_round_length(args.h) or 25, peers=args.peers or 2,
+        bench_slowlink(out, steps=args.steps or 250, h=_one_int(args.h, "--h") or 25,
+                       peers=_one_int(args.peers, "--peers") or 2,
                        rate_mbit=args.rate_mbit)
     elif args.which == "loader":
         from p2pdiloco.bench.loader import bench_loader
@@ -75,11 +77,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         kinds = _names(args.kinds, KINDS, "--kinds")
         modes = _names(args.modes, MODES, "--modes")
-        sizes = _round_lengths(args.sizes) if args.sizes else SIZES
+        sizes = _positive_ints(args.sizes, "--sizes") or SIZES
         if args.hostile < 1 or any(n < args.hostile + 3 for n in sizes):
             raise ConfigError("byzantine needs --hostile >= 1 and at least 3 honest peers in every --sizes swarm")
         bench_byzantine(out, steps=args.steps or 100, sizes=sizes, hostile_count=args.hostile, modes=modes,
                         kinds=kinds, extra_sets=tuple(args.sets))
+    elif args.which == "scale":
+        from p2pdiloco.bench.scale import PEERS, STEPS, bench_scale
+
+        bench_scale(out, peers=_positive_ints(args.peers, "--peers") or PEERS, steps=args.steps or STEPS,
+                    group_size=args.group_size)
     else:
         from p2pdiloco.bench.overhead import bench_overhead
 

@@ -164,7 +164,7 @@ class Learner:
 
     def inner_step(self) -> float:
         """One AdamW step on a local batch, with the run-wide warmup + cosine schedule."""
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.thread_time()
         lr = self.inner_lr()
         for group in self.opt.param_groups:
             group["lr"] = lr
@@ -178,8 +178,9 @@ class Learner:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
         self.opt.step()
         loss_value = float(loss.detach())
+        cpu_s = time.thread_time() - cpu0
         self.pace(time.monotonic() - t0)
-        self.c.add_step(tokens=x.numel() * self.report.data_parallel, compute_s=time.monotonic() - t0)
+        self.c.add_step(tokens=x.numel() * self.report.data_parallel, compute_s=time.monotonic() - t0, cpu_s=cpu_s)
         self.report.inner_step(loss_value, lr)
         return loss_value
 

@@ -52,6 +52,11 @@ class Counters:
     bytes_sent: int = 0
     bytes_received: int = 0
     compute_s: float = 0.0
+    """Wall seconds in inner steps, the padding of `emulate.min_step_s` and `slow_factor` included."""
+    compute_cpu_s: float = 0.0
+    """CPU seconds of the training thread inside inner steps (its own work only: not the padding's sleep, nor
+    the network thread, the DHT process or p2pd; all of a step's CPU where torch runs one thread, as under
+    `local`)."""
     merge_wait_s: float = 0.0
     global_tokens: float = 0.0
     """Tokens whose effect reached this peer's global model (its weight when global models are averaged)."""
@@ -72,9 +77,10 @@ class Counters:
     """Digest of (θg, momentum) after the last merge or adoption ('' before either): in the heartbeat, so that a
     joiner can check a donor's state against what other live peers hold."""
 
-    def add_step(self, tokens: int, compute_s: float) -> None:
-        """Count one inner step on `tokens` tokens that took `compute_s` seconds."""
+    def add_step(self, tokens: int, compute_s: float, cpu_s: float = 0.0) -> None:
+        """Count one inner step on `tokens` tokens that took `compute_s` wall seconds and `cpu_s` CPU seconds."""
         self.compute_s += compute_s
+        self.compute_cpu_s += cpu_s
         self.compute_in_round += compute_s
         self.steps_run += 1
         self.step += 1
@@ -253,7 +259,8 @@ class Reporter:
             "join_s": self.c.join_s, "ended_with_swarm": ended_with_swarm,
             "rounds": self.c.round, "merges": self.c.merges, "merge_failures": self.c.merge_failures,
             "bytes_sent": self.bytes_io()[0], "bytes_received": self.bytes_io()[1],
-            "wall_s": self.elapsed(), "compute_s": self.c.compute_s, "merge_wait_s": self.c.merge_wait_s,
+            "wall_s": self.elapsed(), "compute_s": self.c.compute_s,
+            "compute_cpu_s": self.c.compute_cpu_s, "merge_wait_s": self.c.merge_wait_s,
             "train_s": train_s, "steps_per_s": self.c.steps_run / train_s if train_s > 0 else 0.0,
             "mode": "sync" if self.cfg.swarm.sync else "decoupled",
             "eval_loss_initial": self.eval_loss_initial, "eval_loss_final": self.eval_loss_final,

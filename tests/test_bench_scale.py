@@ -1,0 +1,148 @@
+"""`bench scale`: its figures from hand-written metrics, the process-tree readings, and one tiny real run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from p2pdiloco.bench.proctree import (
+    PeerSampler,
+    local_peers,
+    process_cpu_s,
+    process_memory,
+    tree_memory,
+    tree_pids,
+)
+from p2pdiloco.bench.scale import add_ratios, bench_scale, memory_at, percentile, run_figures
+from tests.conftest import run_children, wait_for
+
+MB = 1_000_000
+
+
+def _peer(name, dht, merge, wall_s, rounds, compute_cpu_s, eval_loss):
+    return {"name": name, "wall_s": wall_s, "rounds": rounds, "compute_cpu_s": compute_cpu_s,
+            "eval_loss_final": eval_loss, "merge_failures": 0,
+            "traffic": {"dht": {"sent": dht[0], "received": dht[1]}, "merge": {"sent": merge[0], "received": merge[1]},
+                        "state": {"sent": 0, "received": 0}}}
+
+
+def _rows(process_s, t_eval, merges, t_final):
+    """A peer's metrics lines: start, initial eval, merges as (group_size, merge_s), final eval."""
+    return ([{"kind": "start", "t": t_eval - 1, "process_s": process_s}, {"kind": "eval", "t": t_eval}]
+            + [{"kind": "merge", "group_size": g, "merge_s": s} for g, s in merges]
+            + [{"kind": "eval", "t": t_final, "final": True}])
+
+
+SUMMARY = {"peers_finished": 2, "consensus_distance": 0.0, "global_models_identical": True, "peers": [
+    _peer("peer0", dht=(600, 400), merge=(3000, 1000), wall_s=10, rounds=4, compute_cpu_s=1.0, eval_loss=2.0),
+    _peer("peer1", dht=(1500, 1500), merge=(6000, 2000), wall_s=10, rounds=4, compute_cpu_s=2.0, eval_loss=3.0),
+]}
+ROWS = {
+    "peer0": _rows(4.0, 101.0, [(2, 0.5), (1, 0.1), (2, 1.5), (2, 1.0)], 111.0),
+    "peer1": _rows(6.0, 102.0, [(2, 0.5), (1, 0.2), (2, 1.5), (3, 2.0)], 112.0),
+}
+# CPU readings: peer0's inside its training (101..111) are 2.0 at 101.5 and 7.0 at 110.5, peer1's (102..112)
+# 1.0 at 102.2 and 11.0 at 111.9: 5 and 10 CPU seconds while training
+CPU = {"peer0": [(100.0, 1.0), (101.5, 2.0), (110.5, 7.0), (112.0, 9.0)],
+       "peer1": [(101.0, 0.5), (102.2, 1.0), (111.9, 11.0), (113.0, 20.0)]}
+# every peer trains from t = 102 to 111, so 60 % of the way is t = 107.4: the sample at 107 is taken, not the one
+# at 110 (peer1 is missing from it) nor those outside
+MEMORY = [(100.0, {"peer0": {"pss": 1, "uss": 1}, "peer1": {"pss": 1, "uss": 1}}),
+          (105.0, {"peer0": {"pss": 2, "uss": 2}, "peer1": {"pss": 2, "uss": 2}}),
+          (107.0, {"peer0": {"pss": 100, "uss": 60}, "peer1": {"pss": 300, "uss": 80}}),
+          (110.0, {"peer0": {"pss": 3, "uss": 3}})]
+
+
+def test_percentile_interpolates_between_order_statistics():
+    assert percentile([5, 1, 4, 2, 3], 0.95) == pytest.approx(4.8)  # position 3.8 of 0..4
+    assert percentile([5, 1, 4, 2, 3], 0.5) == 3
+    assert percentile([7.0], 0.95) == 7.0 and percentile([], 0.5) is None
+
+
+def test_run_figures_from_summary_and_metrics_rows():
+    f = run_figures(SUMMARY, ROWS, CPU, MEMORY)
+    assert f["dht_bytes_per_s_mean"] == 200 and f["dht_bytes_per_s_max"] == 300  # 1000/10 and 3000/10
+    assert f["merge_bytes_per_round"] == 1500  # (4000/4 + 8000/4) / 2
+    # group merges' times, sorted: 0.5 0.5 1.0 1.5 1.5 2.0
+    assert f["merge_s_median"] == pytest.approx(1.25) and f["merge_s_p95"] == pytest.approx(1.875)
+    assert f["group_share"] == 6 / 8 and f["group_sizes"] == {"1": 2, "2": 5, "3": 1}
+    assert f["consensus_distance"] == 0.0 and f["global_models_identical"] is True
+    assert (f["eval_loss_mean"], f["eval_loss_min"], f["eval_loss_max"]) == (2.5, 2.0, 3.0)
+    assert f["startup_s_median"] == 5.0 and f["startup_s_max"] == 6.0
+    assert f["memory_at"] == pytest.approx(5 / 9)
+    assert (f["pss_median"], f["pss_max"], f["uss_median"], f["uss_max"]) == (200, 300, 70, 80)
+    # CPU outside inner steps per round: (5 - 1) / 4 and (10 - 2) / 4
+    assert f["cpu_per_round_mean"] == 1.5 and f["cpu_per_round_max"] == 2.0
+    assert f["rounds_mean"] == 4 and f["peers_finished"] == 2
+
+
+def test_memory_and_cpu_figures_are_none_without_readings_while_training():
+    assert memory_at(MEMORY[:1] + MEMORY[3:], ROWS) is None  # before training, and one peer missing
+    assert memory_at(MEMORY, {**ROWS, "peer1": ROWS["peer1"][:-1]}) is None  # peer1 never finished training
+    f = run_figures(SUMMARY, ROWS, {"peer0": CPU["peer0"][:2]}, [])  # one reading inside peer0's training
+    assert f["pss_median"] is None and f["memory_at"] is None and f["cpu_per_round_mean"] is None
+
+
+def test_ratios_are_against_the_smallest_swarm():
+    small = run_figures(SUMMARY, ROWS, CPU, MEMORY)
+    big = {**small, "dht_bytes_per_s_mean": 500, "eval_loss_mean": 2.25, "consensus_distance": 0.1}
+    runs = {"8": big, "4": small}
+    add_ratios(runs)
+    assert runs["4"]["ratios"]["dht_bytes_per_s_mean"] == 1.0
+    assert runs["8"]["ratios"]["dht_bytes_per_s_mean"] == 2.5 and runs["8"]["ratios"]["eval_loss_mean"] == 0.9
+    assert runs["8"]["ratios"]["consensus_distance"] is None  # ÷ 0
+
+
+CHILD = "import sys; held = b'x' * 50_000_000; sum(range(5_000_000)); print('ready', flush=True); sys.stdin.read()"
+
+
+def test_process_tree_memory_and_cpu_of_a_child_that_holds_50_mb():
+    child = subprocess.Popen([sys.executable, "-c", CHILD, "--in-local", "--name", "peer7"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert child.pid in tree_pids(os.getpid()) and tree_pids(child.pid) == [child.pid]
+        mine, theirs = tree_memory(os.getpid()), process_memory(child.pid)
+        assert theirs["uss"] >= 50 * MB and theirs["pss"] >= theirs["uss"]  # its own pages and a share of libc
+        assert mine["pss"] >= process_memory(os.getpid())["pss"] + 50 * MB  # the child counts in its parent's tree
+        assert process_cpu_s(child.pid) > 0.05
+        assert local_peers(os.getpid()) == {"peer7": child.pid}
+        with PeerSampler(cpu_every_s=0.1, memory_every_s=0.1) as sampler:
+            wait_for(lambda: len(sampler.memory) >= 2, timeout=10, what="two memory samples")
+        assert sampler.cpu["peer7"][-1][1] > 0.05 and sampler.memory[-1][1]["peer7"]["uss"] >= 50 * MB
+    finally:
+        child.stdin.close()
+        child.wait(timeout=10)
+    assert process_memory(child.pid) == {"pss": 0, "uss": 0} and process_cpu_s(child.pid) is None  # gone
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_a_tiny_real_run_of_two_peers(tmp_path):
+    before = run_children()
+    results = bench_scale(tmp_path, peers=(2,), steps=20)
+    assert run_children() == before
+    run = results["runs"]["2"]
+    assert run["peers_finished"] == 2 and run["rounds_mean"] >= 1 and run["group_share"] > 0
+    assert run["dht_bytes_per_s_mean"] > 0 and run["merge_bytes_per_round"] > 0
+    assert run["cpu_per_round_mean"] > 0 and run["startup_s_median"] > 0
+    assert all(r == 1.0 for r in run["ratios"].values() if r is not None)
+    assert json.loads((tmp_path / "scale.json").read_text())["runs"]["2"]["peers_finished"] == 2
+    assert (tmp_path / "scale.png").stat().st_size > 0
+
+
+def test_peers_takes_a_list_of_positive_integers_and_errors_name_the_flag():
+    from p2pdiloco.bench.cli import _one_int, _positive_ints
+    from p2pdiloco.cli import build_parser
+    from p2pdiloco.config import ConfigError
+
+    args = build_parser().parse_args(["bench", "scale", "--peers", "4,8", "--group-size", "4", "--steps", "50"])
+    assert _positive_ints(args.peers, "--peers") == (4, 8) and args.group_size == 4 and args.steps == 50
+    with pytest.raises(ConfigError, match="--peers takes positive integers"):
+        _positive_ints("4,0", "--peers")
+    with pytest.raises(ConfigError, match="takes one --peers"):
+        _one_int("2,3", "--peers")
