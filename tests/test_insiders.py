@@ -14,8 +14,8 @@ import torch
 from p2pdiloco.algorithm.guards import bounded_weights
 from p2pdiloco.algorithm.outer import STATE_REACH, outer_step, state_within_reach
 from p2pdiloco.config import GuardConfig, OuterOptConfig, SwarmConfig
-from p2pdiloco.network import matchmaking
-from p2pdiloco.network.matchmaking import leader_epoch, leader_rank
+from p2pdiloco.network import census
+from p2pdiloco.network.census import epoch_of, leader_rank
 from p2pdiloco.network.merger import Contribution, MergeResult
 from p2pdiloco.testing.hostile import CLAIM, silent_leader
 from p2pdiloco.training.global_model import GlobalModel
@@ -124,7 +124,7 @@ def test_no_peer_id_leads_every_epoch():
     assert len(set(leaders)) == len(peers)
     # every peer computes the same order from the same ready set
     assert min(peers, key=lambda p: leader_rank("run", p, 7)) == min(reversed(peers), key=lambda p: leader_rank("run", p, 7))
-    assert leader_epoch(matchmaking.LEADER_EPOCH_S * 3 + 0.5) == 3
+    assert epoch_of(census.EPOCH_S * 3 + 0.5) == 3
 
 
 @pytest.mark.parametrize("far_deadline", [True, False])
@@ -135,11 +135,11 @@ def test_a_ready_peer_that_never_invites_does_not_stop_the_others_from_merging(g
     With a deadline an hour away its ready record is ignored; with a plausible one it is waited for once, then
     passed over."""
     captor = guarded_mergers[0]
-    write_ready = captor.matchmaker._write_ready
+    request = captor.matchmaker.rpc.request
     silent_leader(captor)  # it stays "looking" until its deadline and declines every invite, as a leader does
     if not far_deadline:
-        captor.matchmaker._write_ready = write_ready  # its deadlines as an honest peer's
-    monkeypatch.setattr(matchmaking, "leader_rank", lambda run, p, epoch: b"" if p == captor.peer_id else p.encode())
+        captor.matchmaker.rpc.request = request  # its deadlines as an honest peer's
+    monkeypatch.setattr(census, "leader_rank", lambda run, p, epoch: b"" if p == captor.peer_id else p.encode())
     gen = torch.Generator().manual_seed(2)
     theta = torch.randn(N, generator=gen)
     durations = []

@@ -1,16 +1,19 @@
-"""Forming a merge group with whichever peers are ready now, through the DHT.
+"""Forming a merge group with whichever of this epoch's group mates are ready now.
 
-1. **Ready.** The peer writes a `ready` record (with its matchmaking deadline) to the DHT.
-2. **Group.** Those ready split into groups of at most `swarm.group_size`, dealt in the order of their ids'
-   hashes with the current epoch (`my_group`, `leader_rank`): no peer id leads every group, and one generated
-   to sort first leads no more often than any other. Each group's first peer leads it: it invites the others
-   as soon as every live peer is ready or its group is full, or at its deadline with whoever is. Each peer accepts at most one invite per merge; the leader then sends the final member list, the
-   members' weights and whether their global models disagree (digests differ) to every member. A peer that
-   is not invited in time merges alone; a leader that never invites is passed over for a while.
+1. **Mates.** Every epoch (`census.EPOCH_S`) the peers in the epoch's census (census.py: one DHT record per
+   peer) are dealt into groups of at most `swarm.group_size` by the hash of their ids with the epoch
+   (`my_group`, `leader_rank`): groups change every epoch, and no peer id leads every group.
+2. **Ready.** A peer looking for a group tells its mates so, peer to peer, with its deadline; nothing is polled
+   from the DHT (issue 17: a peer's DHT work does not grow with the swarm).
+3. **Group.** The first ready mate in the epoch's order leads: it invites the ready mates as soon as every
+   reachable mate is ready, or at its deadline with whoever is. Each peer accepts at most one invite per
+   merge; the leader then sends the final member list, the members' weights and whether their global models
+   disagree (digests differ) to every member. A peer not invited in time merges alone; a leader that never
+   invites is passed over for a while.
 
 Nothing a peer claims is taken as is: weights are capped by the group's median (`bounded_weights`), a member
-checks that the notice carries its own claims unchanged, and a ready record whose deadline lies further off
-than any honest window is ignored.
+checks that the notice carries its own claims unchanged, and a deadline further off than any honest window
+is not believed.
 
 How long a peer looks is its *window* (see `Matchmaker._window`).
 """
@@ -18,7 +21,6 @@ How long a peer looks is its *window* (see `Matchmaker._window`).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 import secrets
@@ -31,53 +33,17 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2pdiloco.algorithm.guards import STALE, GuardBook, bounded_weights, stale_members
 from p2pdiloco.config import GuardConfig, SwarmConfig
 from p2pdiloco.network.admission import Request
+from p2pdiloco.network.census import Census, epoch_of, my_group
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed, Rpc
-from p2pdiloco.network.swarm import live_records, peers_key, read_subkeys, ready_key, write_subkey
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.25
 """How often a peer looking for a group re-reads the ready records."""
 
-LEADER_EPOCH_S = 30.0
-"""Leaders are drawn anew every this many seconds of DHT time (see `leader_rank`)."""
-
 SILENT_ROUNDS = 3
 """A leader that never invited is passed over for this many of this peer's searches."""
-
-
-def leader_rank(run_id: str, peer: str, epoch: int) -> bytes:
-    """A peer's place in the leader order of `epoch`: the lowest rank among the ready peers leads.
-
-    A hash of (run id, peer id, epoch), so the order changes every epoch and nobody can choose an id that leads
-    every group (issue 18: with `min(ready)`, an id generated to sort first led every group it was in, and
-    by never inviting stopped all merging). Every peer computes the same order from the same ready records;
-    two peers whose clocks straddle an epoch's end may disagree for one search, which costs at most that
-    search (an invite from either is accepted).
-    """
-    return hashlib.blake2b(f"{run_id}\x00{peer}\x00{epoch}".encode(), digest_size=16).digest()
-
-
-def leader_epoch(now: float) -> int:
-    return int(now // LEADER_EPOCH_S)
-
-
-def my_group(run_id: str, me: str, ready: list[str], passed_over: set[str], epoch: int, group_size: int) -> list[str]:
-    """The ready peers `me` expects to merge with, its leader first: at most `group_size` of them.
-
-    The ready peers, ordered by `leader_rank` (peers passed over as leaders go last), are dealt round-robin
-    into the fewest groups of at most `group_size`: groups differ in size by one at most, and the first
-    peers of the order lead them. Every peer that sees the same ready records computes the same groups, and
-    the order is redrawn every epoch, so groups change and what one group learned reaches the others within
-    a few epochs (Moshpit SGD's changing groups, by hash rather than a grid: a grid needs the swarm's size,
-    which no peer can read without reading everyone's records). Peers that see different ready sets (records
-    still on their way) may expect different leaders; an invite from any leader is accepted, so that costs at
-    most a smaller group.
-    """
-    order = sorted(ready, key=lambda p: (p in passed_over and p != me, leader_rank(run_id, p, epoch)))
-    n_groups = -(-len(order) // group_size)
-    return order[order.index(me) % n_groups::n_groups]
 
 
 @dataclass
@@ -124,7 +90,12 @@ class _Search:
     leading: bool = False
     accepted_gid: str = ""
     leader: str = ""
-    invited: asyncio.Event = field(default_factory=asyncio.Event)
+    epoch: int = 0
+    """The epoch whose groups this search is dealt (`my_group`): the one it began in."""
+    told: set[str] = field(default_factory=set)
+    """Mates told that this peer is looking."""
+    unreachable: set[str] = field(default_factory=set)
+    """Mates that could not be told: not waited for."""
     group: asyncio.Future | None = None
 
 
@@ -149,18 +120,26 @@ class Matchmaker:
         self._search: _Search | None = None
         self._groups: dict[str, asyncio.Future] = {}
         self._closed = False
-        self._ready_expiration = 0.0
         self._last_submit = time.monotonic()
         self._round_ema: float | None = None
         self._alone_streak = 0
         self._tasks: set[asyncio.Task] = set()
         self._passed_over: dict[str, int] = {}
-        self._live_cache: tuple[float, dict[str, dict]] | None = None
         """Leaders that never invited us: peer id -> searches left in which they are not followed."""
+        self.census = Census(dht, cfg.run_id, self.peer_id)
+        self._ready: dict[str, float] = {}
+        """Mates that told us they are looking for a group: peer id -> until when (DHT time); -inf: a peer that
+        claimed an implausible deadline, not counted as a live mate until it says it stopped looking."""
+        self._changed = asyncio.Event()
+        """Set when a mate's readiness changed or an invite came: the search looks again at once."""
 
     def close(self) -> None:
         """Stop looking: a search in progress ends alone."""
         self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def record(self, alone: bool) -> None:
         """The outcome of this peer's last merge: merges alone in a row widen the window (see `_window`)."""
@@ -188,7 +167,8 @@ class Matchmaker:
         window = self._window(c.round_s)
         if c.final:  # the last merge of this peer's run: worth the whole window to leave with everyone live
             window = max(window, self.cfg.merge_window_s)
-        search = _Search(contribution=c, deadline=get_dht_time() + window)
+        now = get_dht_time()
+        search = _Search(contribution=c, deadline=now + window, epoch=epoch_of(now))
         self._search = search
         me = self.peer_id
         passed_over = set(self._passed_over)  # never invited us in a recent search: not followed, still invited
@@ -196,75 +176,66 @@ class Matchmaker:
         silent: set[str] = set()
         followed = ""  # the leader this peer waited for at the last poll
         try:
-            await self._write_ready({"looking": True, "deadline": search.deadline}, ttl=window + 5)
+            await self.census.register(search.epoch)
             while not self._closed:
                 if search.accepted_gid:
                     return await self._await_group(search)
-                records = await self._live()
-                records = {p: r for p, r in records.items() if p not in self.book.banned}  # not ours to wait for
-                live = len(records)
+                census = [p for p in await self.census.members(search.epoch) if p not in self.book.banned]
+                mates = my_group(self.cfg.run_id, me, census, search.epoch, self.cfg.group_size)
+                self._announce(search, [p for p in mates if p not in search.told and p != me], True)
                 now = get_dht_time()
-                looking = {p: r for p, r in (await read_subkeys(self.dht, ready_key(self.cfg.run_id))).items()
-                           if r.get("looking") and p in records}
-                implausible = {p for p, r in looking.items() if not self._plausible(r, now)}
-                live -= len(implausible)  # a peer claiming to look until an hour from now is not waited for
-                # a crashed peer's stale ready record must not make it everyone's leader
-                ready = {p: r for p, r in looking.items() if p not in silent and p not in implausible}
-                ready[me] = {"deadline": search.deadline}
-                mine = my_group(self.cfg.run_id, me, list(ready), passed_over, leader_epoch(now), self.cfg.group_size)
-                leader = mine[0]
+                # a mate past its deadline still waits for an invite a while (see the follower's timeouts below)
+                ready = {p for p in mates if p == me or (self._ready.get(p, 0.0) + RPC_TIMEOUT_S >= now and p not in silent)}
+                live = sum(p not in search.unreachable and self._ready.get(p) != -math.inf for p in mates)
+                leader = next(p for p in mates if p in ready and (p == me or p not in passed_over))
                 if followed and followed != leader and followed not in ready:
                     self._passed_over[followed] = SILENT_ROUNDS  # it stopped looking without inviting us
                 followed = leader if leader != me else ""
-                if search.accepted_gid:
-                    return await self._await_group(search)
                 if leader == me:
-                    if len(mine) > 1 and (len(ready) >= live or len(mine) >= self.cfg.group_size
-                                          or now >= search.deadline):
-                        return await self._lead(search, sorted(p for p in mine if p != me))
-                    if now >= search.deadline or live <= 1:
+                    if len(ready) > 1 and (len(ready) >= live or now >= search.deadline):
+                        return await self._lead(search, sorted(p for p in ready if p != me))
+                    if now >= search.deadline or (live <= 1 and self.census.settled(search.epoch)):
                         return None
                 else:
-                    leader_deadline = float(ready[leader].get("deadline", search.deadline))
                     if now >= search.deadline + window:
                         # it never invited us; whatever deadline it claims, follow others in the next searches
                         self._passed_over[leader] = SILENT_ROUNDS
                         return None
-                    if now >= max(search.deadline, leader_deadline) + RPC_TIMEOUT_S:
+                    if now >= max(search.deadline, self._ready.get(leader, now)) + RPC_TIMEOUT_S:
                         silent.add(leader)  # it never invited us: look past it (the next one may lead)
                         self._passed_over[leader] = SILENT_ROUNDS  # and in the next searches too
                         continue
+                self._changed.clear()
                 try:
-                    await asyncio.wait_for(search.invited.wait(), POLL_S)
+                    await asyncio.wait_for(self._changed.wait(), POLL_S)
                 except TimeoutError:
                     pass
             return None
         finally:
             self._search = None
-            # withdraw the ready record in the background: the exchange should not wait for the DHT
-            task = asyncio.create_task(self._write_ready({"looking": False}, ttl=window + 5))
+            self._announce(search, sorted(search.told), False)  # in the background: the exchange must not wait
+
+    def _announce(self, search: _Search, peers: list[str], looking: bool) -> None:
+        """Tell `peers` (group mates) that this peer is looking for a group until its deadline, or no longer is.
+        Sent in the background; a mate that cannot be reached is not waited for in this search."""
+        search.told.update(peers)
+        header = {"looking": looking, "deadline": search.deadline, "epoch": search.epoch}
+
+        async def tell(peer: str) -> None:
+            if await self.rpc.request(peer, "ready", header) is None and looking:
+                search.unreachable.add(peer)
+                self._changed.set()
+
+        for peer in peers:
+            task = asyncio.create_task(tell(peer))
             self._tasks.add(task)  # keep a reference until it is done, or it may be collected mid-flight
             task.add_done_callback(self._tasks.discard)
 
-    async def _live(self) -> dict[str, dict]:
-        """The live peers' records, read at most once a heartbeat: they change no faster, and every read moves
-        the whole swarm's records (hivemind returns a key's every subkey from each node on the way)."""
-        now = time.monotonic()
-        if self._live_cache is None or now - self._live_cache[0] >= self.cfg.heartbeat_s:
-            self._live_cache = (now, live_records(await read_subkeys(self.dht, peers_key(self.cfg.run_id))))
-        return self._live_cache[1]
-
-    def _plausible(self, record: dict, now: float) -> bool:
-        """A ready record whose deadline an honest peer could have written: no window is longer than
-        `merge_window_s`, so a deadline further off is a claim meant to be waited for (issue 18)."""
-        deadline = record.get("deadline")
+    def _plausible(self, deadline: object, now: float) -> bool:
+        """A deadline an honest peer could have announced: no window is longer than `merge_window_s`, so a
+        deadline further off is a claim meant to be waited for (issue 18)."""
         return (isinstance(deadline, int | float) and not isinstance(deadline, bool) and math.isfinite(deadline)
                 and deadline <= now + self.cfg.merge_window_s + RPC_TIMEOUT_S)
-
-    async def _write_ready(self, value: dict, ttl: float) -> None:
-        # each version of our ready record must expire later than the last, or the DHT keeps the old one
-        self._ready_expiration = max(get_dht_time() + ttl, self._ready_expiration + 1e-3)
-        await write_subkey(self.dht, ready_key(self.cfg.run_id), self.peer_id, value, self._ready_expiration)
 
     def _window(self, round_s: float) -> float:
         """How long to wait for others to become ready.
@@ -354,11 +325,28 @@ class Matchmaker:
             reply["error"] = "config fingerprint differs"
         elif search is not None and not search.leading and not search.accepted_gid and isinstance(gid, str) and gid:
             search.accepted_gid, search.leader = gid, leader
-            search.invited.set()
+            self._changed.set()
             c = search.contribution
             reply = {"accept": True, "weight": c.weight, "state_weight": c.state_weight, "digest": c.state_digest,
                      "round": c.round, "final": c.final}
         await self.rpc.reply(reader, writer, "invite", leader, reply)
+
+    async def on_ready(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A mate's word that it is looking for a group until its deadline, or no longer is (its tag already
+        checked). A deadline further off than any honest window is not believed (issue 18)."""
+        await self.rpc.receive_payload(reader, 0)  # it carries none
+        header, peer = request.header, request.sender
+        now = get_dht_time()
+        self._ready = {p: d for p, d in self._ready.items() if d + RPC_TIMEOUT_S >= now or d == -math.inf}
+        self._ready.pop(peer, None)
+        if header.get("looking") is True and self._plausible(header.get("deadline"), now):
+            self._ready[peer] = float(header["deadline"])
+        elif header.get("looking") is True:  # meant to be waited for: not waited for, for a while
+            self._ready[peer] = -math.inf
+        if isinstance(header.get("epoch"), int):
+            self.census.saw(peer, header["epoch"])
+        self._changed.set()
+        await self.rpc.reply(reader, writer, "ready", peer, {"ok": True})
 
     async def on_group(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """The leader's group notice (its tag already checked; the stream is closed after, see `Rpc.start`)."""

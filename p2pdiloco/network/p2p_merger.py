@@ -82,8 +82,10 @@ class P2PMerger:
             SliceGuard(self.guard, self.book) if self.guard.enabled else PlainReducer(),
             merge_timeout_s=cfg.merge_timeout_s, faults=faults,
         )
-        self._loop.run(self.rpc.start({"invite": self.matchmaker.on_invite, "group": self.matchmaker.on_group,
+        self._loop.run(self.rpc.start({"ready": self.matchmaker.on_ready, "invite": self.matchmaker.on_invite,
+                                       "group": self.matchmaker.on_group,
                                        "part": self.allreduce.on_part}), timeout=30)
+        self._loop.submit(self.matchmaker.census.keep_registered(lambda: self.matchmaker.closed))
 
     # ---- the interface the learner sees ----
 

@@ -91,21 +91,22 @@ class HostileMerger:
 
 
 def silent_leader(merger) -> None:
-    """Make a P2PMerger's matchmaker claim a far deadline in every ready record and never invite anyone."""
+    """Make a P2PMerger's matchmaker claim a far deadline whenever it tells its mates it is looking, and never
+    invite anyone."""
     mm = merger.matchmaker
-    write_ready = mm._write_ready
+    request = mm.rpc.request
 
-    async def far_ready(value: dict, ttl: float) -> None:
-        if value.get("looking"):
-            value = {**value, "deadline": value["deadline"] + 3600.0}
-        await write_ready(value, ttl)
+    async def far_ready(peer: str, op: str, header: dict) -> dict | None:
+        if op == "ready" and header.get("looking"):
+            header = {**header, "deadline": header["deadline"] + 3600.0}
+        return await request(peer, op, header)
 
     async def never_lead(search, candidates):  # looks until its real deadline, declining invites as leaders do
         search.leading = True
         await asyncio.sleep(max(0.0, search.deadline - get_dht_time()))
         return None
 
-    mm._write_ready, mm._lead = far_ready, never_lead
+    mm.rpc.request, mm._lead = far_ready, never_lead
 
 
 def poisoned_state(provider):
