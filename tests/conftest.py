@@ -119,20 +119,20 @@ def reap_children():
 
 @contextlib.contextmanager
 def running_mergers(bootstrap: hivemind.DHT, net_loop: BackgroundLoop, n: int, cfg, n_params: int, **kwargs):
-    """`n` P2PMergers on their own DHTs joined through `bootstrap`, each with a live peer record (so a leader
-    knows how many peers are live); closed and shut down afterwards."""
+    """`n` P2PMergers on their own DHTs joined through `bootstrap`, each in the census of the current epoch (so
+    that leaders know their group mates); closed and shut down afterwards."""
     from hivemind.utils.timed_storage import get_dht_time
 
+    from p2pdiloco.network.census import epoch_of
     from p2pdiloco.network.p2p_merger import P2PMerger
-    from p2pdiloco.network.swarm import peers_key, write_subkey
 
     maddrs = [str(m) for m in bootstrap.get_visible_maddrs()]
     dhts = [start_local_dht(maddrs) for _ in range(n)]
     mergers = []
     try:
         mergers = [P2PMerger(d, cfg, net_loop, n_params, **kwargs) for d in dhts]
-        for m, d in zip(mergers, dhts, strict=True):
-            net_loop.run(write_subkey(d, peers_key(cfg.run_id), m.peer_id, {}, get_dht_time() + 120), 10)
+        for m in mergers:  # as a peer's merger does in the background from its start
+            net_loop.run(m.matchmaker.census.register(epoch_of(get_dht_time())), 10)
         yield mergers
     finally:
         for m in mergers:

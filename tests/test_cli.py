@@ -14,7 +14,7 @@ import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig
-from p2pdiloco.network.swarm import peers_key, start_dht, write_subkey
+from p2pdiloco.network.swarm import config_key, peer_shard, peers_key, start_dht, write_subkey
 from tests.conftest import free_port, wait_for
 
 CLI = [sys.executable, "-m", "p2pdiloco"]
@@ -66,7 +66,10 @@ def test_peer_with_different_model_is_refused(tmp_path, bootstrap_dht, net_loop)
     record = {"fingerprint": theirs}
     other = start_dht(SwarmConfig(host="127.0.0.1", initial_peers=[maddr]))  # records are signed by their peer
     try:
-        net_loop.run(write_subkey(other, peers_key("fp"), other.peer_id.to_base58(), record, get_dht_time() + 60), 10)
+        other_id = other.peer_id.to_base58()  # a live peer (its heartbeat) whose config record differs
+        net_loop.run(write_subkey(other, peers_key("fp", peer_shard(other_id)), other_id, {"step": 1},
+                                  get_dht_time() + 60), 10)
+        net_loop.run(write_subkey(other, config_key("fp"), other_id, record, get_dht_time() + 60), 10)
         out = run_cli("peer", "--initial-peers", maddr, "--run-id", "fp", "--run-dir", str(tmp_path), *TINY)
     finally:
         other.shutdown()

@@ -45,14 +45,18 @@ def test_groups_change_every_epoch_and_no_peer_leads_every_one():
     assert max(leads.values()) < 200 * 4 / 32 * 2.5  # about 25 leads each; no id leads every group
 
 
-def test_twelve_real_peers_merge_in_groups_of_at_most_four(bootstrap_dht, net_loop):
-    cfg = SwarmConfig(run_id="groups", merge_window_s=10, merge_timeout_s=10, codec="none", group_size=4)
-    with running_mergers(bootstrap_dht, net_loop, 12, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:
+@pytest.mark.parametrize("n", [4, 12])
+def test_real_peers_merge_in_groups_of_at_most_four_with_dht_work_that_does_not_grow(bootstrap_dht, net_loop, n):
+    cfg = SwarmConfig(run_id=f"groups{n}", merge_window_s=15, merge_timeout_s=10, codec="none", group_size=4, sync=True)
+    with running_mergers(bootstrap_dht, net_loop, n, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:
         time.sleep(1.0)  # every peer record stored before the first search reads them
         futures = [m.submit(Contribution(pseudo_grad=torch.full((64,), float(i)), weight=1.0,
                                          global_params=torch.zeros(64), momentum=torch.zeros(64), state_digest="same",
                                          state_weight=1.0)) for i, m in enumerate(mergers)]
         results = [f.result(timeout=90) for f in futures]
+        # the DHT requests of matchmaking: a census store per epoch (this one and the next), a read or two
+        work = [(m.matchmaker.census.writes, m.matchmaker.census.reads) for m in mergers]
+        assert all(w <= 3 and r <= 3 for w, r in work), work
     groups = {tuple(r.group) for r in results}
     assert all(2 <= len(r.group) <= 4 and r.failure == "" for r in results)  # everyone merged, none alone
     assert sorted(p for g in groups for p in g) == sorted(m.peer_id for m in mergers)  # each in exactly one group

@@ -190,7 +190,7 @@ def test_a_peer_restarted_after_the_swarm_finished_does_not_train_on_alone(boots
     from hivemind.utils.timed_storage import get_dht_time
 
     from p2pdiloco.app.peer import Heartbeat, swarm_finished
-    from p2pdiloco.network.swarm import peers_key, read_subkeys
+    from p2pdiloco.network.swarm import read_peers
 
     # a peer that finished leaves a 'finished' record that outlives its heartbeats (real DHT, real expiry)
     done, late = start_local_dht([str(m) for m in bootstrap_dht.get_visible_maddrs()]), None
@@ -201,7 +201,7 @@ def test_a_peer_restarted_after_the_swarm_finished_does_not_train_on_alone(boots
         me = late.peer_id.to_base58()
 
         def finished():
-            records = net_loop.run(read_subkeys(late, peers_key("fin")), 10)
+            records = net_loop.run(read_peers(late, "fin"), 10)
             return swarm_finished(records, me, total_steps=100)
 
         wait_for(lambda: finished() is not None, 20, what="the finished record")

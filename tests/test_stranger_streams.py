@@ -23,10 +23,11 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig
 from p2pdiloco.network.admission import MAX_UNAUTHENTICATED_PER_PEER, StreamGate
+from p2pdiloco.network.census import epoch_of
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.p2p_merger import P2PMerger
 from p2pdiloco.network.state_sync import GlobalState, StateError, StateSync
-from p2pdiloco.network.swarm import peers_key, start_dht, swarm_auth, write_subkey
+from p2pdiloco.network.swarm import start_dht, swarm_auth
 from p2pdiloco.network.swarm_key import write_new_key
 from p2pdiloco.network.wire import HEADER_TIMEOUT_S, SEND_STALL_S, ByteCounter, send_msg
 from tests.conftest import interrupt_and_reap, wait_for
@@ -142,7 +143,8 @@ from p2pdiloco.config import SwarmConfig
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.p2p_merger import P2PMerger
 from p2pdiloco.network.state_sync import GlobalState, StateSync
-from p2pdiloco.network.swarm import BackgroundLoop, peers_key, start_dht, swarm_auth, write_subkey
+from p2pdiloco.network.census import epoch_of
+from p2pdiloco.network.swarm import BackgroundLoop, start_dht, swarm_auth
 from p2pdiloco.network.wire import ByteCounter
 
 cfg = SwarmConfig(**json.loads(sys.argv[1]))
@@ -153,7 +155,7 @@ merger = P2PMerger(dht, cfg, loop, n, auth=swarm_auth(cfg))
 state = GlobalState(torch.ones(n), torch.zeros(n), 1, 1, 1.0)
 sync = StateSync(dht, cfg.run_id, n, lambda: state, ByteCounter(), auth=swarm_auth(cfg), gate=merger.rpc.gate)
 loop.run(sync.start(), 10)
-loop.run(write_subkey(dht, peers_key(cfg.run_id), merger.peer_id, {}, get_dht_time() + 600), 10)
+loop.run(merger.matchmaker.census.register(epoch_of(get_dht_time())), 10)
 print(json.dumps({"id": merger.peer_id, "maddrs": [str(m) for m in dht.get_visible_maddrs()]}), flush=True)
 try:
     for line in sys.stdin:
@@ -238,7 +240,7 @@ def test_a_thousand_stranger_streams_cost_little_memory_and_merges_go_on(keyed, 
         honest = P2PMerger(honest_dht, cfg, net_loop, N, auth=swarm_auth(cfg))
         honest_sync = StateSync(honest_dht, "flood", N, lambda: None, ByteCounter(), auth=swarm_auth(cfg))
         net_loop.run(honest_sync.start(), 10)
-        net_loop.run(write_subkey(honest_dht, peers_key("flood"), honest.peer_id, {}, get_dht_time() + 600), 10)
+        net_loop.run(honest.matchmaker.census.register(epoch_of(get_dht_time())), 10)
 
         def merge_and_fetch() -> None:
             future = honest.submit(_contribution(torch.full((N,), 3.0)))

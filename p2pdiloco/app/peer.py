@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -21,13 +22,17 @@ from p2pdiloco.config import Config, fingerprint_digest
 from p2pdiloco.network.p2p_merger import P2PMerger
 from p2pdiloco.network.state_sync import StateSync
 from p2pdiloco.network.swarm import (
+    CONFIG_TTL_S,
     BackgroundLoop,
     Reaper,
     check_fingerprint,
     check_maddrs,
+    config_key,
+    live_configs,
     live_records,
+    peer_shard,
     peers_key,
-    read_subkeys,
+    read_peers,
     start_dht,
     swarm_auth,
     visible_maddrs,
@@ -128,7 +133,7 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
 
     If no peer is live and one left having finished the run, the run is over: this peer ends at once
     (`Learner.ended_with_swarm`) instead of training on alone."""
-    every = loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30)
+    every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
     finished = swarm_finished(every, peer_id, cfg.run.total_steps)
     if finished is not None:  # training on alone would only move this peer's model away from the swarm's result
         learner.ended_with_swarm = True
@@ -145,7 +150,7 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
 
     async def refresh() -> dict[str, dict]:
         await asyncio.sleep(cfg.swarm.heartbeat_s)  # a donor's record can lag its last merge by one heartbeat
-        return live_records(await read_subkeys(dht, peers_key(cfg.swarm.run_id)))
+        return live_records(await read_peers(dht, cfg.swarm.run_id))
 
     # every live record counts in checking a donor's state, not only those claiming to be ahead
     got = loop.run(sync.fetch(records, peer_id, timeout=cfg.swarm.merge_timeout_s, refresh=refresh),
@@ -186,17 +191,25 @@ class Heartbeat:
     fresh it is and place its values on a time axis."""
 
     def __init__(self, dht, run_id: str, peer_id: str, record, period: float):
-        self.dht, self.key, self.peer_id, self.record, self.period = dht, peers_key(run_id), peer_id, record, period
+        self.dht, self.peer_id, self.record, self.period = dht, peer_id, record, period
+        self.key, self.config_key = peers_key(run_id, peer_shard(peer_id)), config_key(run_id)
         self._expiration = 0.0
+        self._config_written = -math.inf
 
     async def _write(self, value: dict, ttl: float | None = None) -> None:
         # a newer record must expire later than the one it replaces, or the DHT keeps the old one
         self._expiration = max(get_dht_time() + (ttl or 3 * self.period), self._expiration + 1e-3)
         await write_subkey(self.dht, self.key, self.peer_id, value, self._expiration)
 
-    async def run(self) -> None:
+    async def run(self, fingerprint: dict) -> None:
+        """Beat until cancelled; the config's full fingerprint goes in a record of its own, renewed rarely, since
+        only a joiner reads it."""
         while True:
             await self._write({**self.record(), "time": get_dht_time()})
+            if time.monotonic() - self._config_written >= CONFIG_TTL_S / 2:
+                if await write_subkey(self.dht, self.config_key, self.peer_id, {"fingerprint": fingerprint},
+                                      get_dht_time() + CONFIG_TTL_S):
+                    self._config_written = time.monotonic()
             await asyncio.sleep(self.period)
 
     async def leave(self, finished_at: int | None = None) -> None:
@@ -220,7 +233,7 @@ def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, stop: StopFlag) -> in
     """Block until `swarm.wait_for_peers` peers are live (or the wait times out); returns how many are."""
     want, deadline = cfg.swarm.wait_for_peers, time.monotonic() + cfg.swarm.wait_for_peers_s
     while True:
-        live = len(live_records(loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30)))
+        live = len(live_records(loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)))
         if live >= want or stop() or time.monotonic() > deadline:
             return live
         time.sleep(0.2)  # polling the DHT, with a deadline
@@ -310,7 +323,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
             announce(f"  {m}")
         announce("others can join with: p2pdiloco peer --initial-peers " + join_address(maddrs))
         fingerprint = cfg.fingerprint(tokenizer=tokenizer.digest)
-        check_fingerprint(fingerprint, live_records(loop.run(read_subkeys(dht, peers_key(cfg.swarm.run_id)), timeout=30)))
+        check_fingerprint(fingerprint, loop.run(live_configs(dht, cfg.swarm.run_id), timeout=30))
 
         auth = swarm_auth(cfg.swarm)
         hooks = peer_hooks(cfg)  # no faults and no hostile wrapper unless a test or benchmark asked for them
@@ -339,11 +352,11 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         static = {
             "name": cfg.run.name, "version": __version__, "maddrs": maddrs,
             "device": str(device) if unit.world_size == 1 else f"{device} x{unit.world_size}",
-            "fingerprint": fingerprint, "started": time.time(),
+            "fingerprint": fingerprint_digest(fingerprint), "started": time.time(),
         }
         heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer_id, lambda: {**static, **learner.report.record()},
                               cfg.swarm.heartbeat_s)
-        loop.submit(heartbeat.run())
+        loop.submit(heartbeat.run(fingerprint))
         if cfg.run.metrics_port:
             ids = {**static, "peer_id": peer_id, "run_id": cfg.swarm.run_id}
             metrics_server = MetricsServer(lambda: telemetry_snapshot(learner, ids), cfg.run.metrics_host,

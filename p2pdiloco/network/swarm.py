@@ -1,7 +1,8 @@
 """The swarm: start or join a hivemind DHT, publish and read peer records, refuse mismatched configs.
 
 DHT keys are prefixed by the run id, so several swarms can share one bootstrap node:
-``{run_id}_peers`` holds one expiring record per live peer (subkey = peer id), and
+``{run_id}_peers_{shard}`` hold one expiring record per live peer (subkey = peer id; `PEER_SHARDS` keys),
+``{run_id}_config`` one record per peer with its config's fingerprint, and
 ``{run_id}_census_{epoch}`` one per peer taking part in matchmaking in that epoch (census.py).
 Only the peer a subkey names can write under it (`PeerRecordValidator`, network/identity.py).
 """
@@ -9,6 +10,7 @@ Only the peer a subkey names can write under it (`PeerRecordValidator`, network/
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import subprocess
@@ -177,8 +179,33 @@ def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     return [str(m) for m in dht.get_visible_maddrs()]
 
 
-def peers_key(run_id: str) -> str:
-    return f"{run_id}_peers"
+PEER_SHARDS = 8
+"""Peer records are spread over this many DHT keys: every store or read of a key moves all its records (hivemind
+returns a key's every subkey from each node on the way), so one key for the whole swarm made each peer's
+heartbeat cost grow with the swarm (issue 17). Only whole-swarm readers (`status`, the dashboard, a joiner)
+read every shard."""
+
+CONFIG_TTL_S = 600.0
+"""A peer's config record (its full fingerprint, for a joiner's check) lives this long, renewed at half of it."""
+
+
+def peers_key(run_id: str, shard: int = 0) -> str:
+    return f"{run_id}_peers_{shard}"
+
+
+def peer_shard(peer_id: str) -> int:
+    """The shard of `peer_id`'s records (a hash, so that shards fill evenly)."""
+    return int.from_bytes(hashlib.blake2b(peer_id.encode(), digest_size=4).digest(), "big") % PEER_SHARDS
+
+
+def config_key(run_id: str) -> str:
+    return f"{run_id}_config"
+
+
+async def read_peers(dht: hivemind.DHT, run_id: str, timeout: float = 5.0) -> dict[str, dict]:
+    """Every peer record of the swarm: all shards, read at once."""
+    parts = await asyncio.gather(*(read_subkeys(dht, peers_key(run_id, s), timeout) for s in range(PEER_SHARDS)))
+    return {peer: record for part in parts for peer, record in part.items()}
 
 
 async def read_subkeys(dht: hivemind.DHT, key: str, timeout: float = 5.0) -> dict[str, dict]:
@@ -221,8 +248,19 @@ def live_records(records: dict[str, dict]) -> dict[str, dict]:
     return {p: r for p, r in records.items() if not r.get("left")}
 
 
+async def live_configs(dht: hivemind.DHT, run_id: str, timeout: float = 5.0) -> dict[str, dict]:
+    """The config records (`config_key`) of the peers live now."""
+    peers, configs = await asyncio.gather(read_peers(dht, run_id, timeout), read_subkeys(dht, config_key(run_id), timeout))
+    live = live_records(peers)
+    return {p: r for p, r in configs.items() if p in live}
+
+
 def check_fingerprint(mine: dict[str, Any], records: dict[str, dict]) -> None:
-    """Raise SwarmError if any live peer's record carries a different config fingerprint."""
+    """Raise SwarmError if any live peer's config record carries a different config fingerprint.
+
+    Args:
+        records: config records (`config_key`) of the live peers only: a peer that left with another config
+            must not keep a new run from starting."""
     for peer_id, record in records.items():
         theirs = record.get("fingerprint")
         if isinstance(theirs, dict) and theirs != mine:

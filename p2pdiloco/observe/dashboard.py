@@ -24,7 +24,7 @@ import hivemind
 from aiohttp import web
 
 from p2pdiloco.config import SwarmConfig
-from p2pdiloco.network.swarm import BackgroundLoop, SwarmError, peers_key, read_subkeys, start_dht
+from p2pdiloco.network.swarm import BackgroundLoop, SwarmError, read_peers, start_dht
 from p2pdiloco.observe.serve import HttpServer
 from p2pdiloco.observe.status import swarm_status
 
@@ -176,7 +176,7 @@ class Dashboard:
         await self.server.stop()
 
     async def poll_once(self) -> None:
-        records = await read_subkeys(self.dht, peers_key(self.run_id), timeout=max(1.0, self.refresh_s * 2))
+        records = await read_peers(self.dht, self.run_id, timeout=max(1.0, self.refresh_s * 2))
         self.history.observe(records, time.time())
 
     async def _poll_forever(self) -> None:

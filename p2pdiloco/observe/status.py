@@ -15,7 +15,7 @@ import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig
-from p2pdiloco.network.swarm import BackgroundLoop, live_records, peers_key, read_subkeys, start_dht
+from p2pdiloco.network.swarm import BackgroundLoop, live_records, read_peers, start_dht
 
 NUMBER_FIELDS = ("step", "round", "tokens", "tokens_per_s", "merges", "bytes_sent", "bytes_received",
                  "last_group_size", "last_merge_s", "last_merge_time", "started", "time")
@@ -134,7 +134,7 @@ def read_status(loop: BackgroundLoop, dht: hivemind.DHT, run_id: str, wait_s: fl
     DHT client may need a moment to reach the nodes that hold them)."""
     deadline = time.monotonic() + wait_s
     while True:
-        records = loop.run(read_subkeys(dht, peers_key(run_id), timeout=max(1.0, min(5.0, wait_s))), timeout=30)
+        records = loop.run(read_peers(dht, run_id, timeout=max(1.0, min(5.0, wait_s))), timeout=30)
         status = swarm_status(records, run_id)
         if status["peers"] or time.monotonic() >= deadline:
             return status
