@@ -54,12 +54,34 @@ def test_real_peers_merge_in_groups_of_at_most_four_with_dht_work_that_does_not_
                                          global_params=torch.zeros(64), momentum=torch.zeros(64), state_digest="same",
                                          state_weight=1.0)) for i, m in enumerate(mergers)]
         results = [f.result(timeout=90) for f in futures]
-        # the DHT requests of matchmaking: a census store per epoch (this one and the next), a read or two
+        # the DHT requests of matchmaking, whatever n: census stores for this epoch and the next (one more if an
+        # epoch ends during the test, and a store that timed out on a loaded machine is tried again), a read or two
         work = [(m.matchmaker.census.writes, m.matchmaker.census.reads) for m in mergers]
-        assert all(w <= 3 and r <= 3 for w, r in work), work
+        assert all(w <= 5 and r <= 3 for w, r in work), work
     groups = {tuple(r.group) for r in results}
     assert all(2 <= len(r.group) <= 4 and r.failure == "" for r in results)  # everyone merged, none alone
     assert sorted(p for g in groups for p in g) == sorted(m.peer_id for m in mergers)  # each in exactly one group
     for r in results:  # and each group's members hold the mean of that group's parts, not the swarm's
         values = [float(i) for i, m in enumerate(mergers) if m.peer_id in r.group]
         assert torch.allclose(r.pseudo_grad, torch.full((64,), sum(values) / len(values)))
+
+
+def test_the_last_merge_of_peers_finishing_together_takes_them_all_and_ends_with_one_global_model(
+        bootstrap_dht, net_loop):
+    """Groups of 2 among 6 peers: their global models differ (digests), and the run's last merge brings all six
+    to one (θg, momentum), bit for bit."""
+    cfg = SwarmConfig(run_id="last", merge_window_s=15, merge_timeout_s=10, codec="none", group_size=2, sync=True)
+    gen = torch.Generator().manual_seed(3)
+    with running_mergers(bootstrap_dht, net_loop, 6, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:
+        futures = []
+        for i, m in enumerate(mergers):
+            c = Contribution(pseudo_grad=torch.randn(64, generator=gen), weight=1.0,
+                             global_params=1.0 + 0.01 * torch.randn(64, generator=gen), momentum=torch.zeros(64),
+                             state_digest=f"group-history-{i}", state_weight=100.0)
+            c.final = True
+            futures.append(m.submit(c))
+        results = [f.result(timeout=90) for f in futures]
+    assert all(len(r.group) == 6 and r.failure == "" and r.final for r in results), [r.group for r in results]
+    states = [r.global_state for r in results]
+    assert all(s is not None for s in states)
+    assert all(torch.equal(s, states[0]) for s in states)  # one (θg, momentum) on every peer, bit for bit

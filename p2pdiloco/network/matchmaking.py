@@ -181,7 +181,10 @@ class Matchmaker:
                 if search.accepted_gid:
                     return await self._await_group(search)
                 census = [p for p in await self.census.members(search.epoch) if p not in self.book.banned]
-                mates = my_group(self.cfg.run_id, me, census, search.epoch, self.cfg.group_size)
+                # a run's last merge takes every mate it can reach, so that peers finishing together end with one
+                # global model (the groups' models drifted apart a little between epochs)
+                size = len(census) + 1 if c.final else self.cfg.group_size
+                mates = my_group(self.cfg.run_id, me, census, search.epoch, size)
                 self._announce(search, [p for p in mates if p not in search.told and p != me], True)
                 now = get_dht_time()
                 # a mate past its deadline still waits for an invite a while (see the follower's timeouts below)
@@ -378,7 +381,7 @@ class Matchmaker:
         members, weights, sw = h.get("members"), h.get("weights"), h.get("state_weights")
         return (
             isinstance(members, list) and isinstance(weights, list) and isinstance(sw, list)
-            and 2 <= len(members) == len(weights) == len(sw) <= self.cfg.group_size
+            and 2 <= len(members) == len(weights) == len(sw) and (len(members) <= self.cfg.group_size or h.get("final") is True)
             and all(isinstance(m, str) for m in members)
             and len(set(members)) == len(members) and self.peer_id in members
             and all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
