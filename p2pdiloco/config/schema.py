@@ -205,7 +205,7 @@ class SwarmConfig(_Section):
     merge_timeout_s: float = 60.0
     """Longest one exchange phase of a merge (Δ; then (θg, momentum) if members disagree) may take before
     the merge is abandoned and not applied."""
-    heartbeat_s: float = 2.0
+    heartbeat_s: float = 5.0
     """Seconds between peer records in the DHT; a record expires after three of these."""
     group_size: int = 8
     """Most members of one merge group: more ready peers split into groups of about equal size, redrawn each epoch."""
