@@ -108,7 +108,8 @@ class Census:
     async def members(self, epoch: int) -> frozenset[str]:
         """The peers registered for `epoch`, this one included, as last read."""
         view = self._views.get(epoch)
-        if view is None or (epoch in self._stale and time.monotonic() - view[0] >= REREAD_S):
+        # a view of this peer alone may be a read that timed out: it is never trusted for long
+        if view is None or ((epoch in self._stale or len(view[1]) == 1) and time.monotonic() - view[0] >= REREAD_S):
             self.reads += 1
             records = await read_subkeys(self.dht, census_key(self.run_id, epoch))
             self._views = {e: v for e, v in self._views.items() if e >= epoch - 1}
