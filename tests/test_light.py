@@ -2,7 +2,7 @@
 
 Each guard stands for tens of MB a peer, measured with `p2pdiloco.bench.proctree` on the benchmark model: the
 inner AdamW without torch._dynamo (~70 MB in the peer, more in the DHT process whose pages it then stops
-sharing).
+sharing), and no torch_shm_manager process (~57 MB).
 """
 
 from __future__ import annotations
@@ -73,3 +73,21 @@ fn = torch.optim.Optimizer.zero_grad.__wrapped__
 print(json.dumps({"wrapper": fn.__dynamo_disable.__module__}))
 """
     assert run_python(code)["wrapper"].startswith("torch._dynamo")
+
+
+def test_the_dht_process_forks_light():
+    """No torch_shm_manager beside the DHT."""
+    code = """
+import json, psutil, torch
+from p2pdiloco.config import SwarmConfig
+from p2pdiloco.network.swarm import start_dht
+dht = start_dht(SwarmConfig(host="127.0.0.1", port=0))
+try:
+    names = sorted(p.name() for p in psutil.Process().children(recursive=True))
+    print(json.dumps({"children": names, "strategy": torch.multiprocessing.get_sharing_strategy()}))
+finally:
+    dht.shutdown()
+"""
+    got = run_python(code)
+    assert "torch_shm_manager" not in got["children"] and "p2pd" in got["children"], got
+    assert got["strategy"] == "file_descriptor"

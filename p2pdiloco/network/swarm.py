@@ -23,6 +23,7 @@ from typing import Any
 
 import hivemind
 import psutil
+import torch
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
@@ -39,6 +40,14 @@ from p2pdiloco.network.swarm_key import KeyedRecordValidator, SwarmAuth, SwarmKe
 from p2pdiloco.network.traffic import install_dht_counter
 
 logger = logging.getLogger(__name__)
+
+if "HIVEMIND_MEMORY_SHARING_STRATEGY" not in os.environ:
+    # hivemind asks torch to share tensors between processes through files in /dev/shm ('file_system'), which
+    # makes torch start a torch_shm_manager process beside each peer at its first DHT call: ~57 MB (libtorch's
+    # static initialisation) to share the few bytes of state of each DHT call's future. File descriptors share
+    # them without an extra process (measured, issue 17). Set before any DHT exists, since hivemind shares its
+    # futures' state from the first one; an explicit HIVEMIND_MEMORY_SHARING_STRATEGY still decides.
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 
 class SwarmError(RuntimeError):
