@@ -2,7 +2,8 @@
 
 Each guard stands for tens of MB a peer, measured with `p2pdiloco.bench.proctree` on the benchmark model: the
 inner AdamW without torch._dynamo (~70 MB in the peer, more in the DHT process whose pages it then stops
-sharing), and no torch_shm_manager process (~57 MB).
+sharing), no torch_shm_manager process (~57 MB), and the objects made before the DHT process forks kept out of
+the garbage collector (whose full collections would otherwise copy every page they share).
 """
 
 from __future__ import annotations
@@ -76,18 +77,20 @@ print(json.dumps({"wrapper": fn.__dynamo_disable.__module__}))
 
 
 def test_the_dht_process_forks_light():
-    """No torch_shm_manager beside the DHT."""
+    """No torch_shm_manager beside the DHT, and the objects made before its fork are frozen."""
     code = """
-import json, psutil, torch
+import gc, json, psutil, torch
 from p2pdiloco.config import SwarmConfig
 from p2pdiloco.network.swarm import start_dht
 dht = start_dht(SwarmConfig(host="127.0.0.1", port=0))
 try:
     names = sorted(p.name() for p in psutil.Process().children(recursive=True))
-    print(json.dumps({"children": names, "strategy": torch.multiprocessing.get_sharing_strategy()}))
+    print(json.dumps({"children": names, "frozen": gc.get_freeze_count(),
+                      "strategy": torch.multiprocessing.get_sharing_strategy()}))
 finally:
     dht.shutdown()
 """
     got = run_python(code)
     assert "torch_shm_manager" not in got["children"] and "p2pd" in got["children"], got
     assert got["strategy"] == "file_descriptor"
+    assert got["frozen"] > 10_000  # torch and hivemind's objects, at least

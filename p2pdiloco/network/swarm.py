@@ -10,6 +10,7 @@ Only the peer a subkey names can write under it (`PeerRecordValidator`, network/
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import logging
 import os
@@ -107,6 +108,11 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
     temporary = write_temporary_identity(identity) if identity_path is None else None
     t0 = time.monotonic()
     install_dht_counter()  # before the DHT process forks, so that it counts its own traffic
+    # The DHT process is a fork of this one: the pages of everything made so far (torch, hivemind, the data) stay
+    # shared with it until either process writes to them, and a full garbage collection writes to every object it
+    # visits. Frozen objects are never visited (CPython's advice for a fork without exec, see `gc.freeze`); they
+    # are long-lived anyway, and any of them that later becomes garbage in a cycle is left to the process's end.
+    gc.freeze()
     try:
         dht = hivemind.DHT(
             start=True,
