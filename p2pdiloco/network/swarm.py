@@ -10,6 +10,7 @@ Only the peer a subkey names can write under it (`PeerRecordValidator`, network/
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import logging
 import os
@@ -23,6 +24,7 @@ from typing import Any
 
 import hivemind
 import psutil
+import torch
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
@@ -39,6 +41,14 @@ from p2pdiloco.network.swarm_key import KeyedRecordValidator, SwarmAuth, SwarmKe
 from p2pdiloco.network.traffic import install_dht_counter
 
 logger = logging.getLogger(__name__)
+
+if "HIVEMIND_MEMORY_SHARING_STRATEGY" not in os.environ:
+    # hivemind asks torch to share tensors between processes through files in /dev/shm ('file_system'), which
+    # makes torch start a torch_shm_manager process beside each peer at its first DHT call: ~57 MB (libtorch's
+    # static initialisation) to share the few bytes of state of each DHT call's future. File descriptors share
+    # them without an extra process (measured, issue 17). Set before any DHT exists, since hivemind shares its
+    # futures' state from the first one; an explicit HIVEMIND_MEMORY_SHARING_STRATEGY still decides.
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 
 class SwarmError(RuntimeError):
@@ -98,6 +108,11 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
     temporary = write_temporary_identity(identity) if identity_path is None else None
     t0 = time.monotonic()
     install_dht_counter()  # before the DHT process forks, so that it counts its own traffic
+    # The DHT process is a fork of this one: the pages of everything made so far (torch, hivemind, the data) stay
+    # shared with it until either process writes to them, and a full garbage collection writes to every object it
+    # visits. Frozen objects are never visited (CPython's advice for a fork without exec, see `gc.freeze`); they
+    # are long-lived anyway, and any of them that later becomes garbage in a cycle is left to the process's end.
+    gc.freeze()
     try:
         dht = hivemind.DHT(
             start=True,

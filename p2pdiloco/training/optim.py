@@ -8,7 +8,9 @@ smaller than `min_8bit_size` keep fp32 state, as in bitsandbytes.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -17,6 +19,57 @@ from p2pdiloco.algorithm.outer import cosine_lr
 from p2pdiloco.config import ConfigError, InnerOptConfig
 
 logger = logging.getLogger(__name__)
+
+
+def _defer_dynamo(cls: type) -> None:
+    """Keep the methods of `cls` that torch wraps in `torch._disable_dynamo` (Optimizer's `add_param_group`,
+    `zero_grad`, `state_dict`, ...; shared by every optimizer of the process) from importing torch._dynamo at
+    their first call, for as long as nothing else has imported it.
+
+    That wrapper imports torch._dynamo only to tell it not to trace the method; while torch._dynamo is not
+    imported nothing can be tracing, so the method runs as it is. Once it is imported (run.compile,
+    bitsandbytes), torch's wrapper decides again, as if this had never run. A torch whose wrapper differs is
+    left as it is: the import then happens as before, and only the memory is lost.
+    """
+    wrapper_code = torch._disable_dynamo(lambda: None).__code__
+    for klass in cls.__mro__:
+        for method in vars(klass).values():
+            fn = getattr(method, "__wrapped__", None)
+            if getattr(method, "__code__", None) is not wrapper_code or fn is None:
+                continue
+            if getattr(fn, "__dynamo_disable", None) is not None:  # done, or dynamo already decided
+                continue
+
+            def until_dynamo(*args, _fn=fn, _method=method, **kwargs):
+                if "torch._dynamo" in sys.modules:  # from now on torch's own wrapper decides
+                    del _fn.__dynamo_disable
+                    return _method(*args, **kwargs)
+                return _fn(*args, **kwargs)
+
+            fn.__dynamo_disable = until_dynamo
+
+
+_ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
+"""torch's Adam step without its wrappers (hooks, and the grad mode switch that imports torch._dynamo)."""
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, the same math bit for bit, that never imports torch._dynamo.
+
+    torch's `step` imports torch._dynamo at every call (`_use_grad_for_differentiable`), only to place graph
+    breaks for torch.compile; with it come sympy and ~800 modules: ~70 MB in a peer's process, imported after
+    the DHT process forked, so that the pages the two shared are copied too (~110 MB PSS a peer in all on the
+    benchmark model, issue 17). This one runs torch's own step body under `torch.no_grad()`, which is what that
+    wrapper does for an optimizer that is not `differentiable` (the inner optimizer never is); step hooks still
+    run (torch wraps this class's `step` with them as it does any optimizer's).
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        return _ADAM_STEP(self, closure)
+
+
+_defer_dynamo(AdamW)
 
 
 def build_inner_optimizer(params: Iterable[torch.nn.Parameter], cfg: InnerOptConfig,
@@ -29,7 +82,7 @@ def build_inner_optimizer(params: Iterable[torch.nn.Parameter], cfg: InnerOptCon
     """
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "weight_decay": cfg.weight_decay}
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, **kwargs)
+        return AdamW(params, **kwargs)
     if cfg.optimizer != "adamw8bit":
         raise ConfigError(f"unknown inner.optimizer {cfg.optimizer!r} (use adamw or adamw8bit)")
     try:
