@@ -84,7 +84,7 @@ def test_ctrl_c_on_local_leaves_no_process(tmp_path):
 def test_consensus_distance_is_the_largest_relative_gap(tmp_path):
     from safetensors.torch import save_file
 
-    from p2pdiloco.app.local import consensus_distance
+    from p2pdiloco.app.summary import consensus_distance
 
     for name, values in (("a", [3.0, 4.0]), ("b", [3.0, 4.0]), ("c", [0.0, 4.0])):
         (tmp_path / name).mkdir()

@@ -14,15 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-import torch
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from p2pdiloco.app.peer import write_json_atomic
+from p2pdiloco.app.summary import summarize
 from p2pdiloco.config import Config, SwarmConfig
 from p2pdiloco.network.swarm import Reaper, start_dht, visible_maddrs
-from p2pdiloco.network.traffic import swarm_bandwidth
 
 logger = logging.getLogger(__name__)
 
@@ -205,57 +203,6 @@ def reap_descendants(peers: list[PeerProc]) -> None:
             except psutil.Error:
                 pass
         p.log.close()
-
-
-def consensus_distance(peer_dirs: list[Path]) -> float | None:
-    """Largest relative L2 distance ‖θa − θb‖ / mean(‖θa‖, ‖θb‖) between two peers' final global models
-    (their model.safetensors); 0.0 means every peer ended with the same model, None if fewer than two."""
-    from safetensors.torch import load_file
-
-    flats = []
-    for d in peer_dirs:
-        path = d / "model.safetensors"
-        if path.exists():
-            tensors = load_file(str(path))
-            flats.append(torch.cat([tensors[k].flatten().double() for k in sorted(tensors)]))
-    if len(flats) < 2:
-        return None
-    worst = 0.0
-    for i in range(len(flats)):
-        for j in range(i + 1, len(flats)):
-            scale = (flats[i].norm() + flats[j].norm()) / 2
-            worst = max(worst, float((flats[i] - flats[j]).norm() / scale) if scale > 0 else 0.0)
-    return worst
-
-
-def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float, extra: dict | None = None) -> dict:
-    """Collect the peers' summaries into the run's summary.json."""
-    peers = []
-    for d in peer_dirs:
-        path = d / "peer_summary.json"
-        if path.exists():
-            peers.append(json.loads(path.read_text()))
-    def mean(key: str) -> float | None:  # over the peers that report it (older summaries lack the per-byte ones)
-        values = [p[key] for p in peers if p.get(key) is not None]
-        return sum(values) / len(values) if values else None
-
-    summary = {
-        "n_peers": len(peer_dirs),
-        "peers_finished": len(peers),
-        "wall_s": wall_s,
-        "eval_loss_initial": mean("eval_loss_initial"),
-        "eval_loss_final": mean("eval_loss_final"),
-        "eval_loss_per_byte_initial": mean("eval_loss_per_byte_initial"),
-        "eval_loss_per_byte_final": mean("eval_loss_per_byte_final"),
-        "global_models_identical": len({p["global_digest"] for p in peers}) == 1 if peers else None,
-        "consensus_distance": consensus_distance(peer_dirs),
-        **swarm_bandwidth(peers),
-        **(extra or {}),
-        "peers": peers,
-        "config": config,
-    }
-    write_json_atomic(run_dir / "summary.json", summary)
-    return summary
 
 
 def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None, sets: list[str],

@@ -34,7 +34,6 @@ from p2pdiloco.network.swarm import (
     write_subkey,
 )
 from p2pdiloco.network.traffic import Traffic
-from p2pdiloco.observe.telemetry import MetricsServer
 from p2pdiloco.testing.hooks import peer_hooks  # the one door to test doubles and fault injection
 from p2pdiloco.training.accel import pick_device
 from p2pdiloco.training.batches import BatchSampler, eval_batches
@@ -345,6 +344,9 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
                               cfg.swarm.heartbeat_s)
         loop.submit(heartbeat.run())
         if cfg.run.metrics_port:
+            # aiohttp: imported only by a peer that serves /metrics
+            from p2pdiloco.observe.telemetry import MetricsServer
+
             ids = {**static, "peer_id": peer_id, "run_id": cfg.swarm.run_id}
             metrics_server = MetricsServer(lambda: telemetry_snapshot(learner, ids), cfg.run.metrics_host,
                                            cfg.run.metrics_port)
