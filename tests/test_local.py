@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,9 @@ def test_three_peer_swarm_merges_agrees_and_learns(tmp_path):
         capture_output=True, text=True, timeout=170, stdin=subprocess.DEVNULL,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    # what the peers did while they started, from their logs' progress lines, until they trained
+    assert "peers starting: 3/3 starting" in out.stdout
+    assert re.search(r"peers started: [1-3]/3 training", out.stdout), out.stdout[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["peers_finished"] == 3
     assert summary["eval_loss_final"] < summary["eval_loss_initial"] - 0.3

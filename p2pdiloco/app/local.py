@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from p2pdiloco.app.startup import STAGES, stage_of
 from p2pdiloco.app.summary import summarize
 from p2pdiloco.config import Config, SwarmConfig
 from p2pdiloco.network.swarm import Reaper, start_dht, visible_maddrs
@@ -45,9 +47,13 @@ class PeerProc:
     kills: int = 0
     restart_at: float | None = None
     """While killed by chaos: when to start it again."""
+    stage: str = "starting"
+    """How far its start-up has come, as its log's progress lines say (app/startup.STAGES); "training" after."""
+    log_offset: int = 0
 
     def start(self, resume: bool = False) -> None:
         cmd = self.cmd + (["--resume"] if resume else [])
+        self.stage = "starting"
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=self.env)
 
@@ -82,6 +88,20 @@ class PeerProc:
             self.last.update({k: v for k, v in row.items() if k != "kind"})
             if row.get("eval_loss") is not None:
                 self.eval_loss = row["eval_loss"]
+
+    def poll_log(self) -> None:
+        """Read the new lines of its log (`run_dir/peer.log`) for its start-up stage; none once it trains."""
+        path = self.run_dir / "peer.log"
+        if self.stage == "training" or not path.exists():
+            self.log_offset = path.stat().st_size if path.exists() else 0  # a restart's lines are read from here on
+            return
+        with path.open("rb") as f:
+            f.seek(self.log_offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.log_offset += len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            self.stage = stage_of(line) or self.stage
 
     def remember_descendants(self) -> None:
         """Note the DHT and p2pd processes this peer started, to reap them if the peer dies without doing so."""
@@ -165,7 +185,7 @@ def progress_table(peers: list[PeerProc], total_steps: int, started: float) -> T
     for p in peers:
         r = p.last
         rc = p.proc.poll()
-        state = "running" if rc is None else ("done" if rc == 0 else f"exit {rc}")
+        state = p.stage if rc is None else ("done" if rc == 0 else f"exit {rc}")
         table.add_row(
             p.name, f"{r.get('step', 0)}/{total_steps}", str(r.get("round", 0)),
             f"{r['loss']:.3f}" if isinstance(r.get("loss"), float) else "-",
@@ -173,6 +193,30 @@ def progress_table(peers: list[PeerProc], total_steps: int, started: float) -> T
             str(r.get("group_size", "-")), f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "-", state,
         )
     return table
+
+
+class StartupLines:
+    """The line `local` prints while peers start, e.g. "peers starting: 1/4 loading, 2/4 DHT up, 1/4 training":
+    again each time it changes, until every running peer trains ("peers started: 4/4 training"); a chaos restart
+    starts it again."""
+
+    def __init__(self) -> None:
+        self.last = ""
+        self.starting = False
+
+    def update(self, peers: list[PeerProc]) -> str | None:
+        """The line to print now, or None."""
+        running = [p for p in peers if p.proc is not None and p.proc.poll() is None]
+        counts = Counter(p.stage for p in running)
+        starting = any(stage != "training" for stage in counts)
+        order = ["starting", *dict.fromkeys(STAGES.values())]
+        line = (f"peers {'starting' if starting else 'started'}: "
+                + ", ".join(f"{counts[s]}/{len(peers)} {s}" for s in order if counts[s]))
+        show = line != self.last and (starting or self.starting)  # the last line of a start-up says it ended
+        self.starting = starting
+        if show:
+            self.last = line
+        return line if show else None
 
 
 def stop_peers(peers: list[PeerProc]) -> None:
@@ -256,6 +300,7 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
             peer.start()
             peers.append(peer)
         console.print(f"{n_peers} peers started; logs in {run_dir}/peers/*/peer.log")
+        startup = StartupLines()
         try:
             with Live(progress_table(peers, cfg.run.total_steps, started), console=console, refresh_per_second=2) as live:
                 while any(p.proc.poll() is None or p.restart_at is not None for p in peers):
@@ -263,8 +308,11 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
                         chaos.tick(peers)
                     for p in peers:
                         p.poll_metrics()
+                        p.poll_log()
                         if p.proc.poll() is None:
                             p.remember_descendants()
+                    if (line := startup.update(peers)) is not None:
+                        console.print(line, soft_wrap=True)
                     live.update(progress_table(peers, cfg.run.total_steps, started))
                     time.sleep(0.5)  # a display refresh, not a wait for a condition
                 for p in peers:
