@@ -20,9 +20,9 @@ from p2pdiloco.training.tokenizer import train_bpe
 from tests.test_cli import TINY
 from tests.test_tokenizer import corpus
 
-UNWANTED = ("matplotlib", "aiohttp", "bitsandbytes", "rich", "prometheus_client")
+UNWANTED = ("matplotlib", "aiohttp", "bitsandbytes", "rich", "prometheus_client", "scipy.optimize._optimize")
 """Modules a headless peer must not have imported when it starts training (plots, dashboard, 8-bit optimizer,
-display, /metrics)."""
+display, /metrics, and the scipy that hivemind imports for a load balancer p2pdiloco never runs)."""
 
 
 def test_stage_of_reads_the_progress_lines_of_a_peer_log():
@@ -126,8 +126,29 @@ def test_start_in_thread_returns_once_the_thread_has_forked():
     assert start_in_thread(lambda: "quick", "test-no-fork").done()
 
 
+def test_a_headless_peer_imports_no_plots_dashboard_display_or_unused_scipy():
+    code = f"""
+import json, sys
+import p2pdiloco.cli  # what `p2pdiloco peer` imports before its command runs
+early = [m for m in ("torch", "hivemind") if m in sys.modules]
+from p2pdiloco.app.startup import defer_unused_imports
+defer_unused_imports()
+import p2pdiloco.app.peer, p2pdiloco.app.summary
+loaded = [m for m in {UNWANTED!r} if m in sys.modules]
+from hivemind.averaging.load_balancing import load_balance_peers  # uses scipy.optimize: it loads when used
+print(json.dumps({{"early": early, "loaded": loaded, "balanced": sum(load_balance_peers(100, [1.0, 3.0]))}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # no torch before the command: the peer's first progress line comes before those seconds, not after
+    assert json.loads(out.stdout.splitlines()[-1]) == {"early": [], "loaded": [], "balanced": 100}
+
+
 FIRST_STEP_MODULES = f"""
 import json, sys
+from p2pdiloco.app.startup import defer_unused_imports
+defer_unused_imports()  # as cmd_peer does, before what follows imports hivemind
 import p2pdiloco.training.reporting as reporting
 training_starts = reporting.Reporter.training_starts
 def snapshot(self, eval_loss):

@@ -86,9 +86,10 @@ def cmd_peer(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         extra["run"]["metrics_port"] = args.metrics_port
     cfg = config_from_args(args, extra)  # a bad flag or value fails here, before seconds of imports
-    from p2pdiloco.app.startup import say
+    from p2pdiloco.app.startup import defer_unused_imports, say
 
     say("importing torch and hivemind")  # the longest silent part of a start on a busy machine
+    defer_unused_imports()  # before hivemind is imported
     from p2pdiloco.app.peer import StopFlag, run_peer
 
     stop = StopFlag()

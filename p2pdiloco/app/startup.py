@@ -3,15 +3,19 @@ screen, and the DHT started beside the data and model instead of after them.
 
 A restart that takes long to train again costs goodput (docs/benchmarks.md, churn), so the `start` line of
 metrics.jsonl splits the start-up into phases (`StartupClock.laps`), and the log says each one as it happens.
+This module imports no torch or hivemind: `defer_unused_imports` must run before hivemind is first imported.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -51,6 +55,48 @@ def stage_of(log_line: str) -> str | None:
         return None
     text = log_line[at + len(PREFIX):]
     return next((stage for start, stage in STAGES.items() if text.startswith(start)), None)
+
+
+class _LoadedOnFirstUse(types.ModuleType):
+    """Stands in for a module in `sys.modules` until an attribute it lacks is read (a function, `__file__`): then
+    imports the real module in its place and hands the attribute on.
+
+    Not importlib's LazyLoader: its module loads on any attribute read, and every `import` statement reads
+    `__spec__`, so the first `import scipy.optimize` would load it all the same.
+    """
+
+    def __getattr__(self, attr: str):
+        name = self.__name__
+        if sys.modules.get(name) is self:
+            del sys.modules[name]
+        real = importlib.import_module(name)
+        parent, _, child = name.rpartition(".")
+        setattr(sys.modules[parent], child, real)
+        return getattr(real, attr)
+
+
+def defer_unused_imports() -> None:
+    """Put off importing `scipy.optimize` until it is used; call before hivemind is imported.
+
+    hivemind's package imports it (0.3 s on an idle core, about 1 s with four peers starting on two) for the load
+    balancing of its DecentralizedAverager, which p2pdiloco never runs (its merger is network/p2p_merger.py).
+    Code that does use it gets the real module on its first attribute read.
+    """
+    name = "scipy.optimize"
+    if name in sys.modules:
+        return
+    try:
+        spec = importlib.util.find_spec(name)  # imports the `scipy` package itself (its submodules load lazily)
+    except ImportError:  # no scipy: hivemind will say so when it is imported
+        return
+    if spec is None:
+        return
+    stand_in = _LoadedOnFirstUse(name)
+    # what `import` and inspect.getmodule (torch calls it at import) read; no __path__: importing a submodule
+    # loads the package first, as it should
+    stand_in.__spec__, stand_in.__loader__, stand_in.__file__ = spec, spec.loader, spec.origin
+    sys.modules[name] = stand_in
+    sys.modules["scipy"].optimize = stand_in  # as the import system does for a submodule
 
 
 class StartupClock:
