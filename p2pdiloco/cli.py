@@ -22,9 +22,16 @@ from p2pdiloco.app.commands import (
 )
 from p2pdiloco.bench.cli import cmd_bench
 from p2pdiloco.config import ConfigError, DataConfig, SwarmConfig
-from p2pdiloco.sim.cli import cmd_simulate
 
 EPILOG = "Docs: README.md, docs/architecture.md, docs/operations.md."
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """`p2pdiloco simulate` (sim/cli.py), imported only when it runs: numpy and rich would slow every other
+    command's start, a peer's included."""
+    from p2pdiloco.sim.cli import cmd_simulate as simulate
+
+    return simulate(args)
 
 
 def setup_logging(verbose: bool) -> None:
@@ -299,11 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `peer --nproc` starts its ranks with these
     setup_logging(args.verbose)
-    from p2pdiloco.network.swarm import SwarmError
-
     try:
         return args.func(args)
-    except (ConfigError, SwarmError) as e:
+    except Exception as e:
+        # a SwarmError comes only from a command that imported network/swarm.py (and so hivemind and torch): not
+        # imported here, so that a peer says what it is doing before those seconds of imports
+        swarm = sys.modules.get("p2pdiloco.network.swarm")
+        if not isinstance(e, ConfigError) and not (swarm is not None and isinstance(e, swarm.SwarmError)):
+            raise
         print(f"p2pdiloco {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

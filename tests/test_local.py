@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,9 @@ def test_three_peer_swarm_merges_agrees_and_learns(tmp_path):
         capture_output=True, text=True, timeout=170, stdin=subprocess.DEVNULL,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    # what the peers did while they started, from their logs' progress lines, until they trained
+    assert "peers starting: 3/3 starting" in out.stdout
+    assert re.search(r"peers started: [1-3]/3 training", out.stdout), out.stdout[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["peers_finished"] == 3
     assert summary["eval_loss_final"] < summary["eval_loss_initial"] - 0.3
@@ -84,7 +88,7 @@ def test_ctrl_c_on_local_leaves_no_process(tmp_path):
 def test_consensus_distance_is_the_largest_relative_gap(tmp_path):
     from safetensors.torch import save_file
 
-    from p2pdiloco.app.local import consensus_distance
+    from p2pdiloco.app.summary import consensus_distance
 
     for name, values in (("a", [3.0, 4.0]), ("b", [3.0, 4.0]), ("c", [0.0, 4.0])):
         (tmp_path / name).mkdir()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from p2pdiloco.cli import main
 from p2pdiloco.config import Config, ConfigError, DataConfig, fingerprint_digest
 from p2pdiloco.training.corpus import load_corpus
 from p2pdiloco.training.reporting import Counters, MetricsLog, Reporter
+from p2pdiloco.training.token_cache import read_tokens, write_tokens
 from p2pdiloco.training.tokenizer import (
     END_OF_TEXT,
     ByteTokenizer,
@@ -165,3 +167,11 @@ def test_eval_loss_per_byte(tmp_path, bpe):
     line = json.loads(path.read_text())
     assert line["eval_loss_per_byte"] == pytest.approx(3.0 * tokens.val.numel() / val_text)
     assert rep.record()["eval_loss_per_byte"] == pytest.approx(line["eval_loss_per_byte"])
+
+
+def test_the_token_cache_holds_an_empty_split(tmp_path):
+    """A corpus with no validation document (few text files): its empty split, made from numpy, is written too."""
+    arrays = {"train": torch.from_numpy(np.arange(7, dtype=np.uint16)), "val": torch.from_numpy(np.zeros(0, np.uint16))}
+    assert write_tokens(tmp_path / "t.tokens", arrays, {"n_files": 1})
+    back, meta = read_tokens(tmp_path / "t.tokens")
+    assert back["train"].tolist() == list(range(7)) and back["val"].numel() == 0 and meta == {"n_files": 1}

@@ -64,9 +64,6 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
-    from p2pdiloco.app.local import summarize
-    from p2pdiloco.app.peer import StopFlag, run_peer
-
     if args.nproc > 1 and "RANK" not in os.environ:  # under torchrun, RANK is set and this process is one rank
         from p2pdiloco.training.distributed import launch_unit, strip_nproc
 
@@ -88,7 +85,13 @@ def cmd_peer(args: argparse.Namespace) -> int:
         extra["run"]["total_steps"] = args.steps
     if args.metrics_port is not None:
         extra["run"]["metrics_port"] = args.metrics_port
-    cfg = config_from_args(args, extra)
+    cfg = config_from_args(args, extra)  # a bad flag or value fails here, before seconds of imports
+    from p2pdiloco.app.startup import defer_unused_imports, say
+
+    say("importing torch and hivemind")  # the longest silent part of a start on a busy machine
+    defer_unused_imports()  # before hivemind is imported
+    from p2pdiloco.app.peer import StopFlag, run_peer
+
     stop = StopFlag()
     stop.install()
     summary = run_peer(cfg, stop, announce=lambda line: print(line, flush=True))
@@ -96,6 +99,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
         return 0
     run_dir = Path(cfg.run.run_dir)
     if not args.in_local:  # a peer of `local` leaves the run's summary and plot to it
+        from p2pdiloco.app.summary import summarize
+
         summarize(run_dir, [run_dir], cfg.to_dict(), summary["wall_s"])
         try:
             from p2pdiloco.observe.plot import plot_run

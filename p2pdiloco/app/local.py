@@ -10,19 +10,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-import torch
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from p2pdiloco.app.peer import write_json_atomic
+from p2pdiloco.app.startup import STAGES, stage_of
+from p2pdiloco.app.summary import summarize
 from p2pdiloco.config import Config, SwarmConfig
 from p2pdiloco.network.swarm import Reaper, start_dht, visible_maddrs
-from p2pdiloco.network.traffic import swarm_bandwidth
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,13 @@ class PeerProc:
     kills: int = 0
     restart_at: float | None = None
     """While killed by chaos: when to start it again."""
+    stage: str = "starting"
+    """How far its start-up has come, as its log's progress lines say (app/startup.STAGES); "training" after."""
+    log_offset: int = 0
 
     def start(self, resume: bool = False) -> None:
         cmd = self.cmd + (["--resume"] if resume else [])
+        self.stage = "starting"
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=self.env)
 
@@ -84,6 +88,20 @@ class PeerProc:
             self.last.update({k: v for k, v in row.items() if k != "kind"})
             if row.get("eval_loss") is not None:
                 self.eval_loss = row["eval_loss"]
+
+    def poll_log(self) -> None:
+        """Read the new lines of its log (`run_dir/peer.log`) for its start-up stage; none once it trains."""
+        path = self.run_dir / "peer.log"
+        if self.stage == "training" or not path.exists():
+            self.log_offset = path.stat().st_size if path.exists() else 0  # a restart's lines are read from here on
+            return
+        with path.open("rb") as f:
+            f.seek(self.log_offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.log_offset += len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            self.stage = stage_of(line) or self.stage
 
     def remember_descendants(self) -> None:
         """Note the DHT and p2pd processes this peer started, to reap them if the peer dies without doing so."""
@@ -167,7 +185,7 @@ def progress_table(peers: list[PeerProc], total_steps: int, started: float) -> T
     for p in peers:
         r = p.last
         rc = p.proc.poll()
-        state = "running" if rc is None else ("done" if rc == 0 else f"exit {rc}")
+        state = p.stage if rc is None else ("done" if rc == 0 else f"exit {rc}")
         table.add_row(
             p.name, f"{r.get('step', 0)}/{total_steps}", str(r.get("round", 0)),
             f"{r['loss']:.3f}" if isinstance(r.get("loss"), float) else "-",
@@ -175,6 +193,30 @@ def progress_table(peers: list[PeerProc], total_steps: int, started: float) -> T
             str(r.get("group_size", "-")), f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "-", state,
         )
     return table
+
+
+class StartupLines:
+    """The line `local` prints while peers start, e.g. "peers starting: 1/4 loading, 2/4 DHT up, 1/4 training":
+    again each time it changes, until every running peer trains ("peers started: 4/4 training"); a chaos restart
+    starts it again."""
+
+    def __init__(self) -> None:
+        self.last = ""
+        self.starting = False
+
+    def update(self, peers: list[PeerProc]) -> str | None:
+        """The line to print now, or None."""
+        running = [p for p in peers if p.proc is not None and p.proc.poll() is None]
+        counts = Counter(p.stage for p in running)
+        starting = any(stage != "training" for stage in counts)
+        order = ["starting", *dict.fromkeys(STAGES.values())]
+        line = (f"peers {'starting' if starting else 'started'}: "
+                + ", ".join(f"{counts[s]}/{len(peers)} {s}" for s in order if counts[s]))
+        show = line != self.last and (starting or self.starting)  # the last line of a start-up says it ended
+        self.starting = starting
+        if show:
+            self.last = line
+        return line if show else None
 
 
 def stop_peers(peers: list[PeerProc]) -> None:
@@ -205,57 +247,6 @@ def reap_descendants(peers: list[PeerProc]) -> None:
             except psutil.Error:
                 pass
         p.log.close()
-
-
-def consensus_distance(peer_dirs: list[Path]) -> float | None:
-    """Largest relative L2 distance ‖θa − θb‖ / mean(‖θa‖, ‖θb‖) between two peers' final global models
-    (their model.safetensors); 0.0 means every peer ended with the same model, None if fewer than two."""
-    from safetensors.torch import load_file
-
-    flats = []
-    for d in peer_dirs:
-        path = d / "model.safetensors"
-        if path.exists():
-            tensors = load_file(str(path))
-            flats.append(torch.cat([tensors[k].flatten().double() for k in sorted(tensors)]))
-    if len(flats) < 2:
-        return None
-    worst = 0.0
-    for i in range(len(flats)):
-        for j in range(i + 1, len(flats)):
-            scale = (flats[i].norm() + flats[j].norm()) / 2
-            worst = max(worst, float((flats[i] - flats[j]).norm() / scale) if scale > 0 else 0.0)
-    return worst
-
-
-def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float, extra: dict | None = None) -> dict:
-    """Collect the peers' summaries into the run's summary.json."""
-    peers = []
-    for d in peer_dirs:
-        path = d / "peer_summary.json"
-        if path.exists():
-            peers.append(json.loads(path.read_text()))
-    def mean(key: str) -> float | None:  # over the peers that report it (older summaries lack the per-byte ones)
-        values = [p[key] for p in peers if p.get(key) is not None]
-        return sum(values) / len(values) if values else None
-
-    summary = {
-        "n_peers": len(peer_dirs),
-        "peers_finished": len(peers),
-        "wall_s": wall_s,
-        "eval_loss_initial": mean("eval_loss_initial"),
-        "eval_loss_final": mean("eval_loss_final"),
-        "eval_loss_per_byte_initial": mean("eval_loss_per_byte_initial"),
-        "eval_loss_per_byte_final": mean("eval_loss_per_byte_final"),
-        "global_models_identical": len({p["global_digest"] for p in peers}) == 1 if peers else None,
-        "consensus_distance": consensus_distance(peer_dirs),
-        **swarm_bandwidth(peers),
-        **(extra or {}),
-        "peers": peers,
-        "config": config,
-    }
-    write_json_atomic(run_dir / "summary.json", summary)
-    return summary
 
 
 def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None, sets: list[str],
@@ -309,6 +300,7 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
             peer.start()
             peers.append(peer)
         console.print(f"{n_peers} peers started; logs in {run_dir}/peers/*/peer.log")
+        startup = StartupLines()
         try:
             with Live(progress_table(peers, cfg.run.total_steps, started), console=console, refresh_per_second=2) as live:
                 while any(p.proc.poll() is None or p.restart_at is not None for p in peers):
@@ -316,8 +308,11 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
                         chaos.tick(peers)
                     for p in peers:
                         p.poll_metrics()
+                        p.poll_log()
                         if p.proc.poll() is None:
                             p.remember_descendants()
+                    if (line := startup.update(peers)) is not None:
+                        console.print(line, soft_wrap=True)
                     live.update(progress_table(peers, cfg.run.total_steps, started))
                     time.sleep(0.5)  # a display refresh, not a wait for a condition
                 for p in peers:

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import psutil
 import torch
+from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 from safetensors.torch import save_file
 
 from p2pdiloco import __version__
+from p2pdiloco.app.startup import StartupClock, say
 from p2pdiloco.config import Config, fingerprint_digest
 from p2pdiloco.network.p2p_merger import P2PMerger
 from p2pdiloco.network.state_sync import StateSync
@@ -39,12 +41,12 @@ from p2pdiloco.network.swarm import (
     write_subkey,
 )
 from p2pdiloco.network.traffic import Traffic
-from p2pdiloco.observe.telemetry import MetricsServer
 from p2pdiloco.testing.hooks import peer_hooks  # the one door to test doubles and fault injection
 from p2pdiloco.training.accel import pick_device
 from p2pdiloco.training.batches import BatchSampler, eval_batches
 from p2pdiloco.training.checkpoint import load_latest
 from p2pdiloco.training.corpus import load_corpus
+from p2pdiloco.training.data import TextData
 from p2pdiloco.training.distributed import (
     UnitSync,
     close_unit,
@@ -133,6 +135,7 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
 
     If no peer is live and one left having finished the run, the run is over: this peer ends at once
     (`Learner.ended_with_swarm`) instead of training on alone."""
+    say("joining the swarm %s: reading its peer records", cfg.swarm.run_id, tag=peer_id[-6:])
     every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
     finished = swarm_finished(every, peer_id, cfg.run.total_steps)
     if finished is not None:  # training on alone would only move this peer's model away from the swarm's result
@@ -146,6 +149,7 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
              if p != peer_id and float(r.get("global_tokens") or 0) > learner.c.global_tokens}
     if not ahead:
         return
+    say("joining: downloading the swarm's state (%d live peer(s) ahead of this one)", len(ahead), tag=peer_id[-6:])
     t0 = time.monotonic()
 
     async def refresh() -> dict[str, dict]:
@@ -254,20 +258,6 @@ def keep_previous(path: Path) -> None:
         path.rename(path.with_name(f"{path.stem}-{stamp}{path.suffix}"))
 
 
-class StartupClock:
-    """Where a peer's start-up time goes, in seconds per phase (the `start` line of metrics.jsonl): a restart
-    that takes long to train again costs goodput, so it should be plain which part is slow."""
-
-    def __init__(self, t_process_start: float):
-        self.laps: dict[str, float] = {"interpreter_and_imports": time.monotonic() - t_process_start}
-        self._t = time.monotonic()
-
-    def lap(self, phase: str) -> None:
-        now = time.monotonic()
-        self.laps[phase] = now - self._t
-        self._t = now
-
-
 def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
     """Join the swarm, train, write the run folder; returns the summary (None on a follower rank of a
     multi-process learner unit, see distributed.py).
@@ -297,20 +287,34 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
             close_unit(unit)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_vocab(tokenizer, cfg.model.vocab_size, cfg.data.tokenizer)  # before a long tokenization, not after
-    data = load_corpus(cfg.data, tokenizer, min_tokens=2 * (cfg.model.seq_len + 1))
     # the DHT process forked below never tokenizes: say so, or HF tokenizers warns about the fork on stderr
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sampler = BatchSampler(data.train, cfg.model.seq_len, cfg.data.batch_size, cfg.run.seed,
-                           rank_shard(cfg.data.shard, unit.rank, unit.world_size))
-    val = eval_batches(data.val, cfg.model.seq_len, cfg.data.batch_size, cfg.run.eval_batches)
-    model = build_model(cfg.model).to(device)
-    n_params = count_params(model)
-    logger.info("model: %d parameters on %s; data: %d files, %d bytes (%s)", n_params, device, data.n_files,
-                data.n_bytes, data.source)
-    startup.lap("data_and_model")
+    startup.lap("device_and_tokenizer")
+    say("loading data and building the model while the DHT starts (%.1f s of interpreter and imports)",
+        startup.laps["interpreter_and_imports"])
 
-    dht = start_dht(cfg.swarm)
-    startup.lap("dht")
+    def data_and_model() -> tuple[TextData, BatchSampler, list, torch.nn.Module]:
+        t0 = time.monotonic()
+        data = load_corpus(cfg.data, tokenizer, min_tokens=2 * (cfg.model.seq_len + 1))
+        sampler = BatchSampler(data.train, cfg.model.seq_len, cfg.data.batch_size, cfg.run.seed,
+                               rank_shard(cfg.data.shard, unit.rank, unit.world_size))
+        val = eval_batches(data.val, cfg.model.seq_len, cfg.data.batch_size, cfg.run.eval_batches)
+        model = build_model(cfg.model).to(device)
+        say("loaded data and model in %.1f s: %d parameters on %s; %d files, %d bytes (%s)", time.monotonic() - t0,
+            count_params(model), device, data.n_files, data.n_bytes, data.source)
+        return data, sampler, val, model
+
+    def dht_up() -> DHT:
+        t0 = time.monotonic()
+        dht = start_dht(cfg.swarm)
+        say("DHT up in %.1f s: peer %s", time.monotonic() - t0, dht.peer_id.to_base58())
+        return dht
+
+    # the DHT's start is mostly waiting (its process, the p2p daemon, the join): load and build meanwhile
+    dht, built = startup.side_by_side("dht_with_data_and_model", ("dht", dht_up), {"data_and_model": data_and_model},
+                                      undo=DHT.shutdown)
+    data, sampler, val, model = built["data_and_model"]
+    n_params = count_params(model)
     reaper = Reaper(dht)
     loop = BackgroundLoop()
     merger = metrics = heartbeat = metrics_server = learner = None
@@ -329,13 +333,14 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         hooks = peer_hooks(cfg)  # no faults and no hostile wrapper unless a test or benchmark asked for them
         merger = P2PMerger(dht, cfg.swarm, loop, n_params, auth=auth, guard=cfg.guard,
                            fingerprint=fingerprint_digest(fingerprint), faults=hooks.faults)
-        startup.lap("merger")  # mostly loading the codec's library
+        say("merger ready in %.1f s (codec %s)", startup.lap("merger"), cfg.swarm.codec, tag=peer_id[-6:])
         if not cfg.run.resume:
             keep_previous(run_dir / "metrics.jsonl")
         metrics = MetricsLog(run_dir / "metrics.jsonl")
         learner = Learner(cfg, model, sampler.next_batch, val, hooks.wrap_merger(merger), device, metrics,
                           should_stop=stop, checkpoint_dir=run_dir / "checkpoints", faults=hooks.faults,
                           t_process_start=t_process_start)
+        startup.lap("learner")  # the model on its device, the optimizers, the initial global model
         learner.log_start(startup.laps)  # before any state download: a restart's start-up is its own, in the metrics
         learner.report.traffic = Traffic(merge=merger.counter)
         learner.report.tokens_per_byte = data.tokens_per_byte
@@ -358,11 +363,15 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
                               cfg.swarm.heartbeat_s)
         loop.submit(heartbeat.run(fingerprint))
         if cfg.run.metrics_port:
+            # aiohttp: imported only by a peer that serves /metrics
+            from p2pdiloco.observe.telemetry import MetricsServer
+
             ids = {**static, "peer_id": peer_id, "run_id": cfg.swarm.run_id}
             metrics_server = MetricsServer(lambda: telemetry_snapshot(learner, ids), cfg.run.metrics_host,
                                            cfg.run.metrics_port)
             announce(f"Prometheus metrics at {loop.run(metrics_server.start(), timeout=10)}")
         if cfg.swarm.wait_for_peers > 1 and not cfg.run.resume:  # a restarted peer joins a running swarm
+            say("waiting for %d peers to be live", cfg.swarm.wait_for_peers, tag=peer_id[-6:])
             live = wait_for_peers(loop, dht, cfg, stop)
             logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)
         summary = learner.run()

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from p2pdiloco.app.local import PeerProc, peer_command, stop_peers, summarize
+from p2pdiloco.app.local import PeerProc, peer_command, stop_peers
+from p2pdiloco.app.summary import summarize
 from p2pdiloco.bench.common import BENCH_DATA, machine, report
 from p2pdiloco.config import Config, ConfigError, load_config, parse_set
 from p2pdiloco.training.model import build_model, count_params

@@ -141,6 +141,8 @@ class Reporter:
         self.last_eval_loss = float("nan")
         self._loss_sum, self._loss_n, self._t_log, self._tokens_log = 0.0, 0, time.monotonic(), 0
         self._started = False
+        self.first_step_s: float | None = None
+        """Seconds from the process start to the first inner step (None before it)."""
 
     # ---- metrics lines ----
 
@@ -162,11 +164,16 @@ class Reporter:
         return None if eval_loss is None else eval_loss * self.tokens_per_byte
 
     def training_starts(self, eval_loss: float) -> None:
-        """Before the first inner step: the global model's eval loss, and the throughput meter's first point."""
+        """Before the first inner step: the global model's eval loss, the throughput meter's first point, and
+        `first_step_s`, the whole start-up (its `process_s` field in this eval line)."""
         self.eval_loss_initial = self.last_eval_loss = eval_loss
+        self.first_step_s = time.monotonic() - self.t_process_start
         self.metrics.write(kind="eval", elapsed_s=self.elapsed(), step=self.c.step, tokens=self.c.tokens,
-                           eval_loss=eval_loss, eval_loss_per_byte=self.per_byte(eval_loss))
+                           eval_loss=eval_loss, eval_loss_per_byte=self.per_byte(eval_loss),
+                           process_s=self.first_step_s)
         logger.info("[%s] eval loss at start %.4f", self.tag, eval_loss)
+        # the last of the peer's progress lines (app/startup.py): `local` reads it as "training"
+        logger.info("[%s] start-up: first inner step after %.1f s", self.tag, self.first_step_s)
         self.throughput.add(self.c.tokens)
 
     def training_ends(self, eval_loss: float) -> None:
@@ -256,7 +263,7 @@ class Reporter:
         """
         return {
             "peer_id": self.peer_id, "inner_steps": self.c.steps_run, "step": self.c.step, "tokens": self.c.tokens,
-            "join_s": self.c.join_s, "ended_with_swarm": ended_with_swarm,
+            "first_step_s": self.first_step_s, "join_s": self.c.join_s, "ended_with_swarm": ended_with_swarm,
             "rounds": self.c.round, "merges": self.c.merges, "merge_failures": self.c.merge_failures,
             "bytes_sent": self.bytes_io()[0], "bytes_received": self.bytes_io()[1],
             "wall_s": self.elapsed(), "compute_s": self.c.compute_s,

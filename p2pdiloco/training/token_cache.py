@@ -49,7 +49,9 @@ def write_tokens(path: Path, arrays: dict[str, torch.Tensor], meta: dict[str, An
     Returns:
         True if written; False (with a warning) if the folder cannot be written: the run goes on uncached.
     """
-    blobs = {name: t.contiguous().view(torch.uint8).numpy().tobytes() for name, t in arrays.items()}
+    # an empty array made from numpy has stride 0, which `view` refuses (a corpus with no validation document)
+    blobs = {name: t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+             for name, t in arrays.items()}
     payload = b"".join(blobs.values())
     header = json.dumps({
         "arrays": [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "numel": t.numel()}

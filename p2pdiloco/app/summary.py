@@ -1,0 +1,64 @@
+"""A run's summary.json: every peer's peer_summary.json, their mean eval losses, how far apart their final global
+models ended, and the swarm's bandwidth. Its own module so that a lone peer writes it without importing `local`'s
+display (rich) and process management."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from p2pdiloco.app.peer import write_json_atomic
+from p2pdiloco.network.traffic import swarm_bandwidth
+
+
+def consensus_distance(peer_dirs: list[Path]) -> float | None:
+    """Largest relative L2 distance ‖θa − θb‖ / mean(‖θa‖, ‖θb‖) between two peers' final global models
+    (their model.safetensors); 0.0 means every peer ended with the same model, None if fewer than two."""
+    from safetensors.torch import load_file
+
+    flats = []
+    for d in peer_dirs:
+        path = d / "model.safetensors"
+        if path.exists():
+            tensors = load_file(str(path))
+            flats.append(torch.cat([tensors[k].flatten().double() for k in sorted(tensors)]))
+    if len(flats) < 2:
+        return None
+    worst = 0.0
+    for i in range(len(flats)):
+        for j in range(i + 1, len(flats)):
+            scale = (flats[i].norm() + flats[j].norm()) / 2
+            worst = max(worst, float((flats[i] - flats[j]).norm() / scale) if scale > 0 else 0.0)
+    return worst
+
+
+def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float, extra: dict | None = None) -> dict:
+    """Collect the peers' summaries into the run's summary.json."""
+    peers = []
+    for d in peer_dirs:
+        path = d / "peer_summary.json"
+        if path.exists():
+            peers.append(json.loads(path.read_text()))
+    def mean(key: str) -> float | None:  # over the peers that report it (older summaries lack the per-byte ones)
+        values = [p[key] for p in peers if p.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    summary = {
+        "n_peers": len(peer_dirs),
+        "peers_finished": len(peers),
+        "wall_s": wall_s,
+        "eval_loss_initial": mean("eval_loss_initial"),
+        "eval_loss_final": mean("eval_loss_final"),
+        "eval_loss_per_byte_initial": mean("eval_loss_per_byte_initial"),
+        "eval_loss_per_byte_final": mean("eval_loss_per_byte_final"),
+        "global_models_identical": len({p["global_digest"] for p in peers}) == 1 if peers else None,
+        "consensus_distance": consensus_distance(peer_dirs),
+        **swarm_bandwidth(peers),
+        **(extra or {}),
+        "peers": peers,
+        "config": config,
+    }
+    write_json_atomic(run_dir / "summary.json", summary)
+    return summary

@@ -1,0 +1,219 @@
+"""A peer's start-up (app/startup.py): the progress lines a person and `local` read, the DHT started beside the data
+and model, a `startup` breakdown that adds up, the modules a headless peer imports before it trains, and a restart
+that reads its tokens from the cache."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from p2pdiloco.app.local import PeerProc, StartupLines
+from p2pdiloco.app.startup import StartupClock, stage_of, start_in_thread
+from p2pdiloco.training.tokenizer import train_bpe
+from tests.test_cli import TINY
+from tests.test_tokenizer import corpus
+
+UNWANTED = ("matplotlib", "aiohttp", "bitsandbytes", "rich", "prometheus_client", "scipy.optimize._optimize", "torch._dynamo",
+            "sympy")
+"""Modules a headless peer must not have imported when it starts training (plots, dashboard, 8-bit optimizer,
+display, /metrics, and the scipy that hivemind imports for a load balancer p2pdiloco never runs)."""
+
+
+def test_stage_of_reads_the_progress_lines_of_a_peer_log():
+    assert stage_of("07:42:01 INFO p2pdiloco.app.startup: start-up: importing torch and hivemind") == "importing"
+    assert stage_of("07:42:04 INFO p2pdiloco.app.startup: start-up: DHT up in 0.6 s: peer 12D3KooW") == "DHT up"
+    assert stage_of("07:42:08 INFO p2pdiloco.training.reporting: [7LNUqb] start-up: first inner step after 8.0 s") \
+        == "training"
+    assert stage_of("07:42:04 INFO p2pdiloco.app.startup: start-up: loaded data and model in 0.1 s") is None
+    assert stage_of("07:42:08 INFO p2pdiloco.app.peer: [7LNUqb] 3 of 3 peers live; starting") is None
+
+
+class _Proc:
+    def __init__(self, returncode: int | None = None):
+        self.returncode = returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+def _peer(stage: str, returncode: int | None = None) -> PeerProc:
+    peer = PeerProc("peer", Path("."), _Proc(returncode), None)
+    peer.stage = stage
+    return peer
+
+
+def test_local_prints_what_its_peers_do_until_they_all_train():
+    lines = StartupLines()
+    peers = [_peer("importing"), _peer("importing")]
+    assert lines.update(peers) == "peers starting: 2/2 importing"
+    assert lines.update(peers) is None  # nothing new
+    peers[0].stage = "DHT up"
+    assert lines.update(peers) == "peers starting: 1/2 importing, 1/2 DHT up"
+    peers[1].stage = peers[0].stage = "training"
+    assert lines.update(peers) == "peers started: 2/2 training"  # once, to say the start-up is over
+    peers[0].proc = _Proc(0)
+    assert lines.update(peers) is None  # a peer that finished is no start-up news
+    peers[0].proc, peers[0].stage = _Proc(None), "starting"  # restarted (local --chaos)
+    assert lines.update(peers) == "peers starting: 1/2 starting, 1/2 training"
+
+
+def _fork_and_wait(seconds: float) -> None:
+    """What the DHT's start does: fork its process, then wait for it."""
+    child = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
+    child.start()
+    child.join(10)
+    time.sleep(seconds)
+
+
+def test_side_by_side_overlaps_its_parts_and_laps_each_one():
+    clock = StartupClock(time.monotonic())
+
+    def dht():
+        _fork_and_wait(0.6)
+        return "dht"
+
+    def data():
+        time.sleep(0.6)  # stands for loading data
+        return "data"
+
+    done, built = clock.side_by_side("both", ("dht", dht), {"data": data, "model": lambda: "model"},
+                                     undo=lambda _: None)
+    assert done == "dht" and built == {"data": "data", "model": "model"}
+    lap = clock.laps["both"]
+    assert set(lap) == {"wall", "dht", "data", "model"}
+    assert max(lap["dht"], lap["data"]) <= lap["wall"] < lap["dht"] + lap["data"]  # at the same time, not in turn
+
+
+def test_a_failed_part_raises_after_the_other_is_finished_and_undone():
+    clock = StartupClock(time.monotonic())
+    undone = []
+
+    def broken():
+        raise ValueError("no such data")
+
+    with pytest.raises(ValueError, match="no such data"):
+        clock.side_by_side("both", ("dht", lambda: "dht"), {"data": broken}, undo=undone.append)
+    assert undone == ["dht"]  # a DHT that started is shut down, not left running
+
+    def unreachable():
+        raise RuntimeError("could not join")
+
+    with pytest.raises(RuntimeError, match="could not join"):
+        clock.side_by_side("both", ("dht", unreachable), {"data": lambda: "data"}, undo=undone.append)
+    assert undone == ["dht"] and "both" not in clock.laps
+
+
+def test_start_in_thread_returns_once_the_thread_has_forked():
+    """The caller's own work must not run while the background thread forks (the child would inherit its locks)."""
+    marks = {}
+
+    def background() -> str:
+        time.sleep(0.3)  # work before the fork, as the DHT's start has
+        marks["fork"] = time.monotonic()
+        _fork_and_wait(1.0)  # after the fork, the caller goes on meanwhile
+        return "done"
+
+    future = start_in_thread(background, "test-fork")
+    assert time.monotonic() >= marks["fork"] and not future.done()
+    assert future.result(timeout=20) == "done"
+    # a thread that never forks is waited for to its end: nothing to overlap safely
+    assert start_in_thread(lambda: "quick", "test-no-fork").done()
+
+
+def test_a_headless_peer_imports_no_plots_dashboard_display_or_unused_scipy():
+    code = f"""
+import json, sys
+import p2pdiloco.cli  # what `p2pdiloco peer` imports before its command runs
+early = [m for m in ("torch", "hivemind") if m in sys.modules]
+from p2pdiloco.app.startup import defer_unused_imports
+defer_unused_imports()
+import p2pdiloco.app.peer, p2pdiloco.app.summary
+loaded = [m for m in {UNWANTED!r} if m in sys.modules]
+from hivemind.averaging.load_balancing import load_balance_peers  # uses scipy.optimize: it loads when used
+print(json.dumps({{"early": early, "loaded": loaded, "balanced": sum(load_balance_peers(100, [1.0, 3.0]))}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # no torch before the command: the peer's first progress line comes before those seconds, not after
+    assert json.loads(out.stdout.splitlines()[-1]) == {"early": [], "loaded": [], "balanced": 100}
+
+
+FIRST_STEP_MODULES = f"""
+import json, sys
+from p2pdiloco.app.startup import defer_unused_imports
+defer_unused_imports()  # as cmd_peer does, before what follows imports hivemind
+import p2pdiloco.training.reporting as reporting
+training_starts = reporting.Reporter.training_starts
+def snapshot(self, eval_loss):
+    print("modules at the first inner step: " + json.dumps([m for m in {UNWANTED!r} if m in sys.modules]),
+          file=sys.stderr, flush=True)
+    training_starts(self, eval_loss)
+reporting.Reporter.training_starts = snapshot
+from p2pdiloco.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+"""`p2pdiloco peer ARGS` that also prints which of `UNWANTED` it had imported when it began training."""
+
+PHASES = ("start-up: importing torch and hivemind", "start-up: loading data and building the model",
+          "start-up: loaded data and model", "start-up: DHT up", "start-up: merger ready",
+          "start-up: joining the swarm", "start-up: first inner step after")
+
+
+def _in_order(text: str, needles: tuple[str, ...]) -> bool:
+    at = 0
+    for needle in needles:
+        at = text.find(needle, at)
+        if at < 0:
+            return False
+    return True
+
+
+@pytest.mark.integration
+def test_a_peer_says_each_phase_imports_little_and_a_restart_reads_the_token_cache(tmp_path):
+    tok = train_bpe([p.read_text() for p in sorted(corpus(tmp_path / "data").iterdir())], 300,
+                    tmp_path / "tokenizer.json", progress=lambda _: None)
+    # the default codec (int4, plain torch): neither bitsandbytes nor torch._dynamo on the way to the first step
+    args = ["peer", "--host", "127.0.0.1", "--run-dir", str(tmp_path / "run"), "--steps", "10", "--in-local",
+            "--data", str(tmp_path / "data"), "--set", f"data.tokenizer={tok.path}", "--set", "model.vocab_size=300",
+            "--set", f"data.cache_dir={tmp_path / 'cache'}",
+            "--set", "run.checkpoint_every=1", "--set", "swarm.round_steps=5", *TINY]
+    runs = []
+    for extra in ([], ["--resume"]):
+        out = subprocess.run([sys.executable, "-c", FIRST_STEP_MODULES, *args, *extra], capture_output=True,
+                             text=True, timeout=150, stdin=subprocess.DEVNULL)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert _in_order(out.stderr, PHASES), out.stderr[-3000:]
+        (modules,) = [line.split(": ", 1)[1] for line in out.stderr.splitlines() if "modules at the first" in line]
+        assert json.loads(modules) == []
+        runs.append(out)
+    first, restart = runs
+    assert "tokenizing" in first.stderr and "tokens from the cache" in restart.stderr  # keyed alike: a hit
+    assert "resumed from" in restart.stdout
+
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    starts = [i for i, r in enumerate(rows) if r["kind"] == "start"]
+    assert len(starts) == 2
+    first_evals = []
+    for i in starts:
+        start, first_eval = rows[i], next(r for r in rows[i:] if r["kind"] == "eval")
+        laps = start["startup"]
+        assert list(laps) == ["interpreter_and_imports", "device_and_tokenizer", "dht_with_data_and_model", "merger",
+                              "learner"]
+        side = laps["dht_with_data_and_model"]
+        assert set(side) == {"wall", "dht", "data_and_model"}
+        assert max(side["dht"], side["data_and_model"]) <= side["wall"] + 1e-6
+        # the phases in turn (a parallel one by its wall time) add up to the time before the start line
+        in_turn = sum(v["wall"] if isinstance(v, dict) else v for v in laps.values())
+        assert in_turn <= start["process_s"] < in_turn + 1.0
+        assert first_eval["process_s"] >= start["process_s"]  # the whole start-up, to the first inner step
+        first_evals.append(first_eval)
+    summary = json.loads((tmp_path / "run" / "peer_summary.json").read_text())  # the restart's
+    assert summary["first_step_s"] == pytest.approx(first_evals[-1]["process_s"])
