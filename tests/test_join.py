@@ -192,7 +192,7 @@ def test_swarm_outlives_its_bootstrap_node(tmp_path):
 def test_a_peer_restarted_after_the_swarm_finished_does_not_train_on_alone(bootstrap_dht, net_loop):
     from hivemind.utils.timed_storage import get_dht_time
 
-    from p2pdiloco.app.peer import Heartbeat, swarm_finished
+    from p2pdiloco.app.heartbeat import Heartbeat, swarm_finished
     from p2pdiloco.network.swarm import read_peers
 
     # a peer that finished leaves a 'finished' record that outlives its heartbeats (real DHT, real expiry)

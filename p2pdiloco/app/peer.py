@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import os
 import signal
 import threading
@@ -15,30 +14,25 @@ from pathlib import Path
 import psutil
 import torch
 from hivemind import DHT
-from hivemind.utils.timed_storage import get_dht_time
 from safetensors.torch import save_file
 
 from p2pdiloco import __version__
+from p2pdiloco.app.heartbeat import Heartbeat, swarm_finished
 from p2pdiloco.app.startup import StartupClock, say
 from p2pdiloco.config import Config, fingerprint_digest
 from p2pdiloco.network.p2p_merger import P2PMerger
 from p2pdiloco.network.state_sync import StateSync
 from p2pdiloco.network.swarm import (
-    CONFIG_TTL_S,
     BackgroundLoop,
     Reaper,
     check_fingerprint,
     check_maddrs,
-    config_key,
     live_configs,
     live_records,
-    peer_shard,
-    peers_key,
     read_peers,
     start_dht,
     swarm_auth,
     visible_maddrs,
-    write_subkey,
 )
 from p2pdiloco.network.traffic import Traffic
 from p2pdiloco.testing.hooks import peer_hooks  # the one door to test doubles and fault injection
@@ -169,61 +163,6 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
                   download_s=time.monotonic() - t0, global_digest=learner.g.digest())
     logger.info("[%s] downloaded the swarm's state (round %d, step %d) from %s in %.2f s", peer_id[-6:],
                 state.round, state.step, donor[-6:], time.monotonic() - t0)
-
-
-FINISHED_RECORD_S = 3600.0
-"""How long a finished peer's 'left' record stays in the DHT."""
-
-
-def swarm_finished(records: dict[str, dict], me: str, total_steps: int) -> tuple[str, int] | None:
-    """(peer, step) of a peer that finished this run (reached `total_steps`) and left, if no peer is still live."""
-    others = {p: r for p, r in records.items() if p != me}
-    if not others or live_records(others):
-        return None
-    for peer, r in others.items():
-        step = r.get("step")
-        if r.get("finished") is True and isinstance(step, int) and step >= total_steps:
-            return peer, step
-    return None
-
-
-class Heartbeat:
-    """This peer's record in the DHT: refreshed every `period` seconds, expiring after three missed beats,
-    and replaced by a 'left' record when the peer exits cleanly, so others stop counting on it at once.
-
-    Each record carries `time`, the DHT time (Unix seconds) it was written, so that readers can tell how
-    fresh it is and place its values on a time axis."""
-
-    def __init__(self, dht, run_id: str, peer_id: str, record, period: float):
-        self.dht, self.peer_id, self.record, self.period = dht, peer_id, record, period
-        self.key, self.config_key = peers_key(run_id, peer_shard(peer_id)), config_key(run_id)
-        self._expiration = 0.0
-        self._config_written = -math.inf
-
-    async def _write(self, value: dict, ttl: float | None = None) -> None:
-        # a newer record must expire later than the one it replaces, or the DHT keeps the old one
-        self._expiration = max(get_dht_time() + (ttl or 3 * self.period), self._expiration + 1e-3)
-        await write_subkey(self.dht, self.key, self.peer_id, value, self._expiration)
-
-    async def run(self, fingerprint: dict) -> None:
-        """Beat until cancelled; the config's full fingerprint goes in a record of its own, renewed rarely, since
-        only a joiner reads it."""
-        while True:
-            await self._write({**self.record(), "time": get_dht_time()})
-            if time.monotonic() - self._config_written >= CONFIG_TTL_S / 2:
-                if await write_subkey(self.dht, self.config_key, self.peer_id, {"fingerprint": fingerprint},
-                                      get_dht_time() + CONFIG_TTL_S):
-                    self._config_written = time.monotonic()
-            await asyncio.sleep(self.period)
-
-    async def leave(self, finished_at: int | None = None) -> None:
-        """Replace the record by a 'left' one; a peer that finished the run says so, for an hour, so that a peer
-        restarted after the swarm finished does not train on alone (see `swarm_finished`)."""
-        if finished_at is None:
-            await self._write({"left": True, "time": get_dht_time()})
-        else:
-            await self._write({"left": True, "finished": True, "step": finished_at, "time": get_dht_time()},
-                              ttl=FINISHED_RECORD_S)
 
 
 def telemetry_snapshot(learner: Learner, static: dict) -> dict:

@@ -1,6 +1,6 @@
 """`p2pdiloco status`: who is training in a swarm, how fast, and whether the loss is falling.
 
-Reads the peers' heartbeat records (``{run_id}_peers`` in the DHT, see `peer.Heartbeat`) through a
+Reads the peers' heartbeat records (``{run_id}_peers_{shard}`` in the DHT, see `app/heartbeat.Heartbeat`) through a
 read-only DHT client, and turns them into one table: a row per live peer and the swarm's totals. The
 dashboard shows the same rows (`swarm_status` is shared).
 """
