@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from p2pdiloco.algorithm.codecs import Codec
 from p2pdiloco.algorithm.guards import screen_parts
+from p2pdiloco.config import SwarmConfig
 from p2pdiloco.network.allreduce import AllReduce
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.p2p_merger import MergeFailed
@@ -73,10 +74,13 @@ def test_huge_declared_sizes_are_refused_before_reading():
         _decode(_frame(msgpack.packb({}), b"", 2**63), 2**20)
 
 
+GROUP_SIZE = 3
+
+
 def _bare_matchmaker() -> Matchmaker:
     """Only the decoding paths: no DHT, no daemon."""
     m = Matchmaker.__new__(Matchmaker)
-    m.peer_id, m._search, m._groups = "me", None, {}
+    m.peer_id, m._search, m._groups, m.cfg = "me", None, {}, SwarmConfig(group_size=GROUP_SIZE)
     return m
 
 
@@ -97,15 +101,19 @@ def _is_sound_notice(h: dict, me: str) -> bool:
         return False
     numbers = weights + sw
     return (len(members) >= 2 and len(members) == len(weights) == len(sw) and me in members
+            and (len(members) <= GROUP_SIZE or h.get("final") is True)  # bounded, but for a run's last merge
             and all(type(m) is str for m in members) and len(set(members)) == len(members)
             and all(type(w) in (int, float) and math.isfinite(w) and w >= 0 for w in numbers)
             and type(h.get("need_state")) is bool)
 
 
 @FUZZ
-@given(st.dictionaries(st.sampled_from(["members", "weights", "state_weights", "need_state", "group_id"]),
-                       json_like, max_size=5))
+@given(st.dictionaries(st.sampled_from(["members", "weights", "state_weights", "need_state", "group_id", "final"]),
+                       json_like, max_size=6))
 @example({"members": [[1], [1]], "weights": [1, 1], "state_weights": [1, 1], "need_state": False})
+@example({"members": ["a", "b", "c", "me"], "weights": [1] * 4, "state_weights": [1] * 4, "need_state": False})
+@example({"members": ["a", "b", "c", "me"], "weights": [1] * 4, "state_weights": [1] * 4, "need_state": False,
+          "final": True})
 @example({"members": ["me", "you"], "weights": [1, 2.5], "state_weights": [0, 3], "need_state": True})
 @example({"members": ["me", "me"], "weights": [1, 1], "state_weights": [1, 1], "need_state": False})
 @example({"members": ["me", "you"], "weights": [1, float("nan")], "state_weights": [1, 1], "need_state": False})
