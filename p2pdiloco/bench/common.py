@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -35,17 +34,6 @@ BENCH_MODEL_SETS = [
     *BENCH_MODEL, "run.total_steps=100000", "emulate.min_step_s=0.1", *BENCH_EVAL, "run.log_every=10",
     "inner.warmup_steps=20",
 ]
-
-
-def metrics_rows(path: Path) -> list[dict]:
-    """The lines of a peer's metrics.jsonl as dicts, skipping a line cut short by a kill or a crash."""
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 def write_results(out: Path, name: str, results: dict) -> Path:
