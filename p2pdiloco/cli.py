@@ -128,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--slow", action="append", metavar="INDEX:FACTOR",
                     help="make peer INDEX FACTOR times slower, emulating an older accelerator (repeatable)")
     lo.add_argument("--hostile", action="append", metavar="INDEX:KIND",
-                    help="make peer INDEX corrupt its contributions: nan, scale (x1000), noise or signflip (repeatable)")
+                    help="make peer INDEX hostile (repeatable): nan, scale (x1000), noise or signflip corrupt its "
+                         "contributions; takeover, final, leader or donor lie about its model, the end of its run, "
+                         "its leadership or the state it serves (docs/security.md)")
     lo.add_argument("--dashboard", action="store_true",
                     help="serve the live web dashboard of this swarm on 127.0.0.1 while it trains")
     lo.add_argument("--dashboard-port", type=int, default=8080, metavar="PORT",
