@@ -188,7 +188,8 @@ class Matchmaker:
                 self._announce(search, [p for p in mates if p not in search.told and p != me], True)
                 now = get_dht_time()
                 # a mate past its deadline still waits for an invite a while (see the follower's timeouts below)
-                ready = {p for p in mates if p == me or (self._ready.get(p, 0.0) + RPC_TIMEOUT_S >= now and p not in silent)}
+                ready = {p for p in mates if p == me or (self._ready.get(p, 0.0) + RPC_TIMEOUT_S >= now
+                                                         and p not in silent and p not in search.unreachable)}
                 live = sum(p not in search.unreachable and self._ready.get(p) != -math.inf for p in mates)
                 leader = next(p for p in mates if p in ready and (p == me or p not in passed_over))
                 if followed and followed != leader and followed not in ready:
@@ -227,6 +228,7 @@ class Matchmaker:
         async def tell(peer: str) -> None:
             if await self.rpc.request(peer, "ready", header) is None and looking:
                 search.unreachable.add(peer)
+                self._ready.pop(peer, None)  # what it said before it died (a killed peer never says it stopped)
                 self._changed.set()
 
         for peer in peers:
