@@ -130,6 +130,8 @@ class Matchmaker:
         self._ready: dict[str, float] = {}
         """Mates that told us they are looking for a group: peer id -> until when (DHT time); -inf: a peer that
         claimed an implausible deadline, not counted as a live mate until it says it stopped looking."""
+        self._liars: set[str] = set()
+        """Mates that announced a deadline no honest window reaches: not counted as live, even between searches."""
         self._changed = asyncio.Event()
         """Set when a mate's readiness changed or an invite came: the search looks again at once."""
 
@@ -190,7 +192,7 @@ class Matchmaker:
                 # a mate past its deadline still waits for an invite a while (see the follower's timeouts below)
                 ready = {p for p in mates if p == me or (self._ready.get(p, 0.0) + RPC_TIMEOUT_S >= now
                                                          and p not in silent and p not in search.unreachable)}
-                live = sum(p not in search.unreachable and self._ready.get(p) != -math.inf for p in mates)
+                live = sum(p not in search.unreachable and p not in self._liars for p in mates)
                 leader = next(p for p in mates if p in ready and (p == me or p not in passed_over))
                 if followed and followed != leader and followed not in ready:
                     self._passed_over[followed] = SILENT_ROUNDS  # it stopped looking without inviting us
@@ -346,8 +348,9 @@ class Matchmaker:
         self._ready.pop(peer, None)
         if header.get("looking") is True and self._plausible(header.get("deadline"), now):
             self._ready[peer] = float(header["deadline"])
-        elif header.get("looking") is True:  # meant to be waited for: not waited for, for a while
+        elif header.get("looking") is True:  # meant to be waited for: never waited for again
             self._ready[peer] = -math.inf
+            self._liars.add(peer)
         if isinstance(header.get("epoch"), int):
             self.census.saw(peer, header["epoch"])
         self._changed.set()
