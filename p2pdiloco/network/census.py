@@ -3,9 +3,9 @@
 A peer registers for the current epoch and the next one (so that at an epoch's start its census already holds
 everyone who was around during the last), reads an epoch's census once, and reads it again only when a peer
 it has not seen announces itself (rate-limited). Matchmaking's groups of an epoch are dealt from its census
-(`matchmaking.my_group`), and readiness travels peer to peer within a group: a peer's DHT work per epoch is a
-store and a read or two, whatever the swarm's size, where it used to read every peer's records every 0.25 s
-while looking for a group (issue 17: ~107 KB/s of DHT traffic per peer at 8 peers).
+(`my_group`), and readiness travels peer to peer within a group: a peer's DHT work per epoch is a store and a
+read or two, whatever the swarm's size, where it used to read every peer's records every 0.25 s while looking
+for a group (issue 17: 211 kB/s of DHT traffic sent and received per peer at 8 peers, 64 kB/s with the census).
 
 How a census record is kept honest: its subkey is the peer's id, so only that peer can write it
 (`PeerRecordValidator`); it carries nothing a reader trusts but its existence.
@@ -37,11 +37,11 @@ def epoch_of(now: float) -> int:
 
 
 def leader_rank(run_id: str, peer: str, epoch: int) -> bytes:
-    """A peer's place in the leader order of `epoch`: the lowest rank among the ready peers leads.
+    """A peer's place in the order of `epoch`: groups are dealt in it and the first ready mate leads.
 
     A hash of (run id, peer id, epoch), so the order changes every epoch and nobody can choose an id that leads
     every group (issue 18: with `min(ready)`, an id generated to sort first led every group it was in, and
-    by never inviting stopped all merging). Every peer computes the same order from the same ready records;
+    by never inviting stopped all merging). Every peer computes the same order from the same census;
     two peers whose clocks straddle an epoch's end may disagree for one search, which costs at most that
     search (an invite from either is accepted).
     """

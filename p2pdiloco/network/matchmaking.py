@@ -40,7 +40,7 @@ from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed, Rpc
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.25
-"""How often a peer looking for a group re-reads the ready records."""
+"""How often a search looks at its deadlines when no mate's word or invite wakes it."""
 
 SILENT_ROUNDS = 3
 """A leader that never invited is passed over for this many of this peer's searches."""
@@ -128,8 +128,7 @@ class Matchmaker:
         """Leaders that never invited us: peer id -> searches left in which they are not followed."""
         self.census = Census(dht, cfg.run_id, self.peer_id)
         self._ready: dict[str, float] = {}
-        """Mates that told us they are looking for a group: peer id -> until when (DHT time); -inf: a peer that
-        claimed an implausible deadline, not counted as a live mate until it says it stopped looking."""
+        """Mates that told us they are looking for a group: peer id -> until when (DHT time)."""
         self._liars: set[str] = set()
         """Mates that announced a deadline no honest window reaches: not counted as live, even between searches."""
         self._changed = asyncio.Event()
@@ -344,12 +343,10 @@ class Matchmaker:
         await self.rpc.receive_payload(reader, 0)  # it carries none
         header, peer = request.header, request.sender
         now = get_dht_time()
-        self._ready = {p: d for p, d in self._ready.items() if d + RPC_TIMEOUT_S >= now or d == -math.inf}
-        self._ready.pop(peer, None)
+        self._ready = {p: d for p, d in self._ready.items() if d + RPC_TIMEOUT_S >= now and p != peer}
         if header.get("looking") is True and self._plausible(header.get("deadline"), now):
             self._ready[peer] = float(header["deadline"])
         elif header.get("looking") is True:  # meant to be waited for: never waited for again
-            self._ready[peer] = -math.inf
             self._liars.add(peer)
         if isinstance(header.get("epoch"), int):
             self.census.saw(peer, header["epoch"])
