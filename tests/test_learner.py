@@ -116,6 +116,37 @@ def test_decoupled_apply_rebases_steps_taken_during_the_merge(tmp_path):
     assert torch.equal(learner.global_params, new_g)
 
 
+def test_eager_update_moves_to_the_own_outer_step_at_submit_and_the_merge_by_the_difference(tmp_path):
+    """Decoupled: at a submit θ jumps to outer_step(θg, m, Δ_own); the merge's rebase then moves it (and the
+    steps taken meanwhile) by θg_merged − θg_eager. --sync (and outer.eager=false) keep θ where the round ended."""
+    cfg = _cfg()
+    learner = _learner(cfg, InMemoryMerger("p0", {"group_size": 2}), tmp_path, 0)  # nobody else: stays in flight
+    theta_g = learner.global_params.clone()
+    for _ in range(3):
+        learner.inner_step()
+    own_delta = theta_g - learner._local_params()
+    learner.submit_round()
+    eager, _ = outer_step(theta_g, torch.zeros_like(theta_g), own_delta, 0.7, 0.9)
+    assert torch.equal(learner._local_params(), eager) and learner.model_moved == 1
+    assert torch.equal(learner.global_params, theta_g)  # θg itself waits for the merge
+    load_flat_(learner.model, eager + 0.25)  # steps taken while the merge is in flight
+    others = torch.full_like(theta_g, 0.02)
+    merged = MergeResult(group=["p0", "p1"], pseudo_grad=(own_delta + others) / 2, total_weight=2.0)
+    flight, learner.in_flight = learner.in_flight, None
+    flight.future.cancel()
+    learner.apply_merge(merged, flight.local_at_submit)
+    new_g, _ = outer_step(theta_g, torch.zeros_like(theta_g), merged.pseudo_grad, 0.7, 0.9)
+    torch.testing.assert_close(learner._local_params(), new_g + 0.25)
+    for sets in ({"swarm.sync": "true"}, {"outer.eager": "false"}):
+        other = _learner(_cfg(**sets), InMemoryMerger("q0", {"group_size": 2}), tmp_path, 0)
+        for _ in range(3):
+            other.inner_step()
+        at_end = other._local_params()
+        other.submit_round()
+        assert torch.equal(other._local_params(), at_end) and other.model_moved == 0
+        other.in_flight.future.cancel()
+
+
 def test_decoupled_learner_never_waits_for_a_slow_merge(tmp_path):
     """With a merge partner that never comes, inner steps go on; the round extends instead of blocking."""
     cfg = _cfg(**{"run.total_steps": 30})

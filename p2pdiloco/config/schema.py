@@ -167,6 +167,10 @@ class OuterOptConfig(_Section):
     """Outer momentum."""
     nesterov: bool = True
     """Use Nesterov momentum."""
+    eager: bool = True
+    """Decoupled mode: at a submit, move the local model to where the outer step on this peer's own Δ would put θg
+    (a stand-in for the merged Δ̄ still in flight; eager updates, arXiv 2502.12996); the merge moves it by the
+    difference. A choice of each peer's own, left out of the fingerprint."""
 
     def checks(self) -> Iterator[tuple[bool, str]]:
         yield self.lr > 0, "learning rates must be positive"
@@ -394,7 +398,7 @@ class Config(_Model):
         return {
             "model": self.model.fingerprint(), "tokenizer": tokenizer,
             "codec": {"codec": s.codec, "error_feedback": s.error_feedback},
-            "outer": self.outer.model_dump(),
+            "outer": self.outer.model_dump(exclude={"eager"}),
             "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync},
             "guard": self.guard.model_dump(),
         }

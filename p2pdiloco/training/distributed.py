@@ -139,7 +139,7 @@ class UnitSync:
         learner.report.data_parallel = self.ctx.world_size
         if self.ctx.is_main:
             learner.unit = self
-        self._synced = learner.shared
+        self._synced = (learner.shared, learner.model_moved)
 
     def lead(self, learner) -> None:
         """Rank 0, before each inner step: tell the followers to step, from our θ if it changed."""
@@ -150,12 +150,13 @@ class UnitSync:
         self._command(learner, STOP)
 
     def _command(self, learner, command: int) -> None:
-        resync = learner.shared is not self._synced  # a merge or an adopted state replaced the snapshot
+        now = (learner.shared, learner.model_moved)  # a merge, an adopted state or an eager update moved θ
+        resync = now[0] is not self._synced[0] or now[1] != self._synced[1]
         ctrl = torch.tensor([command, int(resync), learner.c.step], dtype=torch.int64, device=self.device)
         dist.broadcast(ctrl, 0)
         if resync:
             self._broadcast_params(learner)
-            self._synced = learner.shared
+            self._synced = now
         self._note(learner, command)
 
     def follow(self, learner) -> None:

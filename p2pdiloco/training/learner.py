@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from p2pdiloco.algorithm.outer import pseudo_gradient, rebase
+from p2pdiloco.algorithm.outer import outer_step, pseudo_gradient, rebase
 from p2pdiloco.config import Config
 from p2pdiloco.network.merger import Contribution, Merger, MergeResult
 from p2pdiloco.network.state_sync import GlobalState
@@ -120,6 +120,8 @@ class Learner:
         wrapper in a multi-process unit."""
         self.unit = None
         """A multi-process learner unit's hook (distributed.py): `lead` before each inner step, `release` at the end."""
+        self.model_moved = 0
+        """Moves of the local model outside a merge (eager updates): a unit's other ranks follow them too."""
         self.g = GlobalModel(self._local_params(), cfg.outer)
         self.c = Counters()
         self.report = Reporter(cfg, self.c, metrics, merger.peer_id, device, self.g.params.numel(), t_process_start)
@@ -231,22 +233,28 @@ class Learner:
         """
         local = self._local_params()
         contribution = Contribution(
-            pseudo_grad=pseudo_gradient(self.g.params, local),
-            weight=float(self.c.tokens_in_round),
-            global_params=self.g.params,
-            momentum=self.g.momentum,
-            state_digest=self.g.digest(),
-            state_weight=self.c.global_tokens,
-            round=self.c.round,
-            round_s=self.clock.round_s(),
-            final=final,
-        )
-        self.in_flight = InFlight(self.merger.submit(contribution), local, contribution, time.monotonic(),
-                                  self.c.compute_in_round, self.merger.peer_id, self.merge_bound())
+            pseudo_grad=pseudo_gradient(self.g.params, local), weight=float(self.c.tokens_in_round),
+            global_params=self.g.params, momentum=self.g.momentum, state_digest=self.g.digest(),
+            state_weight=self.c.global_tokens, round=self.c.round, round_s=self.clock.round_s(), final=final)
+        future = self.merger.submit(contribution)
+        if self.cfg.outer.eager and not self.cfg.swarm.sync:
+            local = self._eager(contribution.pseudo_grad)
+        self.in_flight = InFlight(future, local, contribution, time.monotonic(), self.c.compute_in_round,
+                                  self.merger.peer_id, self.merge_bound())
         self.last_round_steps, self.last_round_s = self.c.steps_in_round, self.clock.round_s()
         self.c.tokens_in_round = 0
         self.c.compute_in_round = 0.0
         self.start_round()
+
+    def _eager(self, own_delta: torch.Tensor) -> torch.Tensor:
+        """Eager update (arXiv 2502.12996): go on from the outer step on this peer's own Δ, a stand-in for the Δ̄ in
+        flight, so that steps taken meanwhile start near where the merge lands (its rebase moves them by the
+        difference); returns that θ_at_submit. Not from θg − Δ, far from it: at H = 10 merges land ~7 steps late."""
+        o = self.cfg.outer
+        eager, _ = outer_step(self.g.params, self.g.momentum, own_delta, o.lr, o.momentum, o.nesterov)
+        load_flat_(self.model, eager)
+        self.model_moved += 1  # a unit's other ranks take the new θ before their next step (distributed.py)
+        return eager
 
     def poll_merge(self) -> None:
         """Apply the merge in flight if it has finished (or hung); never waits."""
