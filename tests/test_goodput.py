@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from p2pdiloco.bench.goodput import goodput_from_metrics, run_goodput
+from p2pdiloco.bench.goodput import goodput_from_metrics, run_goodput, startups
 
 
 def _write(path, rows):
@@ -151,3 +151,16 @@ def test_killed_incarnations_are_charged_to_the_kill_in_a_run_folder(tmp_path):
     assert got == {"goodput": pytest.approx(reached / spent), "spent_s": pytest.approx(spent),
                    "reached_s": pytest.approx(reached), "incarnations": 3}
     assert run_goodput(tmp_path / "empty") is None
+
+
+def test_start_ups_split_first_starts_from_restarts_and_skip_a_process_killed_before_its_first_step(tmp_path):
+    def first_eval(t, process_s):
+        return {"t": t, "kind": "eval", "process_s": process_s}
+
+    _write(tmp_path / "peers" / "peer0" / "metrics.jsonl", [
+        _start(10.0, 4.0), first_eval(11.0, 5.5), _merge(12.0, 1.0, 2), first_eval(13.0, 9.0),  # a later eval: not
+        _start(30.0, 2.0),  # restarted, killed before its first step
+        _start(50.0, 2.2), first_eval(51.0, 2.7), _final(60.0),
+    ])
+    _write(tmp_path / "peers" / "peer1" / "metrics.jsonl", [_start(10.0, 4.1), first_eval(11.0, 6.0)])
+    assert startups(tmp_path) == {"first": [5.5, 6.0], "restart": [2.7]}

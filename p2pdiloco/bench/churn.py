@@ -12,7 +12,7 @@ from rich.console import Console
 
 from p2pdiloco.app.local import run_local
 from p2pdiloco.bench.common import BENCH_MODEL_SETS, machine, write_results
-from p2pdiloco.bench.goodput import run_goodput
+from p2pdiloco.bench.goodput import run_goodput, startups
 from p2pdiloco.config import load_config, parse_set
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ def bench_churn(out: Path, minutes: float = 5.0, peers: int = 4, kill_every: flo
         results["runs"][name] = {
             **goodput, "kills": summary.get("chaos_kills", 0), "peers_finished": summary["peers_finished"],
             "eval_loss": statistics.mean(final) if final else None, "wall_s": time.monotonic() - t0,
+            "startup_s": startups(out / name),
         }
     console.print(f"[bold]data_parallel_churn[/bold]: {peers} gloo ranks, {steps} steps, checkpoint every "
                   f"{DP_CHECKPOINT_STEPS} steps, a kill every {kill_every:.0f} s ...")
@@ -78,6 +79,11 @@ def bench_churn(out: Path, minutes: float = 5.0, peers: int = 4, kill_every: flo
         extra = f", eval loss ÷ no-churn {v['eval_loss_vs_no_churn']:.4f}" if "eval_loss_vs_no_churn" in v else ""
         console.print(f"  {name:19s}: goodput {v['goodput']:.3f} ({v['reached_s']:.0f} s ÷ {v['spent_s']:.0f} s), "
                       f"kills survived {v['kills']}, eval loss {v['eval_loss']:.4f}{extra}")
+    for name, v in r.items():
+        for kind, seconds in v.get("startup_s", {}).items():
+            if seconds:
+                console.print(f"  {name:19s}: {len(seconds)} {kind} start(s), process start to first inner step "
+                              f"median {statistics.median(seconds):.1f} s, max {max(seconds):.1f} s")
     console.print(f"decoupled ÷ sync goodput under churn: {results['goodput_ratio_vs_sync']:.2f}; "
                   f"÷ data-parallel: {results['goodput_ratio_vs_data_parallel']:.2f}")
     console.print(f"wrote {path}")

@@ -123,6 +123,22 @@ def _reached(rows: list[dict], ended: bool) -> float:
     return reached + (pending if ended else 0.0)
 
 
+def startups(run: Path) -> dict[str, list[float]]:
+    """Seconds from each process start to its first inner step (`process_s` of the eval line before it), split
+    into first starts and restarts (every later incarnation in a peer's metrics.jsonl); a process killed before
+    its first step has none."""
+    out: dict[str, list[float]] = {"first": [], "restart": []}
+    for path in sorted(run.glob("peers/*/metrics.jsonl")):
+        n = 0
+        for row in read_lines(path):
+            if row.get("kind") == "start":
+                n, seen = n + 1, False
+            elif n and not seen and row.get("kind") == "eval" and "process_s" in row:
+                out["first" if n == 1 else "restart"].append(float(row["process_s"]))
+                seen = True
+    return out
+
+
 def run_goodput(run: Path) -> dict | None:
     """Goodput of a run folder: every peer's (`run/peers/*/metrics.jsonl`) spent and reached seconds summed.
 
