@@ -61,7 +61,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from p2pdiloco.bench.parity import bench_parity
 
         bench_parity(out, steps=args.steps or 3000, h=_one_int(args.h, "--h") or 50,
-                     peers=_one_int(args.peers, "--peers") or 4)
+                     peers=_one_int(args.peers, "--peers") or 4, seeds=args.seeds)
     elif args.which == "slowlink":
         from p2pdiloco.bench.slowlink import bench_slowlink
 

@@ -53,25 +53,44 @@ def _diloco_stats(summary: dict, n: int, name: str, out: Path) -> dict:
     }
 
 
-def bench_parity(out: Path, steps: int = 3000, h: int = 50, peers: int = 4, step_s: float = 0.05,
+def bench_parity(out: Path, steps: int = 3000, h: int = 50, peers: int = 4, step_s: float = 0.05, seeds: int = 1,
                  console: Console | None = None) -> dict:
-    """Run the three trainings and print each DiLoCo eval loss ÷ the data-parallel one.
+    """Run the three trainings (for each of `seeds` initial models) and print each DiLoCo eval loss ÷ the
+    data-parallel one, and decoupled ÷ sync; with several seeds, each ratio's mean and spread.
 
     Args:
-        out: results folder (parity.json, and one sub-folder per run).
+        out: results folder (parity.json, and one sub-folder per run; per seed with seeds > 1).
         steps: inner steps per worker (each worker sees steps × data.batch_size sequences).
         h: inner steps per DiLoCo round.
         peers: workers: data-parallel ranks and DiLoCo peers.
         step_s: emulated accelerator time per DiLoCo inner step (emulate.min_step_s).
+        seeds: initial models (model.init_seed = 1234 + k); the data and its order stay the same.
         console: where the table is printed.
     """
+    if seeds < 1:
+        raise ValueError("--seeds must be >= 1")
     console = console or Console()
     out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"machine": machine(), "steps": steps, "h": h, "peers": peers, "step_s": step_s, "seeds": seeds,
+                     "per_seed": []}
+    for k in range(seeds):
+        where = out if seeds == 1 else out / f"seed{k}"
+        if seeds > 1:
+            console.print(f"[bold]seed {k + 1} of {seeds}[/bold] (model.init_seed={1234 + k})")
+        results["per_seed"].append(_one_seed(where, steps, h, peers, step_s, 1234 + k, console))
+    for key in ("sync_ratio", "decoupled_ratio", "decoupled_vs_sync"):
+        values = [r[key] for r in results["per_seed"]]
+        results[key] = statistics.mean(values)
+        results[key + "_spread"] = (min(values), max(values), statistics.stdev(values) if len(values) > 1 else 0.0)
+    return report(out, "parity", results, _print, console)
+
+
+def _one_seed(out: Path, steps: int, h: int, peers: int, step_s: float, init_seed: int, console: Console) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
     quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115 - closed with the process
-    common = PARITY_SETS + [f"run.total_steps={steps}", f"swarm.round_steps={h}"]
+    common = PARITY_SETS + [f"run.total_steps={steps}", f"swarm.round_steps={h}", f"model.init_seed={init_seed}"]
     load_config(None, [parse_set(common)])  # fail on a bad flag before the first run
-    results: dict = {"machine": machine(), "steps": steps, "h": h, "peers": peers, "step_s": step_s,
-                     "sets": common, "runs": {}}
+    results: dict = {"init_seed": init_seed, "sets": common, "runs": {}}
 
     console.print(f"[bold]data-parallel[/bold]: {peers} gloo ranks, {steps} steps ...")
     t0 = time.monotonic()
@@ -86,7 +105,7 @@ def bench_parity(out: Path, steps: int = 3000, h: int = 50, peers: int = 4, step
         "decoupled": [],
     }
     for mode, mode_sets in modes.items():
-        sets = common + mode_sets + [f"emulate.min_step_s={step_s}", f"swarm.run_id=bench-parity-{mode}"]
+        sets = common + mode_sets + [f"emulate.min_step_s={step_s}", f"swarm.run_id=bench-parity-{mode}-{init_seed}"]
         cfg = load_config(None, [parse_set(sets)])
         console.print(f"[bold]{mode} DiLoCo[/bold]: {peers} peers, {steps} steps, H = {h} ...")
         t0 = time.monotonic()
@@ -97,21 +116,30 @@ def bench_parity(out: Path, steps: int = 3000, h: int = 50, peers: int = 4, step
     base = runs["data_parallel"]["eval_loss"]
     for mode in modes:
         results[f"{mode}_ratio"] = runs[mode]["eval_loss"] / base
-    return report(out, "parity", results, _print, console)
+    results["decoupled_vs_sync"] = runs["decoupled"]["eval_loss"] / runs["sync"]["eval_loss"]
+    return results
 
 
 def _print(results: dict, console: Console) -> None:
-    runs = results["runs"]
-    dp = runs["data_parallel"]
-    tokens = dp["tokens"]
     console.print(f"machine: {results['machine']}")
-    console.print(f"eval loss (nats/byte) at equal tokens ({tokens:,} tokens: {results['peers']} workers × "
-                  f"{results['steps']} steps), H = {results['h']}:")
-    console.print(f"  data-parallel ({results['peers']} gloo ranks, gradients averaged every step): "
-                  f"{dp['eval_loss']:.4f}   (initial {dp['eval_loss_initial']:.4f})")
-    for mode in ("sync", "decoupled"):
-        r = runs[mode]
-        note = "" if r["tokens"] == tokens else f"   [tokens {r['tokens']:,}, not equal!]"
-        console.print(f"  {mode:9s} DiLoCo: {r['eval_loss']:.4f} ÷ {dp['eval_loss']:.4f} = "
-                      f"{results[mode + '_ratio']:.4f}   ({r['rounds']:.0f} rounds, {r['merges']:.0f} group merges "
-                      f"per peer; initial {r['eval_loss_initial']:.4f}){note}")
+    for one in results["per_seed"]:
+        runs = one["runs"]
+        dp = runs["data_parallel"]
+        tokens = dp["tokens"]
+        console.print(f"eval loss (nats/byte) at equal tokens ({tokens:,} tokens: {results['peers']} workers × "
+                      f"{results['steps']} steps), H = {results['h']}, model.init_seed {one['init_seed']}:")
+        console.print(f"  data-parallel ({results['peers']} gloo ranks, gradients averaged every step): "
+                      f"{dp['eval_loss']:.4f}   (initial {dp['eval_loss_initial']:.4f})")
+        for mode in ("sync", "decoupled"):
+            r = runs[mode]
+            note = "" if r["tokens"] == tokens else f"   [tokens {r['tokens']:,}, not equal!]"
+            console.print(f"  {mode:9s} DiLoCo: {r['eval_loss']:.4f} ÷ {dp['eval_loss']:.4f} = "
+                          f"{one[mode + '_ratio']:.4f}   ({r['rounds']:.0f} rounds, {r['merges']:.0f} group merges "
+                          f"per peer; initial {r['eval_loss_initial']:.4f}){note}")
+        console.print(f"  decoupled ÷ sync: {one['decoupled_vs_sync']:.4f}")
+    n = results["seeds"]
+    for key, label in (("sync_ratio", "sync ÷ data-parallel"), ("decoupled_ratio", "decoupled ÷ data-parallel"),
+                       ("decoupled_vs_sync", "decoupled ÷ sync")):
+        low, high, sd = results[key + "_spread"]
+        console.print(f"{label}: mean {results[key]:.4f} over {n} seed(s)"
+                      + (f", min {low:.4f}, max {high:.4f}, stdev {sd:.4f}" if n > 1 else ""))
