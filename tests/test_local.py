@@ -99,6 +99,20 @@ def test_consensus_distance_is_the_largest_relative_gap(tmp_path):
     assert consensus_distance([tmp_path / "a"]) is None
 
 
+def test_final_models_say_identical_within_tolerance_or_apart():
+    from p2pdiloco.app.summary import final_models
+
+    def peer(digest, loss):
+        return {"global_digest": digest, "eval_loss_final": loss}
+
+    assert final_models([peer("d", 1.6), peer("d", 1.6)]) == ("identical", 0.0)
+    which, spread = final_models([peer("d", 1.60), peer("e", 1.61)])  # 0.625 % apart
+    assert which == "within tolerance" and abs(spread - 0.01 / 1.6) < 1e-12
+    which, spread = final_models([peer("d", 1.60), peer("e", 1.62), peer("f", 1.65)])  # 3.1 %
+    assert which == "apart" and abs(spread - 0.05 / 1.6) < 1e-12
+    assert final_models([]) == ("none", None)
+
+
 def test_ctrl_c_on_a_benchmark_stops_it_and_writes_no_figures(tmp_path):
     # before: the interrupted swarm was stopped, the bench went on to its next run and then wrote churn.json
     # with the cut-short run's figures in it

@@ -226,6 +226,11 @@ def cmd_local(args: argparse.Namespace) -> int:
                         f"{summary['eval_loss_per_byte_final']:.4f}")
         print(f"eval loss {summary['eval_loss_initial']:.4f} -> {summary['eval_loss_final']:.4f}{per_byte} "
               f"({summary['peers_finished']}/{args.peers} peers finished)")
+    if summary["peers_finished"] > 1:
+        spread = summary["eval_loss_final_spread"]
+        print(f"final global models: {summary['final_models']}" + (
+            f" (eval losses {100 * spread:.2f} % apart, consensus distance {summary['consensus_distance']:.4f})"
+            if summary["final_models"] != "identical" and spread is not None else ""))
     return 0 if ok else 1
 
 

@@ -34,6 +34,24 @@ def consensus_distance(peer_dirs: list[Path]) -> float | None:
     return worst
 
 
+FINAL_LOSS_TOLERANCE = 0.01
+"""Final global models that are not bit-identical count as "within tolerance" when their eval losses are within
+1 % of each other: interchangeable for whoever takes the model, whichever peer it comes from."""
+
+
+def final_models(peers: list[dict]) -> tuple[str, float | None]:
+    """Whether the finished peers hold one model: "identical" (one digest), "within tolerance" (eval losses
+    within `FINAL_LOSS_TOLERANCE`), "apart", or "none" (no peer finished); and the spread, max ÷ min − 1 of their
+    final eval losses (None without losses)."""
+    losses = [p["eval_loss_final"] for p in peers if p.get("eval_loss_final") is not None]
+    spread = max(losses) / min(losses) - 1 if losses and min(losses) > 0 else None
+    if not peers:
+        return "none", spread
+    if len({p["global_digest"] for p in peers}) == 1:
+        return "identical", spread
+    return ("within tolerance" if spread is not None and spread <= FINAL_LOSS_TOLERANCE else "apart"), spread
+
+
 def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float, extra: dict | None = None) -> dict:
     """Collect the peers' summaries into the run's summary.json."""
     peers = []
@@ -45,6 +63,7 @@ def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float,
         values = [p[key] for p in peers if p.get(key) is not None]
         return sum(values) / len(values) if values else None
 
+    which, spread = final_models(peers)
     summary = {
         "n_peers": len(peer_dirs),
         "peers_finished": len(peers),
@@ -55,6 +74,8 @@ def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float,
         "eval_loss_per_byte_final": mean("eval_loss_per_byte_final"),
         "global_models_identical": len({p["global_digest"] for p in peers}) == 1 if peers else None,
         "consensus_distance": consensus_distance(peer_dirs),
+        "final_models": which,  # see final_models: identical, within tolerance (1 % of eval loss) or apart
+        "eval_loss_final_spread": spread,
         **swarm_bandwidth(peers),
         **(extra or {}),
         "peers": peers,

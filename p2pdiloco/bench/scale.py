@@ -180,6 +180,7 @@ def run_figures(summary: dict, rows: dict[str, list[dict]], cpu: dict[str, list[
         "group_sizes": {str(k): v for k, v in sorted(Counter(r["group_size"] for r in merges).items())},
         "consensus_distance": summary["consensus_distance"],
         "global_models_identical": summary["global_models_identical"],
+        "final_models": summary.get("final_models"), "eval_loss_final_spread": summary.get("eval_loss_final_spread"),
         "eval_loss_mean": statistics.mean(losses) if losses else None,
         "eval_loss_min": min(losses) if losses else None, "eval_loss_max": max(losses) if losses else None,
         **_spread(starts, "startup_s"),
@@ -263,6 +264,7 @@ def print_scale(results: dict, console: Console) -> None:
     table.add_row("group sizes (peer-rounds)", *(" ".join(f"{k}:{v}" for k, v in runs[n]["group_sizes"].items())
                                                 for n in ns))
     table.add_row("global models identical", *(str(runs[n]["global_models_identical"]) for n in ns))
+    table.add_row("final models (1 % eval loss)", *(str(runs[n].get("final_models")) for n in ns))
     table.add_row("memory sampled at (of training)", *(_fmt(runs[n]["memory_at"], "share") for n in ns))
     table.add_row("rounds per peer, mean", *(f"{runs[n]['rounds_mean']:.1f}" for n in ns))
     table.add_row("merge failures, all peers", *(str(runs[n]["merge_failures"]) for n in ns))
