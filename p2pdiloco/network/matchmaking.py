@@ -65,6 +65,9 @@ class Group:
     """A member is finishing its run (see `MergeResult.final`)."""
     slots: dict = field(default_factory=dict)
     """The all-reduce's state per tag while this group merges (see `AllReduce`)."""
+    reference: object = None
+    """This peer's outer momentum (flat fp32, the whole vector) when it joined this merge: the direction its slice
+    guard judges members' pseudo-gradients against (see `guards.momentum_screen`); None: no reference."""
 
     def __post_init__(self) -> None:
         # claims, as every member counts them: the same function of the same notice on every member
