@@ -1,5 +1,5 @@
-"""The trust screen: members' pseudo-gradient parts judged against the owner's outer momentum (pure math, and
-the slice owner's reduce with a fake group; no network)."""
+"""The trust screen: a slice owner weighs members' pseudo-gradient parts by how they have agreed with its outer
+momentum over merges (pure math, and the owner's reduce with a fake group; no network)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from p2pdiloco.algorithm.guards import TRUST, GuardBook, momentum_cosines, trust_factors
+from p2pdiloco.algorithm.guards import TRUST, GuardBook, cosines_to, trust_factors
 from p2pdiloco.algorithm.outer import weighted_average
 from p2pdiloco.config import ConfigError, GuardConfig
+from p2pdiloco.network.allreduce import group_slice, owned_slice
 from p2pdiloco.network.matchmaking import Group
 from p2pdiloco.network.slice_guard import SliceGuard
 from p2pdiloco.testing.hostile import corrupt
@@ -20,20 +21,23 @@ T = torch.tensor
 MEMBERS = ["peerA", "peerB", "peerC", "peerD", "peerE"]
 
 
-def test_momentum_cosines_golden():
+def test_cosines_golden():
     ref = T([1.0, 0.0])
-    assert momentum_cosines([T([2.0, 0.0]), T([0.0, 3.0]), T([-1.0, -1.0]), T([0.0, 0.0])], ref) == pytest.approx(
+    assert cosines_to([T([2.0, 0.0]), T([0.0, 3.0]), T([-1.0, -1.0]), T([0.0, 0.0])], ref) == pytest.approx(
         [1.0, 0.0, -math.sqrt(0.5), None])
-    assert momentum_cosines([T([1.0, 1.0])], T([0.0, 0.0])) == [None]  # no momentum yet: nothing to judge by
+    assert cosines_to([T([1.0, 1.0])], T([0.0, 0.0])) == [None]  # a zero reference: nothing to judge by
 
 
 def test_trust_factors_golden():
-    # upper median of (-0.2, 0, 0.1, 0.2, 0.3) is 0.1: members at 0.05 or more count fully, below it pro rata
+    # upper median of (-0.2, 0, 0.1, 0.2, 0.3) is 0.1: members at 0.05 or more count fully, below it pro rata;
+    # None (no score yet) counts fully and is not part of the median
     assert trust_factors([0.3, 0.2, 0.1, -0.2, 0.0], 10_000) == [1.0, 1.0, 1.0, 0.0, 0.0]
     assert trust_factors([0.3, 0.025, 0.1, None], 10_000) == pytest.approx([1.0, 0.5, 1.0, 1.0])
     # a median below the cosine of noise (1/sqrt(100) = 0.1) is no scale: the noise level is
     assert trust_factors([0.02, 0.05, 0.2], 100) == pytest.approx([0.2, 0.5, 1.0])
     assert trust_factors([None, None], 100) == [1.0, 1.0]
+    # a majority against the reference: the reference is what is wrong, and no part is judged by it
+    assert trust_factors([0.3, 0.2, -0.1, -0.2, -0.3], 10_000) == [1.0] * 5
 
 
 def test_trust_is_a_moving_average_of_cosines_from_the_first_seen():
@@ -50,22 +54,25 @@ def test_trust_decay_is_checked():
         GuardConfig(trust_decay=1.0)
 
 
-def _group(n_values: int, reference: torch.Tensor | None, gid: str = "g1") -> Group:
-    group = Group(gid, list(MEMBERS), [1.0] * 5, [1.0] * 5, False, {"d": n_values, "s": 2 * n_values})
+def _group(n_values: int, reference: torch.Tensor | None, gid: str = "g1", members: list[str] = MEMBERS) -> Group:
+    group = Group(gid, list(members), [1.0] * len(members), [1.0] * len(members), False,
+                  {"d": n_values, "s": 2 * n_values})
     group.reference = reference
     return group
 
 
-def _swarm(dim: int = 5 * 800, seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """A momentum and five honest pseudo-gradients that share its direction only weakly (cosine ~0.2), as late in
-    a run."""
+def _swarm(dim: int = 5 * 800, seed: int = 0, n: int = 5) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A momentum and n honest pseudo-gradients that share its direction only weakly (cosine ~0.2), as late in a
+    run."""
     g = torch.Generator().manual_seed(seed)
     momentum = torch.randn(dim, generator=g)
-    return momentum, [0.2 * momentum + torch.randn(dim, generator=g) for _ in range(5)]
+    return momentum, [0.2 * momentum + torch.randn(dim, generator=g) for _ in range(n)]
 
 
-def _slice(x: torch.Tensor, me: int = 0) -> torch.Tensor:
-    return torch.tensor_split(x, 5)[me].clone()
+def _slice(x: torch.Tensor, gid: str = "g1", me: int = 0, n: int = 5) -> torch.Tensor:
+    """Member `me`'s slice of `x` in a group of n with id `gid` (ownership rotates with the group id)."""
+    lo, hi = group_slice(_group(x.numel(), None, gid, MEMBERS[:n]), "d", me)
+    return x[lo:hi].clone()
 
 
 @pytest.mark.parametrize("kind", ["signflip", "noise"])
@@ -81,7 +88,7 @@ def test_flipped_and_noise_parts_count_nothing_honest_ones_fully(kind):
         assert book.rejected[TRUST] == 2 and not any(book.strikes.values()) and not book.banned
         assert [s > 0 for s in shares] == [True, False, True, False, True]
     assert sum(shares[i] for i in honest) == pytest.approx(1.0, abs=0.05)
-    # 2 of 5 parts corrupted move the result no further from the honest mean than an honest part's share of noise
+    # 2 of 5 parts corrupted move the result far less from the honest mean than they move the plain mean
     target = weighted_average([parts[i] for i in honest], [1.0] * 3)
     plain = weighted_average(parts, [1.0] * 5)
     assert float((avg - target).norm()) < 0.25 * float((plain - target).norm())
@@ -89,7 +96,7 @@ def test_flipped_and_noise_parts_count_nothing_honest_ones_fully(kind):
 
 def test_honest_parts_all_kept_and_the_bits_are_the_same_on_every_run():
     momentum, deltas = _swarm(seed=1)
-    parts = [_slice(d, 2) for d in deltas]
+    parts = [_slice(d, me=2) for d in deltas]
     results = []
     for _ in range(2):
         book = GuardBook()
@@ -99,44 +106,56 @@ def test_honest_parts_all_kept_and_the_bits_are_the_same_on_every_run():
     assert torch.equal(results[0], results[1])
 
 
-def test_trust_is_earned_over_merges():
-    """An honest member that points against the momentum in one merge keeps counting on its history; a member that
-    always does is left out from its first merge on."""
+def test_trust_is_earned_over_merges_and_over_slices():
+    """A member that points against the momentum on one slice, or in one merge, keeps counting on its record over
+    the whole vector (ownership rotates); a member that always does is left out from its first merge on."""
     book, guard = GuardBook(), GuardConfig()
     momentum, _ = _swarm(seed=2)
-    for merge in range(6):
+    for merge in range(10):
+        gid = f"g{merge}"
         g = torch.Generator().manual_seed(10 + merge)
         deltas = [0.2 * momentum + torch.randn(4000, generator=g) for _ in range(5)]
-        deltas[0] = -deltas[0]  # always flipped
-        if merge == 4:
-            deltas[4] = -deltas[4]  # an honest peer's odd round
-        parts = [_slice(d) for d in deltas]
-        _, shares = SliceGuard(guard, book).reduce(_group(4000, momentum, f"g{merge}"), "d", 0, parts, [1.0] * 5, {})
-        assert shares[0] == 0.0
-        assert shares[4] > 0.0, f"merge {merge}"
-    assert book.trust["peerA"] < 0 < book.trust["peerE"]
+        deltas[1] = -deltas[1]  # always flipped
+        lo, hi = group_slice(_group(4000, None, gid), "d", 0)
+        if lo == 0:
+            deltas[4][lo:hi] = -deltas[4][lo:hi]  # an honest peer whose data pull the first slice the other way
+        if merge == 6:
+            deltas[3] = -deltas[3]  # an honest peer's odd round
+        parts = [_slice(d, gid) for d in deltas]
+        _, shares = SliceGuard(guard, book).reduce(_group(4000, momentum, gid), "d", 0, parts, [1.0] * 5, {})
+        assert shares[1] == 0.0
+        assert shares[3] > 0.0 and shares[4] > 0.0, f"merge {merge}"
+    assert book.trust["peerB"] < 0 < min(book.trust["peerD"], book.trust["peerE"])
+    assert not book.banned
 
 
 def test_no_momentum_and_the_agreement_phase_are_not_judged_by_trust():
     momentum, deltas = _swarm(seed=4)
     deltas[1] = -deltas[1]
     parts = [_slice(d) for d in deltas]
-    for group, tag in [(_group(4000, torch.zeros(4000)), "d"), (_group(4000, None), "d"), (_group(2000, momentum), "s")]:
+    for guard, group, tag in [(GuardConfig(), _group(4000, torch.zeros(4000)), "d"), (GuardConfig(), _group(4000, None), "d"),
+                              (GuardConfig(), _group(2000, momentum), "s"),
+                              (GuardConfig(trust_decay=-1), _group(4000, momentum), "d")]:
         book = GuardBook()
-        _, shares = SliceGuard(GuardConfig(), book).reduce(group, tag, 0, parts, [1.0] * 5, {})
-        assert not book.rejected and not book.trust
-    book = GuardBook()
-    SliceGuard(GuardConfig(trust_decay=-1), book).reduce(_group(4000, momentum), "d", 0, parts, [1.0] * 5, {})
-    assert not book.rejected
+        SliceGuard(guard, book).reduce(group, tag, 0, parts, [1.0] * 5, {})
+        assert not book.rejected
 
 
 def test_a_pair_is_judged_by_the_momentum_too():
     """Two members cannot outvote each other, but the owner's momentum is a third opinion that neither chose."""
-    momentum, deltas = _swarm(seed=5)
-    group = Group("g", MEMBERS[:2], [1.0, 1.0], [1.0, 1.0], False, {"d": 4000, "s": 8000})
-    group.reference = momentum
-    parts = [torch.tensor_split(d, 2)[0].clone() for d in (deltas[0], -deltas[1])]
-    book = GuardBook()
-    avg, shares = SliceGuard(GuardConfig(), book).reduce(group, "d", 0, parts, [1.0, 1.0], {})
-    assert shares == [1.0, 0.0] and book.rejected[TRUST] == 1
-    assert_close(avg, parts[0])
+    momentum, deltas = _swarm(seed=5, n=2)
+    for flipped, expected in [(False, [0.5, 0.5]), (True, [1.0, 0.0])]:
+        parts = [_slice(d, "g", n=2) for d in (deltas[0], -deltas[1] if flipped else deltas[1])]
+        book = GuardBook()
+        avg, shares = SliceGuard(GuardConfig(), book).reduce(_group(4000, momentum, "g", MEMBERS[:2]), "d", 0,
+                                                             parts, [1.0, 1.0], {})
+        assert shares == expected and book.rejected[TRUST] == int(flipped)
+        if flipped:
+            assert_close(avg, parts[0])
+
+
+def test_slice_ownership_rotates_with_the_group_id_and_covers_every_slice():
+    for gid in ("a", "b", "c", "0f3e9"):
+        assert sorted(owned_slice(gid, j, 5) for j in range(5)) == list(range(5))
+    assert len({owned_slice(f"g{i}", 0, 5) for i in range(40)}) == 5
+    assert owned_slice("g1", 3, 5) == owned_slice("g1", 3, 5)

@@ -84,13 +84,13 @@ def screen_parts(parts: Sequence[torch.Tensor], own: int, norm_bound: float, min
     return reasons
 
 
-def momentum_cosines(parts: Sequence[torch.Tensor], reference: torch.Tensor) -> list[float | None]:
+def cosines_to(parts: Sequence[torch.Tensor], reference: torch.Tensor) -> list[float | None]:
     """Each part's cosine similarity to `reference`; None where the part or the reference is zero or not finite.
 
-    The reference is the judge's slice of its own outer momentum: the direction the swarm's global model has been
-    moving over past merges (every member holds the same one while their digests agree). No member of this merge
-    chose it, so it cannot be bent by the parts being judged, unlike a median of those parts (which 2 sign-flipped
-    parts of 5 leave without a direction, docs/security.md). Δ and the momentum both point against progress.
+    The trust screen's reference is the judge's slice of its own outer momentum: the direction the swarm's global
+    model has been moving over past merges (the same on every member while their digests agree). No member of
+    this merge chose it, unlike a median of the parts (which 2 sign-flipped parts of 5 leave without a direction).
+    Not the judge's own part either: a hostile owner running this code would then keep only its allies' parts.
     """
     ref = reference.float()
     r_norm = _norm(ref)
@@ -106,20 +106,24 @@ def momentum_cosines(parts: Sequence[torch.Tensor], reference: torch.Tensor) -> 
 def trust_factors(trust: Sequence[float | None], length: int, scale: float = 0.5) -> list[float]:
     """How much each member's part counts, from its trust score: min(1, max(0, tᵢ / s)).
 
-    s = max(`scale` × the group's upper-median trust, 1/√length). The upper median of 5 members of which 2 are
-    hostile is the lowest honest score, so honest members at or above half of it count fully, whatever the
-    hostile ones score; a sign-flipped part (trust < 0) counts 0, same-norm noise (~±1/√length) next to nothing.
-    1/√length is the cosine of noise: below it a score says nothing, and a median that small makes no member
-    count less than its own score's share of it.
+    s = max(`scale` × the upper median of the scores, 1/√length). If 2 of 5 members are hostile, the upper median
+    is the lowest honest score, so honest members at or above half of it count fully, whatever the hostile ones
+    score; a sign-flipped part (trust < 0) counts 0, same-norm noise (~±1/√length) next to nothing. 1/√length is
+    the cosine of noise: below it a score says nothing.
+
+    If the upper median is not positive, a majority points against the reference: with an honest majority, the
+    reference is what is wrong (sign-flipped parts once won a merge and the momentum turned their way; measured
+    once in a decoupled bench run, which then ended at 574 × the clean loss), so every part counts fully and the
+    robust rule alone decides until honest parts agree with the momentum again.
 
     Args:
         trust: one score per member (an average of its parts' cosines to the judge's momentum, see
-            `GuardBook.observe`); None: not scored (counts fully).
+            `GuardBook.observe`); None: no score yet (counts fully, and is not part of the median).
         length: values in the slice judged.
-        scale: share of the group's upper-median score at which a member counts fully.
+        scale: share of the upper-median score at which a member counts fully.
     """
     scored = sorted(t for t in trust if t is not None)
-    if not scored:
+    if not scored or scored[len(scored) // 2] <= 0:
         return [1.0] * len(trust)
     s = max(scale * scored[len(scored) // 2], 1.0 / math.sqrt(max(length, 1)))
     return [1.0 if t is None else min(1.0, max(0.0, t / s)) for t in trust]
@@ -221,9 +225,10 @@ class GuardBook:
     def observe(self, sender: str, cosine: float, decay: float) -> float:
         """Fold one part's cosine to this peer's momentum into `sender`'s trust score; returns the new score.
 
-        t ← decay·t + (1 − decay)·cosine, starting from the first cosine seen. One slice's cosine is noisy (an
-        honest part measured −0.25 to 0.8 in a clean 5-peer run, most of it 0.1-0.3 after the first merges);
-        averaged over merges an honest member stays positive and a sign-flipping one negative.
+        t ← decay·t + (1 − decay)·cosine, starting from the first cosine seen. One slice's cosine is noisy, and an
+        honest peer with unusual data can point against the others on some slices for a long time; since slice
+        ownership rotates from merge to merge (allreduce.owned_slice), the average runs over all of the vector,
+        where an honest member stays positive and a sign-flipping one is negative on every slice.
         """
         old = self.trust.get(sender)
         self.trust[sender] = cosine if old is None else decay * old + (1 - decay) * cosine

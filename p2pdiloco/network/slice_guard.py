@@ -18,14 +18,14 @@ from p2pdiloco.algorithm.guards import (
     TRUST,
     GuardBook,
     check_average,
-    momentum_cosines,
+    cosines_to,
     screen_parts,
     trust_factors,
 )
 from p2pdiloco.algorithm.outer import weight_shares
 from p2pdiloco.algorithm.robust import aggregate
 from p2pdiloco.config import GuardConfig
-from p2pdiloco.network.allreduce import slice_bounds
+from p2pdiloco.network.allreduce import group_slice
 from p2pdiloco.network.matchmaking import Group
 from p2pdiloco.network.rpc import MergeFailed
 
@@ -104,8 +104,8 @@ class SliceGuard:
         n = len(parts)
         if tag != "d" or self.guard.trust_decay < 0 or group.reference is None:
             return [1.0] * n
-        lo, hi = slice_bounds(group.lengths["d"], n)[me]
-        cosines = momentum_cosines(parts, group.reference[lo:hi])
+        lo, hi = group_slice(group, "d", me)
+        cosines = cosines_to(parts, group.reference[lo:hi])
         if all(c is None for c in cosines):
             return [1.0] * n  # no momentum yet (the run's first merge): nothing to judge by
         trust: list[float | None] = []
