@@ -48,7 +48,7 @@ def test_trust_is_a_moving_average_of_cosines_from_the_first_seen():
 
 
 def test_trust_decay_is_checked():
-    assert GuardConfig().trust_decay == 0.7
+    assert GuardConfig().trust_decay == 0.9
     GuardConfig(trust_decay=-1)
     with pytest.raises(ConfigError):
         GuardConfig(trust_decay=1.0)

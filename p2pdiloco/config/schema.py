@@ -252,7 +252,7 @@ class GuardConfig(_Section):
     counters grow by one per merge, so a peer that fell behind never catches up and stays excluded)."""
     ban_after: int = 3
     """Ban a peer for the rest of the run after this many consecutive merges with a rejected contribution (0: never)."""
-    trust_decay: float = 0.7
+    trust_decay: float = 0.9
     """Memory of a member's trust: its parts' cosines to our outer momentum, averaged; 0: none, -1: off (security.md)."""
     aggregate: str = "centered_clip"
     """How the accepted parts are combined: centered_clip, trimmed_mean, mean, or rda (radial-directional)."""
