@@ -3,7 +3,8 @@
 The slice owner of a merge sees every member's part of its slice, so it judges each part against the
 others (DESIGN.md, step 5): wrong length or dtype, non-finite values, a norm far from the group's median,
 a direction that disagrees with the group's coordinate-wise median, or a member whose round counter lags
-the group's far behind. A rejected part is left out of that slice's average; all members still receive
+the group's far behind. The trust screen weighs each accepted pseudo-gradient part by how its member's parts have
+agreed with the judge's outer momentum over past merges (`cosines_to`, `trust_factors`, `GuardBook.observe`). A rejected part is left out of that slice's average; all members still receive
 the same averaged slice, so they stay bit-identical. Each owner decides for its own slice (see
 docs/security.md for why that is acceptable).
 """
