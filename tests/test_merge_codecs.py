@@ -10,7 +10,7 @@ import torch
 from p2pdiloco.algorithm.codecs import get_codec
 from p2pdiloco.algorithm.outer import weighted_average
 from p2pdiloco.config import CODECS, GuardConfig, SwarmConfig
-from p2pdiloco.network.allreduce import slice_bounds
+from p2pdiloco.network.allreduce import owned_slice, slice_bounds
 from p2pdiloco.network.merger import Contribution
 from tests.conftest import running_mergers
 
@@ -60,7 +60,7 @@ def test_each_codec_really_averages_and_members_agree(mergers):
         if codec.lossy:
             assert m.feedback.residual is not None and m.feedback.norm() > 0
             me, bounds = order.index(p), slice_bounds(N, 3)
-            lo, hi = bounds[me]
+            lo, hi = bounds[owned_slice(results[0].group_id, me, 3)]
             assert float(m.feedback.residual[lo:hi].abs().max()) == 0.0  # its own slice never left the peer
         else:
             assert m.feedback.residual is None
@@ -84,13 +84,14 @@ def test_byte_counters_match_payload_sizes(mergers):
         assert r.failure == ""
         me = order.index(m.peer_id)
         gid = r.group_id
-        # it sends slice j to member j, and sends its own averaged slice back to each of the others
+        # it sends each member the slice that member owns, and sends its own averaged slice back to each of the others
+        own = [bounds[owned_slice(gid, j, 3)] for j in range(3)]
         sent = sum(_frame({"group_id": gid, "tag": "d", "index": me, "codec": codec.name},
-                          codec.encoded_size(hi - lo)) for j, (lo, hi) in enumerate(bounds) if j != me)
-        sent += 2 * _frame({"ok": True}, codec.encoded_size(bounds[me][1] - bounds[me][0]))
-        received = sum(_frame({"ok": True}, codec.encoded_size(hi - lo)) for j, (lo, hi) in enumerate(bounds) if j != me)
+                          codec.encoded_size(hi - lo)) for j, (lo, hi) in enumerate(own) if j != me)
+        sent += 2 * _frame({"ok": True}, codec.encoded_size(own[me][1] - own[me][0]))
+        received = sum(_frame({"ok": True}, codec.encoded_size(hi - lo)) for j, (lo, hi) in enumerate(own) if j != me)
         received += sum(_frame({"group_id": gid, "tag": "d", "index": j, "codec": codec.name},
-                               codec.encoded_size(bounds[me][1] - bounds[me][0])) for j in range(3) if j != me)
+                               codec.encoded_size(own[me][1] - own[me][0])) for j in range(3) if j != me)
         # matchmaking: invites, replies, group notices; a few hundred bytes at most per member
         assert 0 <= r.bytes_sent - sent <= 1500, (r.bytes_sent, sent)
         assert 0 <= r.bytes_received - received <= 1500, (r.bytes_received, received)

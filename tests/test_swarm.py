@@ -84,8 +84,9 @@ def _contribution(vec, weight, digest="same", state_weight=1.0):
 @pytest.fixture
 def three_mergers(bootstrap_dht, net_loop):
     cfg = SwarmConfig(run_id="t", merge_window_s=8, merge_timeout_s=4, codec="none")  # exact averages
-    # exact means of unrelated random vectors: no direction check, no robust rule
-    with running_mergers(bootstrap_dht, net_loop, 3, cfg, 1001, guard=GuardConfig(aggregate="mean", min_cosine=-1)) as ms:
+    # exact means of unrelated random vectors: no direction or trust check, no robust rule
+    guard = GuardConfig(aggregate="mean", min_cosine=-1, trust_decay=-1)
+    with running_mergers(bootstrap_dht, net_loop, 3, cfg, 1001, guard=guard) as ms:
         yield ms
 
 
@@ -126,7 +127,7 @@ def test_disagreeing_global_models_are_averaged_by_absorbed_tokens(three_mergers
 
 def test_member_frozen_mid_merge_fails_the_merge_for_everyone(bootstrap_dht, net_loop):
     cfg = SwarmConfig(run_id="t", merge_window_s=8, merge_timeout_s=4, codec="none")
-    guard = GuardConfig(aggregate="mean", min_cosine=-1)
+    guard = GuardConfig(aggregate="mean", min_cosine=-1, trust_decay=-1)
     stall = Faults({("exchange", 7): "stall"})
     with (running_mergers(bootstrap_dht, net_loop, 2, cfg, 1001, guard=guard) as others,
           running_mergers(bootstrap_dht, net_loop, 1, cfg, 1001, guard=guard, faults=stall) as (frozen,)):

@@ -245,20 +245,19 @@ class GuardConfig(_Section):
     SECTION: ClassVar[str] = "guard"
 
     enabled: bool = True
-    """Screen contributions (finite, norm, direction, staleness) and ban repeat offenders; off: plain mean."""
+    """Screen contributions (finite, norm, trust, direction, staleness) and ban repeat offenders; off: plain mean."""
     norm_bound: float = 4.0
     """Reject a part whose L2 norm exceeds this many times the group's median norm (0 disables)."""
     min_cosine: float = -1.0
-    """Reject a part whose cosine to the coordinate-wise median of the other members' parts is below this; -1,
-    the default, disables the check. Honest parts measured 0.35-0.96 in short sync runs, but in `bench churn`
-    (4 decoupled peers, 2 s rounds, int4) honest peers fell below 0.1 within the first minute and banned each
-    other (docs/security.md); pure noise is ~1/sqrt(slice length), ~0."""
+    """Reject a part whose cosine to the coordinate-wise median of the other members' parts is below this (-1, the
+    default, disables: honest peers with unusual data fell below 0.1 and banned each other, docs/security.md)."""
     max_round_lag: int = 0
-    """Leave out members whose round counter lags the group's median by more than this (0, the default, disables).
-    Off by default: round counters only grow by one per merge, so a peer that fell behind (frozen for a while,
-    or slower under step-based rounds) never catches up and, once excluded, stays excluded for the whole run."""
+    """Leave out members whose round counter lags the group's median by more than this (0, the default, disables:
+    counters grow by one per merge, so a peer that fell behind never catches up and stays excluded)."""
     ban_after: int = 3
     """Ban a peer for the rest of the run after this many consecutive merges with a rejected contribution (0: never)."""
+    trust_decay: float = 0.9
+    """Memory of a member's trust: its parts' cosines to our outer momentum, averaged; 0: none, -1: off (security.md)."""
     aggregate: str = "centered_clip"
     """How the accepted parts are combined: centered_clip, trimmed_mean, mean, or rda (radial-directional)."""
     robust_min_group: int = 3
@@ -273,6 +272,7 @@ class GuardConfig(_Section):
         yield self.aggregate in AGGREGATORS, f"guard.aggregate must be {rules}, got {self.aggregate!r}"
         yield 0 <= self.trim_fraction < 0.5, "guard.trim_fraction must be in [0, 0.5)"
         yield self.max_round_lag >= 0 and self.ban_after >= 0, "guard.max_round_lag and ban_after must be >= 0"
+        yield self.trust_decay == -1 or 0 <= self.trust_decay < 1, "guard.trust_decay must be -1 (off) or in [0, 1)"
 
 
 class RunConfig(_Section):

@@ -1,7 +1,7 @@
 """Averaging one vector over a formed merge group: a reduce-scatter then all-gather over p2p streams.
 
-As in a butterfly all-reduce, member j owns slice j of the vector, receives that slice from every member, and
-only when it holds all of them sends back the average. A member uses the result only if it received *every*
+As in a butterfly all-reduce, each member owns one slice of the vector (which one changes from merge to merge:
+`owned_slice`), receives that slice from every member, and only when it holds all of them sends back the average. A member uses the result only if it received *every*
 averaged slice, so a member that dies mid-merge makes the merge fail, and never leaves anyone a partial
 average (the silent failure mode of hivemind's all-reduce with `next_chunk_timeout`, see DESIGN.md). Every
 member that succeeds holds the same bits, because each slice is averaged once, by its owner, and the owner
@@ -16,6 +16,7 @@ cannot see from the averaged bits whether its own part counted, and goodput must
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import math
@@ -44,6 +45,25 @@ def slice_bounds(length: int, parts: int) -> list[tuple[int, int]]:
     """
     sizes = [s.numel() for s in torch.tensor_split(torch.empty(length, device="meta"), parts)]
     return [(end - size, end) for size, end in zip(sizes, itertools.accumulate(sizes), strict=True)]
+
+
+def owned_slice(group_id: str, member: int, parts: int) -> int:
+    """Which slice member `member` of a group of `parts` members owns: slice (member + r) mod parts, with r drawn
+    from the group id, so that the same members own different slices from merge to merge.
+
+    An owner judges its slice's parts against its own momentum and keeps a trust score per member
+    (guards.GuardBook.observe); rotated, that score averages over every part of the vector. An honest peer with
+    unusual data can point against the swarm on some slices (measured: the bench's last shard, on 2 of 5 slices,
+    for the second half of a run) but not on all of them, as a sign-flipping peer does.
+    """
+    r = int.from_bytes(hashlib.sha256(group_id.encode()).digest()[:8], "big")
+    return (member + r) % parts
+
+
+def group_slice(group: Group, tag: str, member: int) -> tuple[int, int]:
+    """[start, end) of the slice of vector `tag` that member `member` of `group` owns."""
+    n = len(group.members)
+    return slice_bounds(group.lengths[tag], n)[owned_slice(group.group_id, member, n)]
 
 
 def by_values(per_slice: list[float], length: int) -> float:
@@ -182,21 +202,24 @@ class AllReduce:
         if vector.numel() != group.lengths[tag]:
             raise MergeFailed(f"vector of {vector.numel()} values, group expects {group.lengths[tag]}")
         codec = self.codecs[tag]
-        slices = torch.tensor_split(vector, len(group.members))  # the wire layout: see slice_bounds
+        n_members = len(group.members)
+        slices = torch.tensor_split(vector, n_members)  # the wire layout: see slice_bounds
+        owned = [owned_slice(group.group_id, j, n_members) for j in range(n_members)]  # member j owns slices[owned[j]]
         slot = self._slot(group, tag, me)
-        slot.add(me, slices[me].clone())
+        slot.add(me, slices[owned[me]].clone())
         sent = list(slices)
 
         async def exchange(j: int) -> tuple[torch.Tensor, float]:
             if j == me:
                 averaged, _, shares = await asyncio.shield(slot.result)
                 return averaged, shares[me]
-            n = slices[j].numel()
-            data = codec.encode(slices[j])
+            k = owned[j]
+            n = slices[k].numel()
+            data = codec.encode(slices[k])
             try:
-                sent[j] = codec.decode(data, n)
+                sent[k] = codec.decode(data, n)
             except NonFiniteError:  # our own Δ is not finite: send it anyway, the owner's guards will say so
-                sent[j] = torch.full((n,), float("nan"))
+                sent[k] = torch.full((n,), float("nan"))
             header = {"group_id": group.group_id, "tag": tag, "index": me, "codec": codec.name}
             reply, payload = await self.rpc.call(group.members[j], "part", header, data, codec.encoded_size(n))
             if not reply.get("ok"):
@@ -207,11 +230,12 @@ class AllReduce:
                 raise MergeFailed(f"member {group.members[j][-6:]} returned an undecodable slice: {e}") from None
             if not torch.isfinite(averaged).all():
                 raise MergeFailed(f"member {group.members[j][-6:]} returned non-finite values")
-            self.reducer.accept(group, j, averaged, slices[j])  # the owner of a slice could return anything
+            self.reducer.accept(group, j, averaged, slices[k])  # the owner of a slice could return anything
             return averaged, _share(reply.get("share"))
 
-        parts = await asyncio.gather(*(exchange(j) for j in range(len(group.members))))
-        return torch.cat([a for a, _ in parts]), torch.cat(sent), [share for _, share in parts]
+        results = await asyncio.gather(*(exchange(j) for j in range(n_members)))
+        by_slice = sorted(zip(owned, results, strict=True), key=lambda x: x[0])
+        return torch.cat([a for _, (a, _) in by_slice]), torch.cat(sent), [share for _, (_, share) in by_slice]
 
     def _slot(self, group: Group, tag: str, me: int) -> _Slot:
         if tag not in group.slots:
@@ -265,14 +289,14 @@ class AllReduce:
         if not 0 <= index < len(group.members) or group.members[index] != sender:
             raise MergeFailed("sender is not that member of the group")
         me = group.members.index(self.rpc.peer_id)
-        return group, tag, index, me, slice_bounds(group.lengths[tag], len(group.members))[me]
+        return group, tag, index, me, group_slice(group, tag, me)
 
     async def _reduce_part(self, group: Group, tag: str, index: int, me: int, sender: str,
                            payload: bytes) -> tuple[bytes, float]:
         """Add member `index`'s part of this peer's slice; once all arrived, return the encoded average and that
         member's share of it."""
         codec = self.codecs[tag]
-        lo, hi = slice_bounds(group.lengths[tag], len(group.members))[me]
+        lo, hi = group_slice(group, tag, me)
         part, flag = self.reducer.admit(group, sender, lambda: codec.decode(payload, hi - lo), hi - lo)
         if self.faults is not None:
             await self.faults.fire("serve_part", self.round, self.rpc.peer_id[-6:])

@@ -52,7 +52,7 @@ class Group:
 
     group_id: str
     members: list[str]
-    """Peer ids in group order; member j owns slice j of every vector averaged (see allreduce.py)."""
+    """Peer ids in group order; member j owns one slice of every vector averaged (allreduce.owned_slice)."""
     weights: list[float]
     """Each member's weight in the average of Δ (tokens of its round)."""
     state_weights: list[float]
@@ -65,6 +65,9 @@ class Group:
     """A member is finishing its run (see `MergeResult.final`)."""
     slots: dict = field(default_factory=dict)
     """The all-reduce's state per tag while this group merges (see `AllReduce`)."""
+    reference: object = None
+    """This peer's outer momentum (flat fp32, the whole vector) as it joined this merge: what its slice guard judges
+    members' pseudo-gradients against (guards.cosines_to); None: no reference."""
 
     def __post_init__(self) -> None:
         # claims, as every member counts them: the same function of the same notice on every member

@@ -119,6 +119,7 @@ class P2PMerger:
             if self.faults is not None:
                 await self.faults.fire("exchange", c.round, self.peer_id[-6:])
             timeout = self.cfg.merge_timeout_s  # per exchange phase: Δ, then (θg, m) if they disagree
+            group.reference = c.momentum  # its slice guard judges members' parts by it (guards.cosines_to)
             target = self.feedback.compensate(c.pseudo_grad)
             avg, sent, shares = await asyncio.wait_for(self.allreduce.average(group, me, "d", target), timeout)
             state, state_shares = None, []

@@ -5,17 +5,31 @@ this peer's `GuardBook`, by member id.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from p2pdiloco.algorithm.codecs import CodecError, NonFiniteError
-from p2pdiloco.algorithm.guards import BANNED, NONFINITE, SHAPE, GuardBook, check_average, screen_parts
+from p2pdiloco.algorithm.guards import (
+    BANNED,
+    NONFINITE,
+    SHAPE,
+    TRUST,
+    GuardBook,
+    check_average,
+    cosines_to,
+    screen_parts,
+    trust_factors,
+)
 from p2pdiloco.algorithm.outer import weight_shares
 from p2pdiloco.algorithm.robust import aggregate
 from p2pdiloco.config import GuardConfig
+from p2pdiloco.network.allreduce import group_slice
 from p2pdiloco.network.matchmaking import Group
 from p2pdiloco.network.rpc import MergeFailed
+
+logger = logging.getLogger(__name__)
 
 
 class SliceGuard:
@@ -51,14 +65,21 @@ class SliceGuard:
         g = self.guard
         reasons = screen_parts(parts, me, g.norm_bound, g.min_cosine)
         reasons = [flags.get(i) or r for i, r in enumerate(reasons)]
+        factors = self._trust(group, tag, me, parts, reasons)
         for i, reason in enumerate(reasons):
             if reason:
                 self.book.reject(group.members[i], reason, group.group_id, f"(slice {tag})", strike=i != me)
+        for i, f in enumerate(factors):
+            if not reasons[i] and f <= 0:
+                # no strike: an honest member with unusual data can sit low for a while, and a ban is for ever
+                reasons[i] = TRUST
+                self.book.reject(group.members[i], TRUST, group.group_id, f"(slice {tag})", strike=False)
         keep = [i for i, r in enumerate(reasons) if not r]
         for i in keep:
             self.book.accept(group.members[i], group.group_id)
         if not keep:
             raise MergeFailed("every contribution to this slice was rejected")
+        weights = [w * f for w, f in zip(weights, factors, strict=True)]
         if tag == "s" and 2 * sum(weights[i] > 0 for i in keep) > len(keep):
             # a fresh peer's θg (no tokens absorbed) counts for nothing, but only where the members that claim
             # tokens are a majority: at a run's start every honest member is fresh, and one member claiming
@@ -71,6 +92,37 @@ class SliceGuard:
         # alone), CenteredClip's median start and zero radius return the majority's bits exactly, and a member
         # offering a model far off moves the result by at most the clipping radius (issue 18)
         return aggregate(g.aggregate, kept, kept_w, g.robust_min_group, g.trim_fraction), shares
+
+    def _trust(self, group: Group, tag: str, me: int, parts: list[torch.Tensor], reasons: list[str]) -> list[float]:
+        """How much each member's pseudo-gradient part counts (1 for the agreement phase, or without a reference):
+        its trust, the moving average of its parts' cosines to this peer's outer momentum (guards.trust_factors).
+
+        The reference is this peer's own slice of its momentum, which no member of this merge chose; a screen
+        against the parts' own median fails once 2 of 5 parts are sign-flipped (docs/security.md). Judged by the
+        owner alone, so every member still receives the same bits.
+        """
+        n = len(parts)
+        if tag != "d" or self.guard.trust_decay < 0 or group.reference is None:
+            return [1.0] * n
+        lo, hi = group_slice(group, "d", me)
+        cosines = cosines_to(parts, group.reference[lo:hi])
+        if all(c is None for c in cosines):
+            return [1.0] * n  # no momentum yet (the run's first merge): nothing to judge by
+        trust: list[float | None] = []
+        for i, c in enumerate(cosines):
+            member = group.members[i]
+            if reasons[i]:
+                trust.append(None)
+            elif c is None:
+                trust.append(self.book.trust.get(member))
+            else:
+                trust.append(self.book.observe(member, c, self.guard.trust_decay))
+        it = iter(trust_factors([t for i, t in enumerate(trust) if not reasons[i]], hi - lo))
+        factors = [0.0 if reasons[i] else next(it) for i in range(n)]
+        logger.debug("[%s] merge %s: cosine to momentum, trust, factor: %s", self.book.tag, group.group_id, ", ".join(
+            f"{m[-6:]} {c if c is None else round(c, 3)} {t if t is None else round(t, 3)} {f:.2f}"
+            for m, c, t, f in zip(group.members, cosines, trust, factors, strict=True)))
+        return factors
 
     def accept(self, group: Group, owner: int, averaged: torch.Tensor, mine: torch.Tensor) -> None:
         bad = check_average(averaged, mine, self.guard.norm_bound)
