@@ -168,9 +168,7 @@ class OuterOptConfig(_Section):
     nesterov: bool = True
     """Use Nesterov momentum."""
     eager: bool = True
-    """Decoupled mode: at a submit, move the local model to where the outer step on this peer's own Δ would put θg
-    (a stand-in for the merged Δ̄ still in flight; eager updates, arXiv 2502.12996); the merge moves it by the
-    difference. A choice of each peer's own, left out of the fingerprint."""
+    """Decoupled: go on from the outer step on the own Δ while a merge is in flight (arXiv 2502.12996)."""
 
     def checks(self) -> Iterator[tuple[bool, str]]:
         yield self.lr > 0, "learning rates must be positive"
