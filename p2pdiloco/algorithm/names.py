@@ -5,3 +5,9 @@ CODECS = ("none", "fp16", "bf16", "int8", "int4")
 """Merge payload codecs (see codecs.py; config field swarm.codec)."""
 AGGREGATORS = ("mean", "centered_clip", "trimmed_mean", "rda")
 """Rules that combine a merge group's contributions (see robust.py; config field guard.aggregate)."""
+OPTIMIZERS = ("adamw", "adamw8bit")
+"""Inner optimizers (see training/optim.py; config field inner.optimizer)."""
+PRECISIONS = ("auto", "fp32", "bf16")
+"""Inner-step compute precisions (see training/accel.py; config field run.precision)."""
+ARCHS = ("gpt", "llama")
+"""Model architectures (see training/model.py and training/llama.py; config field model.arch)."""

@@ -11,15 +11,9 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
-from p2pdiloco.algorithm.names import AGGREGATORS, CODECS
+from p2pdiloco.algorithm.names import AGGREGATORS, ARCHS, CODECS, OPTIMIZERS, PRECISIONS
 from p2pdiloco.config.base import ConfigError, _Model, _Section
 
-OPTIMIZERS = ("adamw", "adamw8bit")
-"""Inner optimizers (see optim.py)."""
-PRECISIONS = ("auto", "fp32", "bf16")
-"""Inner-step compute precisions (see accel.py)."""
-ARCHS = ("gpt", "llama")
-"""Model architectures (see training/model.py and training/llama.py)."""
 HOSTILE_KINDS = ("nan", "scale", "noise", "signflip", "takeover", "final", "leader", "donor")
 """How a hostile peer attacks (testing/hostile.py; emulate.hostile): the first four corrupt its pseudo-gradients,
 the others lie about itself (its model and weights, the end of its run, its leadership, the state it serves)."""
