@@ -72,7 +72,7 @@ def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float,
         "eval_loss_final": mean("eval_loss_final"),
         "eval_loss_per_byte_initial": mean("eval_loss_per_byte_initial"),
         "eval_loss_per_byte_final": mean("eval_loss_per_byte_final"),
-        "global_models_identical": len({p["global_digest"] for p in peers}) == 1 if peers else None,
+        "global_models_identical": which == "identical" if peers else None,
         "consensus_distance": consensus_distance(peer_dirs),
         "final_models": which,  # see final_models: identical, within tolerance (1 % of eval loss) or apart
         "eval_loss_final_spread": spread,
