@@ -11,22 +11,17 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
-from p2pdiloco.algorithm.names import AGGREGATORS, CODECS
+from p2pdiloco.algorithm.names import AGGREGATORS, ARCHS, CODECS, OPTIMIZERS, PRECISIONS
 from p2pdiloco.config.base import ConfigError, _Model, _Section
 
-OPTIMIZERS = ("adamw", "adamw8bit")
-"""Inner optimizers (see optim.py)."""
-PRECISIONS = ("auto", "fp32", "bf16")
-"""Inner-step compute precisions (see accel.py)."""
-ARCHS = ("gpt", "llama")
-"""Model architectures (see training/model.py and training/llama.py)."""
 HOSTILE_KINDS = ("nan", "scale", "noise", "signflip", "takeover", "final", "leader", "donor")
 """How a hostile peer attacks (testing/hostile.py; emulate.hostile): the first four corrupt its pseudo-gradients,
 the others lie about itself (its model and weights, the end of its run, its leadership, the state it serves)."""
 
 __all__ = [
-    "AGGREGATORS", "ARCHS", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "Config", "ConfigError", "DataConfig",
-    "EmulateConfig", "GuardConfig", "InnerOptConfig", "ModelConfig", "OuterOptConfig", "RunConfig", "SwarmConfig",
+    "AGGREGATORS", "ARCHS", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "Config", "ConfigError",
+    "DataConfig", "EmulateConfig", "GuardConfig", "InnerOptConfig", "ModelConfig", "OuterOptConfig", "RunConfig",
+    "SwarmConfig",
 ]
 
 
@@ -216,8 +211,10 @@ class SwarmConfig(_Section):
     wait_for_peers_s: float = 120.0
     """Longest wait for `wait_for_peers`; after it the peer starts with whoever is there."""
     codec: str = "int4"
-    """How pseudo-gradients travel in merges: none (fp32), fp16, bf16, int8 (8-bit blockwise), int4 (4-bit NF4
-    blockwise; the default: fewest bytes within 2% of fp32's loss at every H in `p2pdiloco bench bandwidth`)."""
+    """How pseudo-gradients travel in merges: none (fp32), fp16, bf16, int8, int4 (4-bit NF4 blockwise; the default),
+    or sparseloco (the top `sparse_keep` of every 4096 values, 2 bits each, all-gathered in the group)."""
+    sparse_keep: int = 64
+    """sparseloco: values kept per chunk of 4096 (64: 1.56 %, SparseLoCo's density)."""
     error_feedback: bool = True
     """Add each round's quantization residual to the next round's pseudo-gradient (lossy codecs only)."""
     swarm_key: str = ""
@@ -233,6 +230,7 @@ class SwarmConfig(_Section):
         yield self.group_size >= 2, "swarm.group_size must be >= 2"
         yield self.wait_for_peers >= 0 and self.wait_for_peers_s >= 0, "swarm.wait_for_peers* must be >= 0"
         yield self.codec in CODECS, f"swarm.codec must be one of {', '.join(CODECS)}, got {self.codec!r}"
+        yield 1 <= self.sparse_keep <= 4096, "swarm.sparse_keep must be in [1, 4096]"
 
 
 class GuardConfig(_Section):
@@ -393,7 +391,8 @@ class Config(_Model):
         s = self.swarm
         return {
             "model": self.model.fingerprint(), "tokenizer": tokenizer,
-            "codec": {"codec": s.codec, "error_feedback": s.error_feedback},
+            "codec": {"codec": s.codec, "error_feedback": s.error_feedback,
+                      **({"sparse_keep": s.sparse_keep} if s.codec == "sparseloco" else {})},
             "outer": self.outer.model_dump(),
             "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync},
             "guard": self.guard.model_dump(),
