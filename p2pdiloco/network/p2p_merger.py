@@ -124,12 +124,14 @@ class P2PMerger:
                 await self.faults.fire("exchange", c.round, self.peer_id[-6:])
             timeout = self.cfg.merge_timeout_s  # per exchange phase: Δ, then (θg, m) if they disagree
             target = self.feedback.compensate(c.pseudo_grad)
+            delta_sent0 = self.counter.sent
             if self.codec.exact_size:
                 avg, sent, shares = await asyncio.wait_for(self.allreduce.average(group, me, "d", target), timeout)
                 sent = _uncounted_as_unsent(sent, shares)
             else:
                 avg, sent, all_shares = await asyncio.wait_for(self.sparse.average(group, me, target), timeout)
                 shares = [all_shares[me]] * len(group.members)  # one part, counted whole or not at all
+            delta_sent = self.counter.sent - delta_sent0
             state, state_shares = None, []
             if group.need_state:
                 state, _, state_shares = await asyncio.wait_for(
@@ -146,6 +148,7 @@ class P2PMerger:
                     state_weight=group.agreed_state_weight() if state is not None else 0.0, final=group.final,
                     own_kept=by_values([float(s > 0) for s in shares], group.lengths["d"]),
                     state_share=by_values(state_shares, group.lengths["s"]) if state is not None else 0.0,
+                    pseudo_grad_bytes_sent=delta_sent,
                 )
             )
         except (MergeFailed, WireError, TimeoutError, ConnectionError, OSError) as e:
