@@ -57,9 +57,10 @@ def _bits_of(values: np.ndarray, width: int) -> np.ndarray:
     return ((values[:, None] >> shifts[None, :]) & 1).astype(np.uint8).reshape(-1)
 
 
-def _from_bits(bits: np.ndarray, width: int) -> np.ndarray:
+def _from_bits(bits: np.ndarray, width: int, count: int) -> np.ndarray:
+    """`count` values of `width` bits each, most significant first (inverse of `_bits_of`)."""
     if width == 0:
-        return np.zeros(len(bits), np.int64)
+        return np.zeros(count, np.int64)
     weights = (1 << np.arange(width - 1, -1, -1, dtype=np.int64))
     return (bits.reshape(-1, width).astype(np.int64) * weights).sum(axis=1)
 
@@ -79,7 +80,7 @@ def rice_decode(low_bits: np.ndarray, unary: np.ndarray, count: int, r: int) -> 
     if len(zeros) != count or (count and zeros[-1] != len(unary) - 1):
         raise CodecError(f"sparseloco: unary field holds {len(zeros)} terminated gaps, expected {count}")
     q = np.diff(zeros, prepend=-1) - 1
-    return (q.astype(np.int64) << r) | _from_bits(low_bits, r)
+    return (q.astype(np.int64) << r) | _from_bits(low_bits, r, count)
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ class SparseCodec(Codec):
         counts = self.counts(n)
         by_size = self.select(x)[0]  # (chunks, k), largest first
         rank = torch.arange(by_size.shape[1]).expand_as(by_size)
-        high = rank < by_size.shape[1] // 2  # the upper half by magnitude takes the high scale
+        high = rank < torch.tensor(counts)[:, None] // 2  # the upper half by magnitude takes the high scale
         positions, order = by_size.sort(dim=1)
         high = high.gather(1, order)
         flat = positions + torch.arange(len(counts))[:, None] * self.chunk
