@@ -129,3 +129,9 @@ def test_two_members_are_judged_from_the_smaller_part_by_both():
     for order in ([small, large], [large, small]):
         _, reasons, _ = reduce_parts(order, ["", ""], [1.0, 1.0], GuardConfig(norm_bound=4.0))
         assert reasons == ["" if p is small else "norm" for p in order]
+
+
+def test_decayed_error_feedback_scales_the_residual_before_adding_it():
+    ef = ErrorFeedback(True, decay=0.5)
+    ef.commit(torch.full((4,), 2.0), torch.zeros(4))
+    assert torch.equal(ef.compensate(torch.ones(4)), torch.full((4,), 2.0))  # 1 + 0.5 × 2

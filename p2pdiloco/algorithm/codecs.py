@@ -249,16 +249,18 @@ class ErrorFeedback:
 
     Args:
         enabled: with False, `compensate` returns Δ unchanged and the residual stays zero.
+        decay: β, the residual's weight when it is added (1: plain error feedback). SparseLoCo (arXiv 2508.15706)
+            decays it and drops the outer momentum: the decayed accumulator stands in for it.
     """
 
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self, enabled: bool = True, decay: float = 1.0):
+        self.enabled, self.decay = enabled, decay
         self.residual: torch.Tensor | None = None
 
     def compensate(self, pseudo_grad: torch.Tensor) -> torch.Tensor:
         if not self.enabled or self.residual is None or self.residual.shape != pseudo_grad.shape:
             return pseudo_grad
-        return pseudo_grad + self.residual
+        return pseudo_grad + self.decay * self.residual if self.decay != 1.0 else pseudo_grad + self.residual
 
     def commit(self, target: torch.Tensor, transmitted: torch.Tensor) -> None:
         if self.enabled:

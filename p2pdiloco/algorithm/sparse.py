@@ -130,15 +130,15 @@ class SparseCodec(Codec):
         """Most bytes `encode` produces for n values (positions that leave every gap large make the most)."""
         return self._fixed_size(n) + (self._max_unary_bits(n) + 7) // 8
 
-    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kept positions in the chunk, sorted, shape (chunks, keep); chunk index of each row) — the last row
-        may hold padding positions past the vector's end, which `encode` drops."""
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        """Positions within the chunk of each chunk's `keep` largest |x|, largest first: shape (chunks, keep). The
+        last chunk is padded with -1s, so a padding position is picked only where it holds fewer than `keep`
+        values (`encode` drops those)."""
         n, c = x.numel(), self.chunk
         chunks = math.ceil(n / c)
         mags = torch.nn.functional.pad(x.abs(), (0, chunks * c - n), value=-1.0).reshape(chunks, c)
         mags = torch.nan_to_num(mags, nan=float("inf"))  # a NaN is sent (and refused by the guards), never hidden
-        k = min(self.keep, c)
-        return mags.topk(k, dim=1, sorted=True).indices, torch.arange(chunks)
+        return mags.topk(min(self.keep, c), dim=1, sorted=True).indices
 
     def encode(self, x: torch.Tensor) -> bytes:
         x = x.detach().float().contiguous().cpu().reshape(-1)
@@ -146,7 +146,7 @@ class SparseCodec(Codec):
         if n == 0:
             return (0).to_bytes(4, "little")
         counts = self.counts(n)
-        by_size = self.select(x)[0]  # (chunks, k), largest first
+        by_size = self.select(x)
         rank = torch.arange(by_size.shape[1]).expand_as(by_size)
         high = rank < torch.tensor(counts)[:, None] // 2  # the upper half by magnitude takes the high scale
         positions, order = by_size.sort(dim=1)

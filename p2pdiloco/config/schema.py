@@ -18,11 +18,9 @@ HOSTILE_KINDS = ("nan", "scale", "noise", "signflip", "takeover", "final", "lead
 """How a hostile peer attacks (testing/hostile.py; emulate.hostile): the first four corrupt its pseudo-gradients,
 the others lie about itself (its model and weights, the end of its run, its leadership, the state it serves)."""
 
-__all__ = [
-    "AGGREGATORS", "ARCHS", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "Config", "ConfigError",
-    "DataConfig", "EmulateConfig", "GuardConfig", "InnerOptConfig", "ModelConfig", "OuterOptConfig", "RunConfig",
-    "SwarmConfig",
-]
+__all__ = ["AGGREGATORS", "ARCHS", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "Config",
+           "ConfigError", "DataConfig", "EmulateConfig", "GuardConfig", "InnerOptConfig", "ModelConfig",
+           "OuterOptConfig", "RunConfig", "SwarmConfig"]
 
 
 class ModelConfig(_Section):
@@ -217,6 +215,8 @@ class SwarmConfig(_Section):
     """sparseloco: values kept per chunk of 4096 (64: 1.56 %, SparseLoCo's density)."""
     error_feedback: bool = True
     """Add each round's quantization residual to the next round's pseudo-gradient (lossy codecs only)."""
+    error_feedback_decay: float = 1.0
+    """β: the residual is scaled by β before it is added (SparseLoCo's decayed accumulator, arXiv 2508.15706)."""
     swarm_key: str = ""
     """File with the private swarm's secret key (`p2pdiloco keygen`); empty: a public swarm."""
 
@@ -230,7 +230,8 @@ class SwarmConfig(_Section):
         yield self.group_size >= 2, "swarm.group_size must be >= 2"
         yield self.wait_for_peers >= 0 and self.wait_for_peers_s >= 0, "swarm.wait_for_peers* must be >= 0"
         yield self.codec in CODECS, f"swarm.codec must be one of {', '.join(CODECS)}, got {self.codec!r}"
-        yield 1 <= self.sparse_keep <= 4096, "swarm.sparse_keep must be in [1, 4096]"
+        yield 1 <= self.sparse_keep <= 4096 and 0 <= self.error_feedback_decay <= 1, \
+            "need swarm.sparse_keep in [1, 4096] and swarm.error_feedback_decay in [0, 1]"
 
 
 class GuardConfig(_Section):

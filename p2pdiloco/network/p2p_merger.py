@@ -74,7 +74,7 @@ class P2PMerger:
         self.codec = get_codec(cfg.codec, cfg.sparse_keep)
         """Codec of pseudo-gradient slices and their averages; (θg, momentum) always travel as fp32, because
         quantizing the model itself would have no error feedback to undo it."""
-        self.feedback = ErrorFeedback(cfg.error_feedback and self.codec.lossy)
+        self.feedback = ErrorFeedback(cfg.error_feedback and self.codec.lossy, cfg.error_feedback_decay)
         self.rpc = Rpc(dht, cfg.run_id, self.auth, self.counter)
         self.matchmaker = Matchmaker(dht, cfg, self.rpc, self.book, self.guard, fingerprint,
                                      {"d": n_params, "s": 2 * n_params})
