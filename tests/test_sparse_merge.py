@@ -53,3 +53,24 @@ def test_sparse_merge_members_bit_identical_and_average_what_was_sent(bootstrap_
             part = len(codec.encode(vecs[0]))
             assert 2 * part * 0.9 < r.bytes_sent < 2 * part * 1.1 + 20_000, (r.bytes_sent, part)
             assert r.bytes_sent < 4 * N / 50  # ≥ 50× fewer than one fp32 copy of the vector
+
+
+def test_a_member_frozen_before_sending_fails_the_sparse_merge_for_everyone(bootstrap_dht, net_loop):
+    """Nobody applies an average that misses a member's part; error feedback keeps what was not delivered."""
+    from p2pdiloco.testing.faults import Faults
+
+    cfg = SwarmConfig(run_id="spf", merge_window_s=8, merge_timeout_s=4, codec="sparseloco")
+    stall = Faults({("exchange", 7): "stall"})
+    with (running_mergers(bootstrap_dht, net_loop, 2, cfg, 9001) as others,
+          running_mergers(bootstrap_dht, net_loop, 1, cfg, 9001, faults=stall) as (frozen,)):
+        vecs = [torch.randn(9001, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        futures = []
+        for m, v in zip([*others, frozen], vecs, strict=True):
+            c = _contribution(v, 1.0)
+            c.round = 7
+            futures.append(m.submit(c))
+        for f, v, m in zip(futures[:2], vecs[:2], others, strict=True):
+            r = f.result(timeout=60)
+            assert r.failure and r.alone and torch.equal(r.pseudo_grad, v)  # own Δ, no partial average
+            assert m.feedback.residual is None  # nothing counted as sent: the residual was not charged
+        futures[2].cancel()
