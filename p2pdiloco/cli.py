@@ -263,14 +263,16 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--codecs", metavar="C,C,...", help="bandwidth: codecs to try (default all)")
     be.add_argument("--seeds", type=int, default=1, help="parity: repeat the three runs with this many initial "
                     "models (model.init_seed 1234, 1235, ...) and report each ratio's mean and spread (default 1)")
-    be.add_argument("--peers", metavar="N[,N...]", help="parity: workers (default 4); slowlink: peers (default "
-                    "2); scale: swarm sizes, one run each, the smallest the baseline (default 4,8,16,32)")
+    be.add_argument("--peers", metavar="N[,N...]", help="parity: workers (default 4); bandwidth: peers (default "
+                    "2); slowlink: peers (default 2); scale: swarm sizes, one run each, the smallest the baseline "
+                    "(default 4,8,16,32)")
     be.add_argument("--group-size", type=int, help="scale: swarm.group_size, the largest merge group (default the "
                     "config's, 8)")
     be.add_argument("--rate-mbit", type=float, default=10.0, help="slowlink: link rate each way (default 10)")
     be.add_argument("--sizes", metavar="N[,N...]", help="byzantine: swarm sizes (default 5,9)")
     be.add_argument("--hostile", type=int, default=2, help="byzantine: hostile peers in each swarm (default 2)")
-    be.add_argument("--modes", metavar="M[,M]", help="byzantine: sync, decoupled or both (default both)")
+    be.add_argument("--modes", metavar="M[,M]", help="byzantine: sync, decoupled or both (default both); bandwidth: "
+                    "sync or decoupled (default sync)")
     be.add_argument("--kinds", metavar="K[,K...]", help="byzantine: hostile kinds (default honest_only, nan, scale, "
                     "noise, signflip, takeover, final, leader; honest_only is a clean run of the honest peers alone)")
     be.add_argument("--minutes", type=float, default=5.0, help="churn: length of each of its 4 runs (3 swarms and the data-parallel baseline)")

@@ -22,7 +22,7 @@ def test_roundtrip_within_stated_bound_and_exact_size(name, n):
         x[::97] *= 1000
         x[5] = 0.0
     data, y = roundtrip(codec, x)
-    assert len(data) == codec.encoded_size(n)
+    assert len(data) == codec.encoded_size(n) if codec.exact_size else len(data) <= codec.encoded_size(n)
     assert y.dtype == torch.float32 and y.shape == x.shape
     err, bound = (x - y).abs(), codec.error_bound(x)
     assert (err <= bound).all(), f"{name}: worst error {(err - bound).max():.3g} beyond the bound"
@@ -36,7 +36,7 @@ def test_codecs_compress_and_are_deterministic(name):
     x = torch.randn(100_000, generator=torch.Generator().manual_seed(1))
     a, b = codec.encode(x), codec.encode(x.clone())
     assert a == b  # members decoding one averaged slice must hold the same bits
-    expected_ratio = {"fp16": 2, "bf16": 2, "int8": 3.99, "int4": 7.5}[name]
+    expected_ratio = {"fp16": 2, "bf16": 2, "int8": 3.99, "int4": 7.5, "sparseloco": 180}[name]
     assert 4 * x.numel() / len(a) >= expected_ratio
     assert torch.equal(codec.decode(a, x.numel()), codec.decode(bytes(a), x.numel()))
 

@@ -33,8 +33,9 @@ def _contribution(vec: torch.Tensor, weight: float) -> Contribution:
                         momentum=torch.zeros_like(vec), state_digest="same", state_weight=1.0)
 
 
-@pytest.mark.parametrize("mergers", CODECS, indirect=True)
+@pytest.mark.parametrize("mergers", [c for c in CODECS if c != "sparseloco"], indirect=True)
 def test_each_codec_really_averages_and_members_agree(mergers):
+    """Sliced codecs; sparseloco all-gathers whole parts instead (tests/test_sparse_merge.py)."""
     codec = mergers[0].codec
     g = torch.Generator().manual_seed(3)
     vecs = [torch.randn(N, generator=g) * 1e-2 + i * 1e-2 for i in range(3)]  # distinct means: averaging shows

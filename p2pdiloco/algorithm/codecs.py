@@ -11,6 +11,7 @@ merge group that decode one averaged slice hold the same bits.
 | bf16 | 16 | 2^-8·|x| |
 | int8 | 8 + 32/4096 | absmax of the 4096-value block × half the widest gap of bitsandbytes' dynamic map |
 | int4 | 4 + 32/128 | absmax of the 128-value block × half the widest gap of the NF4 map |
+| sparseloco | ~0.16 (top 64 of 4096, 2 bits + ~8 position bits each) | chunk absmax (sparse.py) |
 
 Error feedback (1-bit SGD, Seide et al. 2014; EF-SGD, Karimireddy et al. 2019; INTELLECT-1 uses it with
 int8): what a round's quantization dropped is added to the next round's pseudo-gradient, so the error does
@@ -56,6 +57,11 @@ class Codec:
     @property
     def lossy(self) -> bool:
         return False
+
+    @property
+    def exact_size(self) -> bool:
+        """`encoded_size` is the exact size (True), or only a bound (sparse codecs, whose size varies)."""
+        return True
 
     def encoded_size(self, n: int) -> int:
         """Exact number of bytes `encode` produces for `n` values (receivers check it before decoding)."""
@@ -213,14 +219,18 @@ NF4_MAP = torch.tensor([
 ships them."""
 
 
-def get_codec(name: str) -> Codec:
-    """The codec called `name` (one of `CODECS`)."""
+def get_codec(name: str, sparse_keep: int = 64) -> Codec:
+    """The codec called `name` (one of `CODECS`); `sparse_keep`: values sparseloco keeps per chunk of 4096."""
     if name == "none":
         return Codec()
     if name in ("fp16", "bf16"):
         return HalfCodec(name)
     if name in ("int8", "int4"):
         return BlockwiseCodec(name)
+    if name == "sparseloco":
+        from p2pdiloco.algorithm.sparse import SparseCodec  # it imports this module
+
+        return SparseCodec(keep=sparse_keep)
     raise ValueError(f"unknown codec {name!r} (known: {', '.join(CODECS)})")
 
 
@@ -239,16 +249,18 @@ class ErrorFeedback:
 
     Args:
         enabled: with False, `compensate` returns Δ unchanged and the residual stays zero.
+        decay: β, the residual's weight when it is added (1: plain error feedback). SparseLoCo (arXiv 2508.15706)
+            decays it and drops the outer momentum: the decayed accumulator stands in for it.
     """
 
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self, enabled: bool = True, decay: float = 1.0):
+        self.enabled, self.decay = enabled, decay
         self.residual: torch.Tensor | None = None
 
     def compensate(self, pseudo_grad: torch.Tensor) -> torch.Tensor:
         if not self.enabled or self.residual is None or self.residual.shape != pseudo_grad.shape:
             return pseudo_grad
-        return pseudo_grad + self.residual
+        return pseudo_grad + self.decay * self.residual if self.decay != 1.0 else pseudo_grad + self.residual
 
     def commit(self, target: torch.Tensor, transmitted: torch.Tensor) -> None:
         if self.enabled:

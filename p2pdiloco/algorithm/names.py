@@ -1,7 +1,7 @@
 """Names of the algorithm's interchangeable parts, defined once here and imported by the config that picks
 among them. Kept free of torch so that reading a config (and `p2pdiloco --help`) does not load it."""
 
-CODECS = ("none", "fp16", "bf16", "int8", "int4")
+CODECS = ("none", "fp16", "bf16", "int8", "int4", "sparseloco")
 """Merge payload codecs (see codecs.py; config field swarm.codec)."""
 AGGREGATORS = ("mean", "centered_clip", "trimmed_mean", "rda")
 """Rules that combine a merge group's contributions (see robust.py; config field guard.aggregate)."""

@@ -56,7 +56,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         codecs = tuple(args.codecs.split(",")) if args.codecs else CODECS
         if any(c not in CODECS for c in codecs):
             raise ConfigError(f"--codecs takes a comma-separated list of {', '.join(CODECS)}")
-        bench_bandwidth(out, steps=args.steps or 1000, hs=_positive_ints(args.h, "--h") or HS, codecs=codecs)
+        modes = _names(args.modes, ("sync", "decoupled"), "--modes") if args.modes else ("sync",)
+        if len(modes) != 1:
+            raise ConfigError("bandwidth: --modes takes one of sync, decoupled")
+        bench_bandwidth(out, steps=args.steps or 1000, hs=_positive_ints(args.h, "--h") or HS, codecs=codecs,
+                        peers=_one_int(args.peers, "--peers") or 2, sync=modes[0] == "sync")
     elif args.which == "parity":
         from p2pdiloco.bench.parity import bench_parity
 

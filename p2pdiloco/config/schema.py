@@ -18,10 +18,9 @@ HOSTILE_KINDS = ("nan", "scale", "noise", "signflip", "takeover", "final", "lead
 """How a hostile peer attacks (testing/hostile.py; emulate.hostile): the first four corrupt its pseudo-gradients,
 the others lie about itself (its model and weights, the end of its run, its leadership, the state it serves)."""
 
-__all__ = [
-    "AGGREGATORS", "ARCHS", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "Config", "ConfigError", "DataConfig",
-    "EmulateConfig", "GuardConfig", "InnerOptConfig", "ModelConfig", "OuterOptConfig", "RunConfig", "SwarmConfig",
-]
+__all__ = ["AGGREGATORS", "ARCHS", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "Config",
+           "ConfigError", "DataConfig", "EmulateConfig", "GuardConfig", "InnerOptConfig", "ModelConfig",
+           "OuterOptConfig", "RunConfig", "SwarmConfig"]
 
 
 class ModelConfig(_Section):
@@ -212,10 +211,14 @@ class SwarmConfig(_Section):
     wait_for_peers_s: float = 120.0
     """Longest wait for `wait_for_peers`; after it the peer starts with whoever is there."""
     codec: str = "int4"
-    """How pseudo-gradients travel in merges: none (fp32), fp16, bf16, int8 (8-bit blockwise), int4 (4-bit NF4
-    blockwise; the default: fewest bytes within 2% of fp32's loss at every H in `p2pdiloco bench bandwidth`)."""
+    """How pseudo-gradients travel in merges: none (fp32), fp16, bf16, int8, int4 (4-bit NF4 blockwise; the default),
+    or sparseloco (the top `sparse_keep` of every 4096 values, 2 bits each, all-gathered in the group)."""
+    sparse_keep: int = 64
+    """sparseloco: values kept per chunk of 4096 (64: 1.56 %, SparseLoCo's density)."""
     error_feedback: bool = True
     """Add each round's quantization residual to the next round's pseudo-gradient (lossy codecs only)."""
+    error_feedback_decay: float = 1.0
+    """β: the residual is scaled by β before it is added (SparseLoCo's decayed accumulator, arXiv 2508.15706)."""
     swarm_key: str = ""
     """File with the private swarm's secret key (`p2pdiloco keygen`); empty: a public swarm."""
 
@@ -229,6 +232,8 @@ class SwarmConfig(_Section):
         yield self.group_size >= 2, "swarm.group_size must be >= 2"
         yield self.wait_for_peers >= 0 and self.wait_for_peers_s >= 0, "swarm.wait_for_peers* must be >= 0"
         yield self.codec in CODECS, f"swarm.codec must be one of {', '.join(CODECS)}, got {self.codec!r}"
+        yield 1 <= self.sparse_keep <= 4096 and 0 <= self.error_feedback_decay <= 1, \
+            "need swarm.sparse_keep in [1, 4096] and swarm.error_feedback_decay in [0, 1]"
 
 
 class GuardConfig(_Section):
@@ -374,8 +379,7 @@ class Config(_Model):
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        """Every section's values, as plain dicts (what summaries and checkpoints record)."""
-        return self.model_dump()
+        return self.model_dump()  # every section's values, as plain dicts (what summaries and checkpoints record)
 
     def fingerprint(self, tokenizer: str = "bytes") -> dict[str, Any]:
         """What must be equal on every peer of a swarm for their contributions to mean the same thing: the model,
@@ -386,10 +390,10 @@ class Config(_Model):
             tokenizer: the loaded tokenizer's digest (`Tokenizer.digest`): "bytes", or a hash of its file, which
                 only the peer that loaded it knows (two machines may keep one tokenizer.json at different paths).
         """
-        s = self.swarm
+        s, sparse = self.swarm, self.swarm.codec == "sparseloco"
         return {
-            "model": self.model.fingerprint(), "tokenizer": tokenizer,
-            "codec": {"codec": s.codec, "error_feedback": s.error_feedback},
+            "model": self.model.fingerprint(), "tokenizer": tokenizer, "codec": {
+                "codec": s.codec, "error_feedback": s.error_feedback, **({"sparse_keep": s.sparse_keep} if sparse else {})},
             "outer": self.outer.model_dump(exclude={"eager"}),
             "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync},
             "guard": self.guard.model_dump(),

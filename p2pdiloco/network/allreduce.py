@@ -283,6 +283,8 @@ class AllReduce:
         if not isinstance(gid, str) or tag not in ("d", "s") or not isinstance(index, int):
             raise MergeFailed("malformed part header")
         codec = self.codecs[tag]
+        if not codec.exact_size:
+            raise MergeFailed(f"{codec.name} parts are all-gathered, not sliced (sparse_exchange.py)")
         if header.get("codec", "none") != codec.name:
             raise MergeFailed(f"part encoded with {header.get('codec')!r}, this peer merges with {codec.name!r}")
         group = await self.expected_group(gid)

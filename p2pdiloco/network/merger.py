@@ -58,6 +58,8 @@ class MergeResult:
     """Bytes this peer sent for this merge."""
     bytes_received: int = 0
     """Bytes this peer received for this merge."""
+    pseudo_grad_bytes_sent: int = 0
+    """Of `bytes_sent`, those of the pseudo-gradient exchange (not matchmaking, not the (θg, momentum) average)."""
     duration_s: float = 0.0
     """Seconds from submit to result."""
     group_id: str = ""

@@ -31,11 +31,12 @@ import torch
 from p2pdiloco.algorithm.codecs import Codec, ErrorFeedback, get_codec
 from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.config import GuardConfig, SwarmConfig
-from p2pdiloco.network.allreduce import AllReduce, PlainReducer, by_values
+from p2pdiloco.network.allreduce import AllReduce, PlainReducer, by_values, slice_bounds
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.merger import Contribution, FaultHook, MergeResult, alone_result
 from p2pdiloco.network.rpc import MergeFailed, Rpc
 from p2pdiloco.network.slice_guard import SliceGuard
+from p2pdiloco.network.sparse_exchange import SparseExchange
 from p2pdiloco.network.swarm import BackgroundLoop
 from p2pdiloco.network.swarm_key import SwarmAuth
 from p2pdiloco.network.wire import ByteCounter, WireError
@@ -70,10 +71,10 @@ class P2PMerger:
         self.faults = faults
         self.book = GuardBook(self.guard.ban_after if self.guard.enabled else 0, self.peer_id[-6:])
         self.counter = ByteCounter()
-        self.codec = get_codec(cfg.codec)
+        self.codec = get_codec(cfg.codec, cfg.sparse_keep)
         """Codec of pseudo-gradient slices and their averages; (θg, momentum) always travel as fp32, because
         quantizing the model itself would have no error feedback to undo it."""
-        self.feedback = ErrorFeedback(cfg.error_feedback and self.codec.lossy)
+        self.feedback = ErrorFeedback(cfg.error_feedback and self.codec.lossy, cfg.error_feedback_decay)
         self.rpc = Rpc(dht, cfg.run_id, self.auth, self.counter)
         self.matchmaker = Matchmaker(dht, cfg, self.rpc, self.book, self.guard, fingerprint,
                                      {"d": n_params, "s": 2 * n_params})
@@ -82,9 +83,12 @@ class P2PMerger:
             SliceGuard(self.guard, self.book) if self.guard.enabled else PlainReducer(),
             merge_timeout_s=cfg.merge_timeout_s, faults=faults,
         )
+        self.sparse = SparseExchange(self.rpc, self.matchmaker.expected_group, self.codec,
+                                     self.guard if self.guard.enabled else None, self.book, cfg.merge_timeout_s, faults)
+        """Pseudo-gradients of a sparse codec are all-gathered instead (sparse_exchange.py)."""
         self._loop.run(self.rpc.start({"ready": self.matchmaker.on_ready, "invite": self.matchmaker.on_invite,
-                                       "group": self.matchmaker.on_group,
-                                       "part": self.allreduce.on_part}), timeout=30)
+                                       "group": self.matchmaker.on_group, "part": self.allreduce.on_part,
+                                       "sparse": self.sparse.on_part}), timeout=30)
         self._loop.submit(self.matchmaker.census.keep_registered(lambda: self.matchmaker.closed))
 
     # ---- the interface the learner sees ----
@@ -100,7 +104,7 @@ class P2PMerger:
     async def _merge(self, c: Contribution) -> MergeResult:
         t0, sent0, recv0 = time.monotonic(), self.counter.sent, self.counter.received
         rejected0 = sum(self.book.rejected.values())
-        self.allreduce.round = c.round
+        self.allreduce.round = self.sparse.round = c.round
 
         def finish(result: MergeResult) -> MergeResult:
             self.matchmaker.record(alone=result.alone)
@@ -121,13 +125,23 @@ class P2PMerger:
             timeout = self.cfg.merge_timeout_s  # per exchange phase: Δ, then (θg, m) if they disagree
             group.reference = c.momentum  # its slice guard judges members' parts by it (guards.cosines_to)
             target = self.feedback.compensate(c.pseudo_grad)
-            avg, sent, shares = await asyncio.wait_for(self.allreduce.average(group, me, "d", target), timeout)
+            delta_sent0 = self.counter.sent
+            if self.codec.exact_size:
+                avg, sent, shares = await asyncio.wait_for(self.allreduce.average(group, me, "d", target), timeout)
+                sent = _uncounted_as_unsent(sent, shares)
+            else:
+                avg, sent, all_shares = await asyncio.wait_for(self.sparse.average(group, me, target), timeout)
+                shares = [all_shares[me]] * len(group.members)  # one part, counted whole or not at all
+            delta_sent = self.counter.sent - delta_sent0
             state, state_shares = None, []
             if group.need_state:
                 state, _, state_shares = await asyncio.wait_for(
                     self.allreduce.average(group, me, "s", torch.cat([c.global_params, c.momentum])), timeout
                 )
-            self.feedback.commit(target, sent)  # only now: a failed merge sent nothing that counts
+            # only now: a failed merge sent nothing that counts; a part the group left out counts as unsent. A
+            # failed merge falls back to merging alone with the uncompensated Δ, so the residual is neither
+            # applied there nor lost: it goes out once, with the next merge
+            self.feedback.commit(target, sent)
             return finish(
                 MergeResult(
                     group=list(group.members), pseudo_grad=avg, total_weight=float(sum(group.weights)),
@@ -135,6 +149,7 @@ class P2PMerger:
                     state_weight=group.agreed_state_weight() if state is not None else 0.0, final=group.final,
                     own_kept=by_values([float(s > 0) for s in shares], group.lengths["d"]),
                     state_share=by_values(state_shares, group.lengths["s"]) if state is not None else 0.0,
+                    pseudo_grad_bytes_sent=delta_sent,
                 )
             )
         except (MergeFailed, WireError, TimeoutError, ConnectionError, OSError) as e:
@@ -147,3 +162,15 @@ class P2PMerger:
         finally:
             if group is not None:
                 self.matchmaker.forget(group.group_id)
+
+
+def _uncounted_as_unsent(sent: torch.Tensor, shares: list[float]) -> torch.Tensor:
+    """What this peer sent of each slice, zero in slices whose owner left its part out (share 0): error feedback
+    must keep those as residual, not charge them as delivered."""
+    if all(s > 0 for s in shares):
+        return sent
+    sent = sent.clone()
+    for share, (lo, hi) in zip(shares, slice_bounds(sent.numel(), len(shares)), strict=True):
+        if share <= 0:
+            sent[lo:hi] = 0
+    return sent

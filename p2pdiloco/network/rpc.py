@@ -98,15 +98,16 @@ class Rpc:
             return None
 
     async def receive_payload(self, reader: asyncio.StreamReader, size: int = 0,
-                              timeout_s: float = RPC_TIMEOUT_S) -> bytes:
-        """A handler's request payload, which must be exactly `size` bytes and arrive within `timeout_s`.
+                              timeout_s: float = RPC_TIMEOUT_S, exact: bool = True) -> bytes:
+        """A handler's request payload, which must be exactly `size` bytes (at most `size` if not `exact`) and
+        arrive within `timeout_s`.
 
         Raises:
             WireError: another size was declared (nothing of it is read), or the stream broke.
             TimeoutError: it did not arrive in time.
         """
         async with asyncio.timeout(timeout_s):
-            return await recv_payload(reader, size, self.counter, exact=True)
+            return await recv_payload(reader, size, self.counter, exact=exact)
 
     def authorized(self, op: str, requester: str, header: dict) -> bool:
         """Whether a request's header carries the swarm key's tag (a refusal is logged)."""

@@ -51,6 +51,10 @@ class Counters:
     merge_failures: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    pseudo_grad_bytes_sent: int = 0
+    """Of `bytes_sent`, those of pseudo-gradient exchanges (see `MergeResult.pseudo_grad_bytes_sent`)."""
+    state_merges: int = 0
+    """Merges that averaged (θg, momentum) too, because the members' global models differed."""
     compute_s: float = 0.0
     """Wall seconds in inner steps, the padding of `emulate.min_step_s` and `slow_factor` included."""
     compute_cpu_s: float = 0.0
@@ -97,6 +101,8 @@ class Counters:
         self.merge_failures += 1 if result.failure else 0
         self.bytes_sent += result.bytes_sent
         self.bytes_received += result.bytes_received
+        self.pseudo_grad_bytes_sent += result.pseudo_grad_bytes_sent
+        self.state_merges += result.global_state is not None
         self.last_group_size = len(result.group)
         self.max_group_size = max(self.max_group_size, len(result.group))
         self.last_merge_s = result.duration_s
@@ -266,6 +272,7 @@ class Reporter:
             "first_step_s": self.first_step_s, "join_s": self.c.join_s, "ended_with_swarm": ended_with_swarm,
             "rounds": self.c.round, "merges": self.c.merges, "merge_failures": self.c.merge_failures,
             "bytes_sent": self.bytes_io()[0], "bytes_received": self.bytes_io()[1],
+            "pseudo_grad_bytes_sent": self.c.pseudo_grad_bytes_sent, "state_merges": self.c.state_merges,
             "wall_s": self.elapsed(), "compute_s": self.c.compute_s,
             "compute_cpu_s": self.c.compute_cpu_s, "merge_wait_s": self.c.merge_wait_s,
             "train_s": train_s, "steps_per_s": self.c.steps_run / train_s if train_s > 0 else 0.0,

@@ -1,0 +1,197 @@
+"""Averaging sparse pseudo-gradients over a formed merge group: every member sends its encoded part to every other
+member (an all-gather), then each member decodes all parts and averages them itself.
+
+Why not the sliced all-reduce of allreduce.py: there an owner averages one slice of everyone's parts and sends the
+average back. The average of sparse parts whose positions differ is as dense as their union, and its values are
+no longer 2-bit, so sending it back would cost about as much as the parts themselves, or a second, lossy
+compression that no member's error feedback could undo. Sending the part itself to each member costs (N − 1)
+parts a member, bounded by the group size; SparseLoCo (arXiv 2508.15706) all-gathers too.
+
+Members stay bit-identical because every member decodes the same bytes (its own part too: the decoded copy of
+what it sent) and runs the same function of them, in group order: the same screening, with no judge-specific
+reference, and the same weighted mean. A member's own ban list is not consulted here (members' lists differ;
+banned peers are kept out of groups by matchmaking). A member that does not receive every part within the merge
+timeout fails the merge, so nobody applies a partial average.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+from p2pdiloco.algorithm.codecs import Codec, CodecError, NonFiniteError
+from p2pdiloco.algorithm.guards import NONFINITE, SHAPE, GuardBook, screen_parts
+from p2pdiloco.algorithm.outer import weight_shares, weighted_average
+from p2pdiloco.config import GuardConfig
+from p2pdiloco.network.admission import Request
+from p2pdiloco.network.matchmaking import Group
+from p2pdiloco.network.merger import FaultHook
+from p2pdiloco.network.rpc import MergeFailed, Rpc
+from p2pdiloco.network.wire import WireError
+
+logger = logging.getLogger(__name__)
+
+SLOT = "sparse"
+"""Key of the gathered parts in `Group.slots`."""
+
+
+def decode_part(codec: Codec, data: bytes, n: int) -> tuple[torch.Tensor, str]:
+    """A member's part as (values, '' or why it cannot count): undecodable bytes and a non-finite scale are
+    flagged, never raised, so that one bad part leaves the others' average intact."""
+    try:
+        part = codec.decode(data, n)
+    except NonFiniteError:
+        return torch.full((n,), float("nan")), NONFINITE
+    except CodecError:
+        return torch.full((n,), float("nan")), SHAPE
+    return part, "" if bool(torch.isfinite(part).all()) else NONFINITE
+
+
+def screen_shared(parts: list[torch.Tensor], flags: list[str], guard: GuardConfig) -> list[str]:
+    """Reasons to leave each part out, the same on every member: decode flags, then `screen_parts` judged from
+    the smallest finite part when only two are finite (the reference every member can compute; with three or
+    more, `screen_parts` uses the median and no judge)."""
+    finite = [i for i, f in enumerate(flags) if not f]
+    judge = min(finite, key=lambda i: float(parts[i].norm())) if finite else 0
+    reasons = screen_parts(parts, judge, guard.norm_bound, guard.min_cosine)
+    return [f or r for f, r in zip(flags, reasons, strict=True)]
+
+
+def reduce_parts(parts: list[torch.Tensor], flags: list[str], weights: list[float],
+                 guard: GuardConfig | None) -> tuple[torch.Tensor, list[str], list[float]]:
+    """The group's average of decoded sparse parts, as every member computes it.
+
+    Robust coordinate-wise rules (centered_clip, trimmed_mean) do not fit sparse parts: where most members kept
+    no value a coordinate's median is 0, and it would drop nearly every value sent; the weighted mean of the
+    parts that pass the guards is used, as in SparseLoCo.
+
+    Args:
+        parts: each member's decoded part, in group order.
+        flags: '' or why a part could not be decoded.
+        weights: each member's weight (tokens of its round).
+        guard: the bounds; None: no guards, and any flagged part fails the merge.
+
+    Returns:
+        (the average, one reason per member ('' if its part counted), each member's share of the average).
+
+    Raises:
+        MergeFailed: no part may count.
+    """
+    if guard is None:
+        if any(flags):
+            raise MergeFailed(f"undecodable or non-finite parts: {flags}")
+        reasons = list(flags)
+    else:
+        reasons = screen_shared(parts, flags, guard)
+    kept = [not r for r in reasons]
+    if not any(kept):
+        raise MergeFailed("every part was rejected")
+    average = weighted_average([p for p, k in zip(parts, kept, strict=True) if k],
+                               [w for w, k in zip(weights, kept, strict=True) if k])
+    return average, reasons, weight_shares(weights, kept)
+
+
+@dataclass
+class _Gathered:
+    """The encoded parts of one group's members, as they arrive; `done` resolves once all are here."""
+
+    parts: list[bytes | None]
+    done: asyncio.Future
+
+    def add(self, index: int, data: bytes) -> None:
+        if self.parts[index] is not None:
+            raise MergeFailed(f"duplicate part from member {index}")
+        self.parts[index] = data
+        if all(p is not None for p in self.parts) and not self.done.done():
+            self.done.set_result(None)
+
+
+class SparseExchange:
+    """All-gathers sparse parts over formed groups, and serves the parts other members send this peer.
+
+    Args:
+        rpc: requests to the other members (op 'sparse').
+        expected_group: group id -> the group, once its notice is here (see `Matchmaker.expected_group`).
+        codec: the sparse codec (`encoded_size` bounds a part's bytes).
+        guard: bounds on received parts (None: no guards).
+        book: where rejected members are counted.
+        merge_timeout_s: bound on receiving one part, and on waiting for all of them.
+        faults: test hook; stage 'serve_part' fires on each part received, keyed by `round`.
+    """
+
+    def __init__(self, rpc: Rpc, expected_group: Callable[[str], Awaitable[Group]], codec: Codec,
+                 guard: GuardConfig | None, book: GuardBook, merge_timeout_s: float = 30.0,
+                 faults: FaultHook | None = None):
+        self.rpc, self.expected_group, self.codec, self.guard, self.book = rpc, expected_group, codec, guard, book
+        self.merge_timeout_s, self.faults = merge_timeout_s, faults
+        self.round = -1
+
+    async def average(self, group: Group, me: int,
+                      vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+        """Average `vector` (a pseudo-gradient) over `group`, in which this peer is member `me`.
+
+        Returns:
+            (the average, as every member computes it; `vector` as the others decoded it, zero where this
+            member's part was left out, for error feedback; each member's share of the average).
+        """
+        n = group.lengths["d"]
+        vector = vector.detach().float().contiguous().cpu()
+        if vector.numel() != n:
+            raise MergeFailed(f"vector of {vector.numel()} values, group expects {n}")
+        data = self.codec.encode(vector)
+        gathered = self._gathered(group)
+        gathered.add(me, data)
+        header = {"group_id": group.group_id, "index": me, "codec": self.codec.name}
+
+        async def send(j: int) -> None:
+            reply, _ = await self.rpc.call(group.members[j], "sparse", header, data, 0)
+            if not reply.get("ok"):
+                raise MergeFailed(f"member {group.members[j][-6:]} refused our part: {reply.get('error')}")
+
+        await asyncio.gather(*(send(j) for j in range(len(group.members)) if j != me))
+        await asyncio.wait_for(asyncio.shield(gathered.done), self.merge_timeout_s)
+        decoded = [decode_part(self.codec, p, n) for p in gathered.parts]
+        parts, flags = [d[0] for d in decoded], [d[1] for d in decoded]
+        average, reasons, shares = reduce_parts(parts, flags, list(group.weights_for("d")), self.guard)
+        for i, reason in enumerate(reasons):
+            if reason:
+                self.book.reject(group.members[i], reason, group.group_id, "(sparse part)", strike=i != me)
+            else:
+                self.book.accept(group.members[i], group.group_id)
+        sent = parts[me] if not reasons[me] else torch.zeros(n)
+        return average, sent, shares
+
+    def _gathered(self, group: Group) -> _Gathered:
+        if SLOT not in group.slots:
+            group.slots[SLOT] = _Gathered([None] * len(group.members), asyncio.get_running_loop().create_future())
+        return group.slots[SLOT]
+
+    async def on_part(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Another member's encoded part: read only once the header names a group and member this peer expects a
+        part from, and only up to the codec's bound for the group's vector length."""
+        sender, header = request.sender, request.header
+        try:
+            gid, index = header.get("group_id"), header.get("index")
+            if not isinstance(gid, str) or not isinstance(index, int):
+                raise MergeFailed("malformed part header")
+            if header.get("codec") != self.codec.name:
+                raise MergeFailed(f"part encoded with {header.get('codec')!r}, this peer merges with {self.codec.name!r}")
+            group = await self.expected_group(gid)
+            if not 0 <= index < len(group.members) or group.members[index] != sender:
+                raise MergeFailed("sender is not that member of the group")
+            gathered = self._gathered(group)
+            if gathered.parts[index] is not None:
+                raise MergeFailed(f"duplicate part from member {index}")
+            payload = await self.rpc.receive_payload(reader, self.codec.encoded_size(group.lengths["d"]),
+                                                     self.merge_timeout_s, exact=False)
+            if self.faults is not None:
+                await self.faults.fire("serve_part", self.round, self.rpc.peer_id[-6:])
+            gathered.add(index, payload)
+            reply = {"ok": True}
+        except (MergeFailed, TimeoutError, WireError) as e:
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        await self.rpc.reply(reader, writer, "sparse", sender, reply)

@@ -1,0 +1,137 @@
+"""The sparseloco codec's math: which values are kept and how, exact position coding, byte sizes, error feedback,
+and the group reduction that every member computes alike."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from p2pdiloco.algorithm.codecs import CodecError, ErrorFeedback, NonFiniteError, get_codec
+from p2pdiloco.algorithm.sparse import SparseCodec, rice_decode, rice_encode, rice_parameter
+from p2pdiloco.config import GuardConfig
+from p2pdiloco.network.rpc import MergeFailed
+from p2pdiloco.network.sparse_exchange import decode_part, reduce_parts
+
+
+def test_keeps_the_top_k_of_each_chunk_with_their_signs_and_two_magnitudes():
+    codec = SparseCodec(chunk=16, keep=4)
+    x = torch.tensor([0.1, -5.0, 0.2, 3.0, 0.0, 0.3, -1.0, 0.05, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -0.4,
+                      1.0, -2.0, 0.5])  # a chunk of 16, then one of 3 (keeps all 3)
+    y = codec.decode(codec.encode(x), x.numel())
+    kept = y != 0
+    assert kept.nonzero().flatten().tolist() == [1, 3, 6, 8, 16, 17, 18]
+    assert torch.equal(torch.sign(y[kept]), torch.sign(x[kept]))
+    # chunk 0 kept |x| 5, 3, 2, 1: the upper half takes their mean 4, the lower half 1.5 (exact in bf16)
+    assert y[:16][kept[:16]].abs().tolist() == [4.0, 4.0, 1.5, 1.5]
+    # chunk 1 kept 1, 2, 0.5: the upper half is the largest alone (2), the lower the mean of 1 and 0.5
+    assert y[16:].tolist() == [0.75, -2.0, 0.75]
+
+
+def test_a_value_alone_in_its_chunk_or_half_keeps_its_magnitude():
+    codec = SparseCodec(chunk=8, keep=1)
+    y = codec.decode(codec.encode(torch.tensor([0.0, -0.25, 0.125, 0, 0, 0, 0, 0])), 8)
+    assert y.tolist() == [0.0, -0.25, 0, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 4096, 4097, 30_000, 100_003])
+def test_positions_round_trip_exactly_and_size_is_within_its_bound(n):
+    codec = SparseCodec()
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    data = codec.encode(x)
+    assert len(data) <= codec.encoded_size(n)
+    y = codec.decode(data, n)
+    expected = torch.zeros(n, dtype=torch.bool)
+    for start in range(0, n, codec.chunk):  # the top-k of each chunk, by magnitude
+        chunk = x[start:start + codec.chunk].abs()
+        expected[start + chunk.topk(min(codec.keep, chunk.numel())).indices] = True
+    assert torch.equal(y != 0, expected)
+    assert codec.encode(x.clone()) == data  # deterministic
+
+
+def test_rice_coding_is_exact_for_any_gaps():
+    rng = np.random.default_rng(0)
+    for r in (0, 1, 5, 8):
+        gaps = np.concatenate([rng.geometric(1 / 64, 500) - 1, [0, 0, 4031, 1]]).astype(np.int64)
+        low, unary = rice_encode(gaps, r)
+        assert len(low) == r * len(gaps) and len(unary) == int((gaps >> r).sum()) + len(gaps)
+        assert np.array_equal(rice_decode(low, unary, len(gaps), r), gaps)
+    with pytest.raises(CodecError):
+        rice_decode(low, unary[:-1], len(gaps), 8)  # a truncated unary field
+    assert rice_parameter(4096, 64) == 5
+
+
+def test_bits_per_value_beat_raw_indices_and_the_paper():
+    codec = SparseCodec()
+    x = torch.randn(1_000_000, generator=torch.Generator().manual_seed(0))
+    bits = 8 * len(codec.encode(x)) / x.numel()
+    raw = 64 / 4096 * (12 + 2) + 32 / 4096  # 12-bit indices, 2-bit values, the two bf16 scales
+    assert bits < 0.9 * raw
+    assert 32 / bits > 180  # SparseLoCo reports 146× with 12-bit indices
+
+
+def test_malformed_bytes_are_refused_not_misread():
+    codec = SparseCodec()
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(1))
+    data = bytearray(codec.encode(x))
+    for bad in (bytes(data[:-1]), bytes(data) + b"\x00", b"", b"\xff\xff\xff\xff" + bytes(data[4:])):
+        with pytest.raises(CodecError):
+            codec.decode(bad, 10_000)
+    unary_start = len(data) - (int.from_bytes(data[:4], "little") + 7) // 8
+    flipped = bytearray(data)
+    flipped[unary_start:] = b"\x00" * (len(data) - unary_start)  # every gap 0 and too many of them
+    with pytest.raises(CodecError):
+        codec.decode(bytes(flipped), 10_000)
+    nan = torch.randn(10_000)
+    nan[7] = float("nan")
+    with pytest.raises(NonFiniteError):
+        codec.decode(codec.encode(nan), 10_000)
+
+
+def test_error_feedback_accumulates_what_was_dropped_and_sends_it_later():
+    codec = get_codec("sparseloco")
+    signal = torch.randn(8192, generator=torch.Generator().manual_seed(2)) * 1e-2
+    ef = ErrorFeedback(True)
+    target = ef.compensate(signal)
+    sent = codec.decode(codec.encode(target), signal.numel())
+    ef.commit(target, sent)
+    dropped = sent == 0
+    assert torch.equal(ef.residual[dropped], signal[dropped])  # every dropped value is kept whole
+    total, rounds = sent.clone(), 300
+    for _ in range(rounds - 1):
+        target = ef.compensate(signal)
+        sent = codec.decode(codec.encode(target), signal.numel())
+        ef.commit(target, sent)
+        total += sent
+    # without feedback the same 98 % of the signal would never be sent; with it the mean per round converges
+    assert float((total / rounds - signal).norm() / signal.norm()) < 0.1
+    assert float((sent - signal).norm() / signal.norm()) > 0.5
+
+
+def test_group_reduction_screens_alike_for_every_member_and_leaves_out_bad_parts():
+    codec = SparseCodec()
+    g = torch.Generator().manual_seed(4)
+    vecs = [torch.randn(9000, generator=g) for _ in range(3)]
+    vecs[2] = vecs[2] * 100  # a norm far beyond the median's bound
+    encoded = [codec.encode(v) for v in vecs] + [b"garbage"]
+    decoded = [decode_part(codec, d, 9000) for d in encoded]
+    assert decoded[3][1] == "shape" and decoded[0][1] == ""
+    parts, flags = [d[0] for d in decoded], [d[1] for d in decoded]
+    avg, reasons, shares = reduce_parts(parts, flags, [1.0, 3.0, 1.0, 1.0], GuardConfig())
+    assert reasons == ["", "", "norm", "shape"] and shares == [0.25, 0.75, 0.0, 0.0]
+    torch.testing.assert_close(avg, 0.25 * parts[0] + 0.75 * parts[1])
+    with pytest.raises(MergeFailed):
+        reduce_parts(parts, flags, [1.0] * 4, None)  # no guards: a bad part fails the merge
+
+
+def test_two_members_are_judged_from_the_smaller_part_by_both():
+    small, large = torch.ones(100), torch.ones(100) * 10
+    for order in ([small, large], [large, small]):
+        _, reasons, _ = reduce_parts(order, ["", ""], [1.0, 1.0], GuardConfig(norm_bound=4.0))
+        assert reasons == ["" if p is small else "norm" for p in order]
+
+
+def test_decayed_error_feedback_scales_the_residual_before_adding_it():
+    ef = ErrorFeedback(True, decay=0.5)
+    ef.commit(torch.full((4,), 2.0), torch.zeros(4))
+    assert torch.equal(ef.compensate(torch.ones(4)), torch.full((4,), 2.0))  # 1 + 0.5 × 2

@@ -1,0 +1,76 @@
+"""The sparseloco codec through the real merger (hivemind DHTs, p2p daemons, loopback): the group all-gathers the
+sparse parts, members end bit-identical, the average is the mean of what each member sent, error feedback keeps
+what was dropped, and the bytes counted are about the parts' sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2pdiloco.algorithm.outer import weighted_average
+from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.network.merger import Contribution
+from tests.conftest import running_mergers
+
+pytestmark = pytest.mark.integration
+
+N = 50_001
+
+
+def _contribution(vec: torch.Tensor, weight: float) -> Contribution:
+    return Contribution(pseudo_grad=vec, weight=weight, global_params=torch.zeros_like(vec),
+                        momentum=torch.zeros_like(vec), state_digest="same", state_weight=1.0)
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_sparse_merge_members_bit_identical_and_average_what_was_sent(bootstrap_dht, net_loop, guarded):
+    cfg = SwarmConfig(run_id=f"sp{int(guarded)}", merge_window_s=8, merge_timeout_s=10, codec="sparseloco")
+    guard = GuardConfig(enabled=guarded)
+    with running_mergers(bootstrap_dht, net_loop, 3, cfg, N, guard=guard) as mergers:
+        codec = mergers[0].codec
+        g = torch.Generator().manual_seed(5)
+        vecs = [torch.randn(N, generator=g) * 1e-2 for _ in range(3)]
+        weights = [1.0, 2.0, 3.0]
+        futures = [m.submit(_contribution(v, w)) for m, v, w in zip(mergers, vecs, weights, strict=True)]
+        results = [f.result(timeout=60) for f in futures]
+        for r in results:
+            assert r.failure == "" and len(r.group) == 3, r.failure
+            assert torch.equal(r.pseudo_grad, results[0].pseudo_grad)  # every member computed the same bits
+            assert r.own_kept == 1.0
+        by_id = {m.peer_id: (v, w, m) for m, v, w in zip(mergers, vecs, weights, strict=True)}
+        order = results[0].group
+        sent = [codec.decode(codec.encode(by_id[p][0]), N) for p in order]
+        expected = weighted_average(sent, [by_id[p][1] for p in order])
+        torch.testing.assert_close(results[0].pseudo_grad, expected, rtol=1e-6, atol=1e-9)
+        density = float((results[0].pseudo_grad != 0).float().mean())
+        assert 0.03 < density <= 3 * sum(codec.counts(N)) / N  # the union of three sparse parts, not a dense average
+        for p in order:
+            v, _, m = by_id[p]
+            # the residual is what was dropped: the target minus what the others decoded
+            torch.testing.assert_close(m.feedback.residual, v - codec.decode(codec.encode(v), N))
+        for r in results:
+            # each member sent its part to two others: about two parts' bytes, plus framing and matchmaking
+            part = len(codec.encode(vecs[0]))
+            assert 2 * part * 0.9 < r.bytes_sent < 2 * part * 1.1 + 20_000, (r.bytes_sent, part)
+            assert r.bytes_sent < 4 * N / 50  # ≥ 50× fewer than one fp32 copy of the vector
+
+
+def test_a_member_frozen_before_sending_fails_the_sparse_merge_for_everyone(bootstrap_dht, net_loop):
+    """Nobody applies an average that misses a member's part; error feedback keeps what was not delivered."""
+    from p2pdiloco.testing.faults import Faults
+
+    cfg = SwarmConfig(run_id="spf", merge_window_s=8, merge_timeout_s=4, codec="sparseloco")
+    stall = Faults({("exchange", 7): "stall"})
+    with (running_mergers(bootstrap_dht, net_loop, 2, cfg, 9001) as others,
+          running_mergers(bootstrap_dht, net_loop, 1, cfg, 9001, faults=stall) as (frozen,)):
+        vecs = [torch.randn(9001, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        futures = []
+        for m, v in zip([*others, frozen], vecs, strict=True):
+            c = _contribution(v, 1.0)
+            c.round = 7
+            futures.append(m.submit(c))
+        for f, v, m in zip(futures[:2], vecs[:2], others, strict=True):
+            r = f.result(timeout=60)
+            assert r.failure and r.alone and torch.equal(r.pseudo_grad, v)  # own Δ, no partial average
+            assert m.feedback.residual is None  # nothing counted as sent: the residual was not charged
+        futures[2].cancel()
