@@ -66,17 +66,22 @@ def _honest(theta: torch.Tensor, delta: torch.Tensor, state_weight: float = 1000
                         state_digest="honest", state_weight=state_weight)
 
 
+@pytest.mark.parametrize("anchored", [False, True])
 @pytest.mark.parametrize("honest_state_weight", [1000.0, 0.0])
 def test_a_member_claiming_huge_weights_and_offering_minus_theta_takes_over_nothing(guarded_mergers,
-                                                                                   honest_state_weight):
+                                                                                   honest_state_weight, anchored):
     """Attack 2: θg = −θg with weight and state weight 1e30 (it replaced the model of every member before), also
-    at a run's start, when every honest member is fresh (no tokens absorbed: the claim alone was positive)."""
+    at a run's start, when every honest member is fresh (no tokens absorbed: the claim alone was positive), and
+    when the members hold a common anchor, so that the models travel as int8 differences from it."""
     gen = torch.Generator().manual_seed(1)
     theta = torch.randn(N, generator=gen)
     deltas = [1e-3 * torch.randn(N, generator=gen) for _ in range(4)]
+    anchors = {"anchor": torch.cat([theta, torch.zeros(N)])} if anchored else {}
     hostile = Contribution(pseudo_grad=deltas[3], weight=CLAIM, global_params=-theta, momentum=torch.zeros(N),
-                           state_digest="takeover", state_weight=CLAIM)
+                           state_digest="takeover", state_weight=CLAIM, anchors=anchors)
     sent = [_honest(theta, d, honest_state_weight) for d in deltas[:3]] + [hostile]
+    for c in sent[:3]:
+        c.anchors = anchors
     results = [f.result(timeout=60) for f in [m.submit(c) for m, c in zip(guarded_mergers, sent, strict=True)]]
     for r in results:
         assert r.failure == "" and len(r.group) == 4 and torch.equal(r.global_state, results[0].global_state)

@@ -154,12 +154,9 @@ class OuterOptConfig(_Section):
 
     SECTION: ClassVar[str] = "outer"
 
-    lr: float = 0.7
-    """Outer learning rate."""
+    lr: float = 0.7  # outer learning rate
     momentum: float = 0.9
-    """Outer momentum."""
-    nesterov: bool = True
-    """Use Nesterov momentum."""
+    nesterov: bool = True  # use Nesterov momentum
     eager: bool = True
     """Decoupled: go on from the outer step on the own Δ while a merge is in flight (arXiv 2502.12996)."""
 
@@ -219,6 +216,8 @@ class SwarmConfig(_Section):
     """Add each round's quantization residual to the next round's pseudo-gradient (lossy codecs only)."""
     error_feedback_decay: float = 1.0
     """β: the residual is scaled by β before it is added (SparseLoCo's decayed accumulator, arXiv 2508.15706)."""
+    state_anchors: int = 3
+    """Recent global models kept (8 bytes a parameter each): members whose models differ send int8 differences."""
     swarm_key: str = ""
     """File with the private swarm's secret key (`p2pdiloco keygen`); empty: a public swarm."""
 
@@ -232,8 +231,8 @@ class SwarmConfig(_Section):
         yield self.group_size >= 2, "swarm.group_size must be >= 2"
         yield self.wait_for_peers >= 0 and self.wait_for_peers_s >= 0, "swarm.wait_for_peers* must be >= 0"
         yield self.codec in CODECS, f"swarm.codec must be one of {', '.join(CODECS)}, got {self.codec!r}"
-        yield 1 <= self.sparse_keep <= 4096 and 0 <= self.error_feedback_decay <= 1, \
-            "need swarm.sparse_keep in [1, 4096] and swarm.error_feedback_decay in [0, 1]"
+        yield 1 <= self.sparse_keep <= 4096 and 0 <= self.error_feedback_decay <= 1 and 0 <= self.state_anchors <= 8, \
+            "need swarm.sparse_keep in [1, 4096], swarm.error_feedback_decay in [0, 1], swarm.state_anchors in [0, 8]"
 
 
 class GuardConfig(_Section):

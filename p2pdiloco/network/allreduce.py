@@ -280,7 +280,7 @@ class AllReduce:
             TimeoutError: the group's notice did not come in time.
         """
         gid, tag, index = header.get("group_id"), header.get("tag"), header.get("index")
-        if not isinstance(gid, str) or tag not in ("d", "s") or not isinstance(index, int):
+        if not isinstance(gid, str) or not isinstance(tag, str) or tag not in self.codecs or not isinstance(index, int):
             raise MergeFailed("malformed part header")
         codec = self.codecs[tag]
         if not codec.exact_size:

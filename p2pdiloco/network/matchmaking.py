@@ -7,15 +7,13 @@
    from the DHT (issue 17: a peer's DHT work does not grow with the swarm).
 3. **Group.** The first ready mate in the epoch's order leads: it invites the ready mates as soon as every
    reachable mate is ready, or at its deadline with whoever is. Each peer accepts at most one invite per
-   merge; the leader then sends the final member list, the members' weights and whether their global models
-   disagree (digests differ) to every member. A peer not invited in time merges alone; a leader that never
-   invites is passed over for a while.
+   merge; the leader then sends the final member list, the members' weights, whether their global models
+   disagree (digests differ) and the newest state all of them hold (`Group.anchor`) to every member. A peer not
+   invited in time merges alone; a leader that never invites is passed over for a while.
 
 Nothing a peer claims is taken as is: weights are capped by the group's median (`bounded_weights`), a member
-checks that the notice carries its own claims unchanged, and a deadline further off than any honest window
-is not believed.
-
-How long a peer looks is its *window* (see `Matchmaker._window`).
+checks that the notice carries its own claims unchanged (and an anchor it holds), and a deadline further off
+than any honest window is not believed. How long a peer looks is its *window* (see `Matchmaker._window`).
 """
 
 from __future__ import annotations
@@ -63,6 +61,8 @@ class Group:
     """Vector length per tag: 'd' for the pseudo-gradient, 's' for (θg, momentum)."""
     final: bool = False
     """A member is finishing its run (see `MergeResult.final`)."""
+    anchor: str = ""
+    """A state all hold (`Contribution.anchors`): differences from it travel int8 (tag 'a'); '': fp32 (tag 's')."""
     slots: dict = field(default_factory=dict)
     """The all-reduce's state per tag while this group merges (see `AllReduce`)."""
     reference: object = None
@@ -80,7 +80,7 @@ class Group:
         claims = sorted(self.state_weights)
         return claims[(len(claims) - 1) // 2] if claims else 0.0
 
-    def weights_for(self, tag: str) -> list[float]:
+    def weights_for(self, tag: str) -> list[float]:  # 'd': Δ; 's', 'a': (θg, momentum)
         return self.weights if tag == "d" else self.state_weights
 
 
@@ -274,7 +274,7 @@ class Matchmaker:
         replies = await asyncio.gather(*(self.rpc.request(p, "invite", {"group_id": gid, "fp": self.fingerprint})
                                          for p in candidates))
         members, weights, state_weights, digests = [self.peer_id], [c.weight], [c.state_weight], [c.state_digest]
-        rounds, finals = [c.round], [c.final]
+        rounds, finals, anchors = [c.round], [c.final], [list(c.anchors)]
         for peer, reply in zip(candidates, replies, strict=True):
             if reply and reply.get("accept") is True:
                 try:
@@ -289,20 +289,23 @@ class Matchmaker:
                     digests.append(d)
                     rounds.append(r)
                     finals.append(reply.get("final") is True)
+                    anchors.append(reply["anchors"] if isinstance(reply.get("anchors"), list) else [])
         if self.guard.enabled:  # members far behind the group contribute stale updates: leave them out
             stale = stale_members(rounds, self.guard.max_round_lag)
             for i in reversed(range(1, len(members))):
                 if stale[i]:
                     self.book.reject(members[i], STALE, gid, f"round {rounds[i]}", strike=False)
-                    for column in (members, weights, state_weights, digests, finals):
+                    for column in (members, weights, state_weights, digests, finals, anchors):
                         del column[i]
         if len(members) == 1:
             return None
         final = any(finals)
-        group = Group(gid, members, weights, state_weights, len(set(digests)) > 1, dict(self.lengths), final)
+        need_state = len(set(digests)) > 1  # the newest state all hold, if any, is what they send differences from
+        anchor = next((a for a in anchors[0] if need_state and all(a in held for held in anchors[1:])), "")
+        group = Group(gid, members, weights, state_weights, need_state, dict(self.lengths), final, anchor)
         self._group_future(gid).set_result(group)
         notice = {"group_id": gid, "members": members, "weights": weights, "state_weights": state_weights,
-                  "need_state": group.need_state, "final": final}
+                  "need_state": group.need_state, "final": final, "anchor": anchor}
         await asyncio.gather(*(self.rpc.request(p, "group", notice) for p in members[1:]))
         logger.info("[%s] leading merge group %s of %d peers", self.peer_id[-6:], gid, len(members))
         return group
@@ -337,7 +340,7 @@ class Matchmaker:
             self._changed.set()
             c = search.contribution
             reply = {"accept": True, "weight": c.weight, "state_weight": c.state_weight, "digest": c.state_digest,
-                     "round": c.round, "final": c.final}
+                     "round": c.round, "final": c.final, "anchors": list(c.anchors)}
         await self.rpc.reply(reader, writer, "invite", leader, reply)
 
     async def on_ready(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -365,12 +368,13 @@ class Matchmaker:
         ok = (
             search is not None and gid == search.accepted_gid and request.sender == search.leader
             and self._valid_notice(header) and self._own_claims_kept(header, search.contribution)
+            and header.get("anchor", "") in ("", *search.contribution.anchors)  # one this peer holds, or none
         )
         if ok:
             group = Group(
                 gid, [str(m) for m in header["members"]], [float(w) for w in header["weights"]],
                 [float(w) for w in header["state_weights"]], bool(header["need_state"]), dict(self.lengths),
-                header.get("final") is True,
+                header.get("final") is True, str(header.get("anchor", "")),
             )
             fut = self._group_future(gid)
             if not fut.done():

@@ -7,7 +7,7 @@ The learner never sees a DHT or a socket. `P2PMerger` (in `p2p_merger.py`) imple
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -29,6 +29,9 @@ class Contribution:
     """Hash of (θg, momentum): members compare digests to see whether their global models agree."""
     state_weight: float
     """Tokens already merged into θg: how much a member's θg counts when global models are averaged."""
+    anchors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Recent states this peer holds exactly, (θg, momentum) concatenated, by digest, newest first: members whose
+    global models differ average their differences from the newest one all of them hold, compressed."""
     round: int = 0
     """This peer's round counter, for logs."""
     round_s: float = 0.0

@@ -63,7 +63,9 @@ class SliceGuard:
         the share does not see.
         """
         g = self.guard
-        reasons = screen_parts(parts, me, g.norm_bound, g.min_cosine)
+        # differences from an anchor ('a') are judged by CenteredClip and each member's `state_within_reach` only:
+        # a member whose model is the anchor sends zeros, and any norm or direction reference would be arbitrary
+        reasons = screen_parts(parts, me, g.norm_bound, g.min_cosine) if tag != "a" else screen_parts(parts, me, 0, -1)
         reasons = [flags.get(i) or r for i, r in enumerate(reasons)]
         factors = self._trust(group, tag, me, parts, reasons)
         for i, reason in enumerate(reasons):
@@ -80,7 +82,7 @@ class SliceGuard:
         if not keep:
             raise MergeFailed("every contribution to this slice was rejected")
         weights = [w * f for w, f in zip(weights, factors, strict=True)]
-        if tag == "s" and 2 * sum(weights[i] > 0 for i in keep) > len(keep):
+        if tag != "d" and 2 * sum(weights[i] > 0 for i in keep) > len(keep):
             # a fresh peer's θg (no tokens absorbed) counts for nothing, but only where the members that claim
             # tokens are a majority: at a run's start every honest member is fresh, and one member claiming
             # tokens would otherwise decide the swarm's model alone (measured: a 5-peer swarm with 2 such members

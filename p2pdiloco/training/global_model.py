@@ -21,10 +21,28 @@ class GlobalModel:
         outer: the outer optimizer's settings.
     """
 
-    def __init__(self, params: torch.Tensor, outer: OuterOptConfig):
+    def __init__(self, params: torch.Tensor, outer: OuterOptConfig, anchors: int = 0):
         self.params = params
         self.momentum = torch.zeros_like(params)
         self.outer = outer
+        self.keep_anchors = anchors
+        self._anchors: dict[str, torch.Tensor] = {}
+        """The last `anchors` states this peer held, (θg, momentum) concatenated, by digest, oldest first: a merge
+        group whose members' global models differ exchanges only their differences from one they all hold."""
+        self._remember()
+
+    def _remember(self) -> None:
+        if self.keep_anchors <= 0:
+            return
+        digest = self.digest()
+        self._anchors.pop(digest, None)
+        self._anchors[digest] = torch.cat([self.params, self.momentum])
+        while len(self._anchors) > self.keep_anchors:
+            del self._anchors[next(iter(self._anchors))]
+
+    def anchors(self) -> dict[str, torch.Tensor]:
+        """The states this peer can rebuild exactly, by digest, newest first (see `Contribution.anchors`)."""
+        return dict(reversed(list(self._anchors.items())))
 
     def merge(self, result: MergeResult, own_weight: float = 1.0) -> bool:
         """Adopt the group's averaged (θg, momentum) if members disagreed, then take the outer step on Δ̄.
@@ -49,6 +67,7 @@ class GlobalModel:
                 self.adopt(params, momentum)
         self.params, self.momentum = outer_step(self.params, self.momentum, result.pseudo_grad, o.lr, o.momentum,
                                                 o.nesterov)
+        self._remember()
         return adopted
 
     def adopt(self, params: torch.Tensor, momentum: torch.Tensor) -> None:
@@ -56,6 +75,7 @@ class GlobalModel:
         if params.numel() != self.params.numel() or momentum.numel() != self.params.numel():
             raise ValueError("state does not fit this model")
         self.params, self.momentum = params.clone(), momentum.clone()
+        self._remember()
 
     def digest(self) -> str:
         """Hash of (θg, momentum): members compare digests to see whether their global models agree."""

@@ -122,7 +122,7 @@ class Learner:
         """A multi-process learner unit's hook (distributed.py): `lead` before each inner step, `release` at the end."""
         self.model_moved = 0
         """Moves of the local model outside a merge (eager updates): a unit's other ranks follow them too."""
-        self.g = GlobalModel(self._local_params(), cfg.outer)
+        self.g = GlobalModel(self._local_params(), cfg.outer, cfg.swarm.state_anchors)
         self.c = Counters()
         self.report = Reporter(cfg, self.c, metrics, merger.peer_id, device, self.g.params.numel(), t_process_start)
         """Metrics lines, the heartbeat record, the summary and the bandwidth report (reporting.py)."""
@@ -235,7 +235,7 @@ class Learner:
         contribution = Contribution(
             pseudo_grad=pseudo_gradient(self.g.params, local), weight=float(self.c.tokens_in_round),
             global_params=self.g.params, momentum=self.g.momentum, state_digest=self.g.digest(),
-            state_weight=self.c.global_tokens, round=self.c.round, round_s=self.clock.round_s(), final=final)
+            state_weight=self.c.global_tokens, anchors=self.g.anchors(), round=self.c.round, round_s=self.clock.round_s(), final=final)
         future = self.merger.submit(contribution)
         if self.cfg.outer.eager and not self.cfg.swarm.sync:
             local = self._eager(contribution.pseudo_grad)

@@ -1,0 +1,77 @@
+"""Members whose global models differ agree on one (issue 19, section 3): through the real merger (hivemind DHTs,
+p2p daemons, loopback), as int8 differences from a state all members hold (an anchor) when there is one, else
+as fp32 models; members end bit-identical either way, and the anchored exchange costs a fraction of the bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2pdiloco.algorithm.outer import weighted_average
+from p2pdiloco.config import GuardConfig, OuterOptConfig, SwarmConfig
+from p2pdiloco.network.merger import Contribution, MergeResult
+from p2pdiloco.training.global_model import GlobalModel
+from tests.conftest import running_mergers
+
+N = 40_001
+
+
+def test_a_global_model_keeps_its_recent_states_by_digest_newest_first():
+    g = GlobalModel(torch.zeros(N), OuterOptConfig(), anchors=2)
+    first = g.digest()
+    assert list(g.anchors()) == [first]
+    delta = torch.full((N,), 1e-3)
+    g.merge(MergeResult(group=["me"], pseudo_grad=delta, total_weight=1.0))
+    second = g.digest()
+    g.merge(MergeResult(group=["me"], pseudo_grad=delta, total_weight=1.0))
+    assert list(g.anchors()) == [g.digest(), second]  # at most 2: the first fell out
+    assert torch.equal(g.anchors()[g.digest()], torch.cat([g.params, g.momentum]))
+    g.adopt(torch.ones(N), torch.zeros(N))  # a donor's state is an anchor too
+    assert list(g.anchors())[0] == g.digest() and len(g.anchors()) == 2
+    assert GlobalModel(torch.zeros(N), OuterOptConfig(), anchors=0).anchors() == {}
+
+
+def _states(n_members: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A common anchor and each member's (θg, momentum) a few outer steps away from it (one member still on it)."""
+    gen = torch.Generator().manual_seed(3)
+    anchor = torch.cat([torch.randn(N, generator=gen), 1e-2 * torch.randn(N, generator=gen)])
+    states = [anchor.clone()] + [anchor + 1e-2 * torch.randn(2 * N, generator=gen) for _ in range(n_members - 1)]
+    return anchor, states
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("common_anchor", [True, False])
+def test_differing_members_agree_bit_identically_and_an_anchor_cuts_the_bytes(bootstrap_dht, net_loop, common_anchor):
+    cfg = SwarmConfig(run_id=f"agree{int(common_anchor)}", merge_window_s=8, merge_timeout_s=10, codec="none",
+                      sync=True)
+    anchor, states = _states(3)
+    weights = [100.0, 200.0, 300.0]
+    with running_mergers(bootstrap_dht, net_loop, 3, cfg, N, guard=GuardConfig(enabled=False)) as mergers:
+        futures = []
+        for i, (m, s, w) in enumerate(zip(mergers, states, weights, strict=True)):
+            held = {"common": anchor} if common_anchor else {f"only-{i}": anchor}
+            c = Contribution(pseudo_grad=torch.zeros(N), weight=1.0, global_params=s[:N], momentum=s[N:],
+                             state_digest=f"member-{i}", state_weight=w, anchors={f"own-{i}": s, **held})
+            futures.append((m.peer_id, m.submit(c)))
+        results = {pid: f.result(timeout=60) for pid, f in futures}
+    by_id = {pid: (s, w) for (pid, _), s, w in zip(futures, states, weights, strict=True)}
+    first = next(iter(results.values()))
+    exact = weighted_average([by_id[p][0] for p in first.group], [by_id[p][1] for p in first.group])
+    for r in results.values():
+        assert r.failure == "" and len(r.group) == 3 and r.global_state is not None, r.failure
+        assert torch.equal(r.global_state, first.global_state)  # every member holds the same bits
+    if common_anchor:
+        # int8 differences from the anchor: off the fp32 average by at most ~1/127 of the largest difference
+        # in a block, far below the differences themselves
+        spread = float((torch.stack(states) - anchor).abs().max())
+        err = float((first.global_state - exact).abs().max())
+        assert 0 < err <= spread / 100, (err, spread)
+    else:
+        torch.testing.assert_close(first.global_state, exact, rtol=1e-6, atol=1e-7)  # fp32: the average itself
+    fp32_state = 2 * (3 - 1) / 3 * 8 * N  # what one member sends of a sliced fp32 (θg, momentum) exchange
+    for r in results.values():
+        state_bytes = r.bytes_sent - r.pseudo_grad_bytes_sent  # the agreement phase (and a few hundred of matchmaking)
+        if common_anchor:
+            assert state_bytes < 0.3 * fp32_state, (state_bytes, fp32_state)  # 1 byte a value, not 4
+        else:
+            assert state_bytes > 0.95 * fp32_state, (state_bytes, fp32_state)
