@@ -75,3 +75,18 @@ def test_differing_members_agree_bit_identically_and_an_anchor_cuts_the_bytes(bo
             assert state_bytes < 0.3 * fp32_state, (state_bytes, fp32_state)  # 1 byte a value, not 4
         else:
             assert state_bytes > 0.95 * fp32_state, (state_bytes, fp32_state)
+
+
+def test_a_member_refuses_a_notice_naming_an_anchor_it_does_not_hold():
+    """A leader cannot make a member add its differences to a state it does not hold (its model would be lost)."""
+    from tests.test_fuzz import _bare_matchmaker
+
+    held = torch.zeros(4)
+    c = Contribution(pseudo_grad=held, weight=10.0, global_params=held, momentum=held, state_digest="mine",
+                     state_weight=5.0, anchors={"mine": held, "older": held})
+    notice = {"members": ["you", "me"], "weights": [10.0, 10.0], "state_weights": [5.0, 5.0], "need_state": True}
+    m = _bare_matchmaker()
+    assert m._own_claims_kept({**notice, "anchor": "older"}, c)
+    assert m._own_claims_kept({**notice, "anchor": ""}, c) and m._own_claims_kept(notice, c)  # fp32 agreement
+    assert not m._own_claims_kept({**notice, "anchor": "not-held"}, c)
+    assert not m._own_claims_kept({**notice, "anchor": ["older"]}, c)  # not even a digest

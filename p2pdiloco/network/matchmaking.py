@@ -368,7 +368,6 @@ class Matchmaker:
         ok = (
             search is not None and gid == search.accepted_gid and request.sender == search.leader
             and self._valid_notice(header) and self._own_claims_kept(header, search.contribution)
-            and header.get("anchor", "") in ("", *search.contribution.anchors)  # one this peer holds, or none
         )
         if ok:
             group = Group(
@@ -382,9 +381,11 @@ class Matchmaker:
         await self.rpc.reply(reader, writer, "group", request.sender, {"ok": ok})
 
     def _own_claims_kept(self, h: dict, c: Contribution) -> bool:
-        """The leader wrote down this peer's weights as this peer offered them (it could raise or zero them)."""
+        """The leader wrote down this peer's weights as this peer offered them (it could raise or zero them), and
+        names an anchor this peer holds, or none."""
         i = h["members"].index(self.peer_id)
-        return float(h["weights"][i]) == float(c.weight) and float(h["state_weights"][i]) == float(c.state_weight)
+        return (float(h["weights"][i]) == float(c.weight) and float(h["state_weights"][i]) == float(c.state_weight)
+                and h.get("anchor", "") in ("", *c.anchors))
 
     def _valid_notice(self, h: dict) -> bool:
         members, weights, sw = h.get("members"), h.get("weights"), h.get("state_weights")

@@ -64,12 +64,15 @@ def merge_cost(scn: Scenario, g: int, state: bool) -> tuple[float, float]:
     """(seconds, bytes each member sends) of one group merge of `g` members; `state`: (θg, momentum) too.
 
     Reduce-scatter plus all-gather through slice owners: each member sends 2(g−1)/g of the payload; a sparse
-    codec's parts are all-gathered instead: g − 1 copies of its part (network/sparse_exchange.py).
+    codec's parts are all-gathered instead: g − 1 copies of its part (network/sparse_exchange.py). (θg, momentum)
+    travel as int8 differences from a state all members hold (`Group.anchor`; a fork is rarely deeper than
+    `swarm.state_anchors` merges).
     """
     n = scn.network
     share = 2 * (g - 1) / g
     pseudo_grad_share = g - 1 if n.codec == "sparseloco" else share
-    sent = pseudo_grad_share * n.params * bytes_per_value(n.codec) + (share * 2 * n.params * 4.0 if state else 0.0)
+    state_bytes = share * 2 * n.params * bytes_per_value("int8") if state else 0.0
+    sent = pseudo_grad_share * n.params * bytes_per_value(n.codec) + state_bytes
     phases = 2 if state else 1
     seconds = n.matchmaking_s + phases * 2 * n.latency_s + sent * 8 / (n.bandwidth_gbps * 1e9)
     return seconds, sent

@@ -63,8 +63,8 @@ class GlobalModel:
             if own_weight > 0:
                 own_next, _ = outer_step(self.params, self.momentum, result.pseudo_grad, o.lr, o.momentum, o.nesterov)
                 adopted = state_within_reach(self.params, params, own_next - self.params)
-            if adopted:
-                self.adopt(params, momentum)
+            if adopted:  # not an anchor: only the stepped state below is held by every member
+                self.params, self.momentum = params.clone(), momentum.clone()
         self.params, self.momentum = outer_step(self.params, self.momentum, result.pseudo_grad, o.lr, o.momentum,
                                                 o.nesterov)
         self._remember()
