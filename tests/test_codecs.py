@@ -134,3 +134,27 @@ def test_a_peer_merging_with_int4_does_not_import_bitsandbytes():
             "print(sorted(m for m in sys.modules if m.startswith(('bitsandbytes', 'torch._dynamo'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_deflated_int8_is_int8_exactly_smaller_on_sparse_vectors_and_refuses_bombs():
+    """The codec of members' differences from an anchor (p2p_merger.STATE_DIFF_CODEC)."""
+    import zlib
+
+    from p2pdiloco.algorithm.codecs import DeflatedCodec
+
+    codec, n = DeflatedCodec(), 100_000
+    x = torch.zeros(n)
+    x[::50] = torch.randn(n // 50, generator=torch.Generator().manual_seed(0))  # 2 % non-zero, as after sparse merges
+    data = codec.encode(x)
+    assert torch.equal(codec.decode(data, n), codec.inner.decode(codec.inner.encode(x), n))  # int8's bits exactly
+    assert len(data) < codec.inner.encoded_size(n) / 10
+    dense = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    assert len(codec.encode(dense)) <= codec.encoded_size(n)  # the bound holds for incompressible codes too
+    with pytest.raises(CodecError):
+        codec.decode(zlib.compress(bytes(10 * n)), n)  # inflates past the int8 size: stopped there
+    with pytest.raises(CodecError):
+        codec.decode(zlib.compress(bytes(n)), n)  # too short
+    with pytest.raises(CodecError):
+        codec.decode(b"not deflate", n)
+    with pytest.raises(CodecError):
+        codec.decode(data + b"trailing", n)

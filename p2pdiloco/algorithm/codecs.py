@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,6 +62,11 @@ class Codec:
     @property
     def exact_size(self) -> bool:
         """`encoded_size` is the exact size (True), or only a bound (sparse codecs, whose size varies)."""
+        return True
+
+    @property
+    def sliced(self) -> bool:
+        """Averaged slice by slice (allreduce.py); False: whole parts are all-gathered (sparse_exchange.py)."""
         return True
 
     def encoded_size(self, n: int) -> int:
@@ -217,6 +223,47 @@ NF4_MAP = torch.tensor([
 ], dtype=torch.float32)
 """NormalFloat4 (QLoRA, Dettmers et al. 2023): quantiles of a standard normal scaled to [−1, 1], as bitsandbytes
 ships them."""
+
+
+@dataclass(frozen=True)
+class DeflatedCodec(Codec):
+    """Another codec's bytes, deflated (zlib level 1): for vectors that are mostly zero, such as the differences
+    of members' global models from an anchor after sparse updates (p2p_merger.py, tag 'a'). Its size is only
+    bounded; decoding never inflates past the inner codec's exact size, so a crafted payload cannot balloon."""
+
+    name: str = "int8+deflate"
+    inner: Codec = field(default_factory=lambda: BlockwiseCodec("int8"))
+
+    @property
+    def lossy(self) -> bool:
+        return self.inner.lossy
+
+    @property
+    def exact_size(self) -> bool:
+        return False
+
+    def encoded_size(self, n: int) -> int:
+        raw = self.inner.encoded_size(n)
+        return raw + raw // 1000 + 64  # deflate's worst case on incompressible bytes, with slack
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        return zlib.compress(self.inner.encode(x), 1)
+
+    def decode(self, data: bytes | memoryview, n: int) -> torch.Tensor:
+        raw_size = self.inner.encoded_size(n)
+        if n < 0 or len(data) > self.encoded_size(n):
+            raise CodecError(f"{self.name}: {len(data)} bytes is more than {n} values can take")
+        d = zlib.decompressobj()
+        try:
+            raw = d.decompress(bytes(data), raw_size + 1)
+        except zlib.error as e:
+            raise CodecError(f"{self.name}: {e}") from None
+        if len(raw) != raw_size or not d.eof or d.unused_data:
+            raise CodecError(f"{self.name}: does not inflate to {raw_size} bytes")
+        return self.inner.decode(raw, n)
+
+    def error_bound(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.error_bound(x)
 
 
 def get_codec(name: str, sparse_keep: int = 64) -> Codec:

@@ -106,6 +106,10 @@ class SparseCodec(Codec):
         return False
 
     @property
+    def sliced(self) -> bool:
+        return False  # parts are all-gathered: an average of sparse parts is as dense as their union
+
+    @property
     def rice(self) -> int:
         return rice_parameter(self.chunk, self.keep)
 

@@ -258,8 +258,9 @@ class AllReduce:
             slot = self._slot(group, tag, me)
             slot.claim(index)  # one part per member: a second stream for the same part is refused unread
             try:
-                payload = await self.rpc.receive_payload(reader, self.codecs[tag].encoded_size(hi - lo),
-                                                         self.merge_timeout_s)
+                codec = self.codecs[tag]
+                payload = await self.rpc.receive_payload(reader, codec.encoded_size(hi - lo), self.merge_timeout_s,
+                                                         exact=codec.exact_size)
                 data, share = await self._reduce_part(group, tag, index, me, sender, payload)
             except BaseException:
                 slot.unclaim(index)
@@ -283,7 +284,7 @@ class AllReduce:
         if not isinstance(gid, str) or not isinstance(tag, str) or tag not in self.codecs or not isinstance(index, int):
             raise MergeFailed("malformed part header")
         codec = self.codecs[tag]
-        if not codec.exact_size:
+        if not codec.sliced:
             raise MergeFailed(f"{codec.name} parts are all-gathered, not sliced (sparse_exchange.py)")
         if header.get("codec", "none") != codec.name:
             raise MergeFailed(f"part encoded with {header.get('codec')!r}, this peer merges with {codec.name!r}")

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 import hivemind
 import torch
 
-from p2pdiloco.algorithm.codecs import Codec, ErrorFeedback, get_codec
+from p2pdiloco.algorithm.codecs import Codec, DeflatedCodec, ErrorFeedback, get_codec
 from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.config import GuardConfig, SwarmConfig
 from p2pdiloco.network.allreduce import AllReduce, PlainReducer, by_values, slice_bounds
@@ -42,6 +42,9 @@ from p2pdiloco.network.swarm_key import SwarmAuth
 from p2pdiloco.network.wire import ByteCounter, WireError
 
 __all__ = ["MergeFailed", "P2PMerger"]
+
+STATE_DIFF_CODEC = DeflatedCodec()
+"""How members' differences from an anchor travel: int8, deflated (after sparse updates they are mostly zero)."""
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +77,14 @@ class P2PMerger:
         self.codec = get_codec(cfg.codec, cfg.sparse_keep)
         """Codec of pseudo-gradient slices and their averages. (θg, momentum) travel as fp32 (tag 's'), or, where
         the members hold a common anchor, as int8 differences from it (tag 'a'): quantizing the model itself would
-        have no error feedback to undo it, a difference of a few outer steps loses ~1/250 of itself."""
+        have no error feedback to undo it, a difference of a few outer steps loses ~1/250 of itself (deflated:
+        after sparse updates most of it is zero)."""
         self.feedback = ErrorFeedback(cfg.error_feedback and self.codec.lossy, cfg.error_feedback_decay)
         self.rpc = Rpc(dht, cfg.run_id, self.auth, self.counter)
         self.matchmaker = Matchmaker(dht, cfg, self.rpc, self.book, self.guard, fingerprint,
                                      {"d": n_params, "s": 2 * n_params, "a": 2 * n_params})
         self.allreduce = AllReduce(
-            self.rpc, self.matchmaker.expected_group, {"d": self.codec, "s": Codec(), "a": get_codec("int8")},
+            self.rpc, self.matchmaker.expected_group, {"d": self.codec, "s": Codec(), "a": STATE_DIFF_CODEC},
             SliceGuard(self.guard, self.book) if self.guard.enabled else PlainReducer(),
             merge_timeout_s=cfg.merge_timeout_s, faults=faults,
         )
@@ -127,7 +131,7 @@ class P2PMerger:
             group.reference = c.momentum  # its slice guard judges members' parts by it (guards.cosines_to)
             target = self.feedback.compensate(c.pseudo_grad)
             delta_sent0 = self.counter.sent
-            if self.codec.exact_size:
+            if self.codec.sliced:
                 avg, sent, shares = await asyncio.wait_for(self.allreduce.average(group, me, "d", target), timeout)
                 sent = _uncounted_as_unsent(sent, shares)
             else:
