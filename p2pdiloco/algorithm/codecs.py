@@ -11,7 +11,7 @@ merge group that decode one averaged slice hold the same bits.
 | bf16 | 16 | 2^-8·|x| |
 | int8 | 8 + 32/4096 | absmax of the 4096-value block × half the widest gap of bitsandbytes' dynamic map |
 | int4 | 4 + 32/128 | absmax of the 128-value block × half the widest gap of the NF4 map |
-| sparseloco | ~0.16 (top 64 of 4096, 2 bits + ~8 position bits each) | chunk absmax (sparse.py) |
+| sparseloco | ~0.12 (top 48 of 4096 by default, 2 bits + ~8 position bits each) | chunk absmax (sparse.py) |
 
 Error feedback (1-bit SGD, Seide et al. 2014; EF-SGD, Karimireddy et al. 2019; INTELLECT-1 uses it with
 int8): what a round's quantization dropped is added to the next round's pseudo-gradient, so the error does

@@ -163,9 +163,9 @@ class Scenario:
 
 def bytes_per_value(codec: str) -> float:
     """Encoded bytes per value of a codec (algorithm/codecs.py: int8 has an fp32 absmax per 4096, int4 per 128;
-    sparseloco, algorithm/sparse.py: 64 of 4096 values at ~9.5 bits each, two bf16 scales a chunk)."""
+    sparseloco, algorithm/sparse.py: 48 of 4096 values at ~10 bits each, two bf16 scales a chunk)."""
     return {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4 / 4096, "int4": 0.5 + 4 / 128,
-            "sparseloco": (64 * 9.5 + 32) / 8 / 4096}[codec]
+            "sparseloco": (48 * 10 + 32) / 8 / 4096}[codec]
 
 
 def scenario_from_dict(data: dict, base: Scenario | None = None) -> Scenario:
