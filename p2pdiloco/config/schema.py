@@ -216,7 +216,7 @@ class SwarmConfig(_Section):
     """Add each round's quantization residual to the next round's pseudo-gradient (lossy codecs only)."""
     error_feedback_decay: float = 1.0
     """β: the residual is scaled by β before it is added (SparseLoCo's decayed accumulator, arXiv 2508.15706)."""
-    state_anchors: int = 3
+    state_anchors: int = 8
     """Recent global models kept (8 bytes a parameter each): members whose models differ send int8 differences."""
     swarm_key: str = ""
     """File with the private swarm's secret key (`p2pdiloco keygen`); empty: a public swarm."""
@@ -231,8 +231,8 @@ class SwarmConfig(_Section):
         yield self.group_size >= 2, "swarm.group_size must be >= 2"
         yield self.wait_for_peers >= 0 and self.wait_for_peers_s >= 0, "swarm.wait_for_peers* must be >= 0"
         yield self.codec in CODECS, f"swarm.codec must be one of {', '.join(CODECS)}, got {self.codec!r}"
-        yield 1 <= self.sparse_keep <= 4096 and 0 <= self.error_feedback_decay <= 1 and 0 <= self.state_anchors <= 8, \
-            "need swarm.sparse_keep in [1, 4096], swarm.error_feedback_decay in [0, 1], swarm.state_anchors in [0, 8]"
+        yield 1 <= self.sparse_keep <= 4096 and 0 <= self.error_feedback_decay <= 1 and 0 <= self.state_anchors <= 32, \
+            "need swarm.sparse_keep in [1, 4096], swarm.error_feedback_decay in [0, 1], swarm.state_anchors in [0, 32]"
 
 
 class GuardConfig(_Section):
