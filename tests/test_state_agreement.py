@@ -70,7 +70,9 @@ def test_differing_members_agree_bit_identically_and_an_anchor_cuts_the_bytes(bo
         torch.testing.assert_close(first.global_state, exact, rtol=1e-6, atol=1e-7)  # fp32: the average itself
     fp32_state = 2 * (3 - 1) / 3 * 8 * N  # what one member sends of a sliced fp32 (θg, momentum) exchange
     for r in results.values():
-        state_bytes = r.bytes_sent - r.pseudo_grad_bytes_sent  # the agreement phase (and a few hundred of matchmaking)
+        state_bytes = r.state_bytes_sent
+        assert r.state_anchored is common_anchor
+        assert state_bytes <= r.bytes_sent - r.pseudo_grad_bytes_sent  # the rest is matchmaking
         if common_anchor:
             assert state_bytes < 0.3 * fp32_state, (state_bytes, fp32_state)  # 1 byte a value, not 4
         else:

@@ -63,6 +63,10 @@ class MergeResult:
     """Bytes this peer received for this merge."""
     pseudo_grad_bytes_sent: int = 0
     """Of `bytes_sent`, those of the pseudo-gradient exchange (not matchmaking, not the (θg, momentum) average)."""
+    state_bytes_sent: int = 0
+    """Of `bytes_sent`, those of the (θg, momentum) agreement (0 if there was none)."""
+    state_anchored: bool = False
+    """The agreement travelled as int8 differences from an anchor all members held (else fp32, or none)."""
     duration_s: float = 0.0
     """Seconds from submit to result."""
     group_id: str = ""

@@ -138,7 +138,7 @@ class P2PMerger:
                 avg, sent, all_shares = await asyncio.wait_for(self.sparse.average(group, me, target), timeout)
                 shares = [all_shares[me]] * len(group.members)  # one part, counted whole or not at all
             delta_sent = self.counter.sent - delta_sent0
-            state, state_shares = None, []
+            state, state_shares, state_sent0 = None, [], self.counter.sent
             if group.need_state:
                 state, state_shares = await asyncio.wait_for(self._agree(group, me, c), timeout)
             # only now: a failed merge sent nothing that counts; a part the group left out counts as unsent. A
@@ -152,7 +152,8 @@ class P2PMerger:
                     state_weight=group.agreed_state_weight() if state is not None else 0.0, final=group.final,
                     own_kept=by_values([float(s > 0) for s in shares], group.lengths["d"]),
                     state_share=by_values(state_shares, group.lengths["s"]) if state is not None else 0.0,
-                    pseudo_grad_bytes_sent=delta_sent,
+                    pseudo_grad_bytes_sent=delta_sent, state_bytes_sent=self.counter.sent - state_sent0,
+                    state_anchored=state is not None and group.anchor in c.anchors,
                 )
             )
         except (MergeFailed, WireError, TimeoutError, ConnectionError, OSError) as e:

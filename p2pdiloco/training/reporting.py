@@ -55,6 +55,10 @@ class Counters:
     """Of `bytes_sent`, those of pseudo-gradient exchanges (see `MergeResult.pseudo_grad_bytes_sent`)."""
     state_merges: int = 0
     """Merges that averaged (θg, momentum) too, because the members' global models differed."""
+    state_merges_anchored: int = 0
+    """Of `state_merges`, those sent as int8 differences from an anchor (the others: fp32)."""
+    state_bytes_sent: int = 0
+    """Of `bytes_sent`, those of (θg, momentum) agreements."""
     compute_s: float = 0.0
     """Wall seconds in inner steps, the padding of `emulate.min_step_s` and `slow_factor` included."""
     compute_cpu_s: float = 0.0
@@ -103,6 +107,8 @@ class Counters:
         self.bytes_received += result.bytes_received
         self.pseudo_grad_bytes_sent += result.pseudo_grad_bytes_sent
         self.state_merges += result.global_state is not None
+        self.state_merges_anchored += result.global_state is not None and result.state_anchored
+        self.state_bytes_sent += result.state_bytes_sent
         self.last_group_size = len(result.group)
         self.max_group_size = max(self.max_group_size, len(result.group))
         self.last_merge_s = result.duration_s
@@ -231,7 +237,8 @@ class Reporter:
             global_digest=global_digest, adopted_state=result.global_state is not None, state_refused=result.state_refused, eval_loss=eval_loss,
             eval_loss_per_byte=self.per_byte(eval_loss),
             round_compute_s=round_compute_s, rejected=result.rejected, final=result.final,
-            own_kept=result.own_kept, state_share=result.state_share,
+            own_kept=result.own_kept, state_share=result.state_share, state_anchored=result.state_anchored,
+            state_bytes_sent=result.state_bytes_sent,
             **({"traffic": self.traffic.snapshot()} if self.traffic else {}),
         )
         logger.info(
@@ -273,6 +280,7 @@ class Reporter:
             "rounds": self.c.round, "merges": self.c.merges, "merge_failures": self.c.merge_failures,
             "bytes_sent": self.bytes_io()[0], "bytes_received": self.bytes_io()[1],
             "pseudo_grad_bytes_sent": self.c.pseudo_grad_bytes_sent, "state_merges": self.c.state_merges,
+            "state_merges_anchored": self.c.state_merges_anchored, "state_bytes_sent": self.c.state_bytes_sent,
             "wall_s": self.elapsed(), "compute_s": self.c.compute_s,
             "compute_cpu_s": self.c.compute_cpu_s, "merge_wait_s": self.c.merge_wait_s,
             "train_s": train_s, "steps_per_s": self.c.steps_run / train_s if train_s > 0 else 0.0,
