@@ -17,8 +17,9 @@ STALL_S = 3600.0
 """How long a 'stall' freezes: longer than any merge is waited for, so the merge is abandoned first."""
 
 
-class Faults(dict[tuple[str, int], str]):
-    """{(stage, round): action}.
+class Faults(dict[tuple[str, int | str], str]):
+    """{(stage, round): action}; a round written "R+" means the first time the stage is reached from round R on
+    (a merge alone reaches no 'serve_part', so a fault planned for one round can miss in a loaded run).
 
     Stages: 'exchange' (the merger, before this peer sends its slices), 'serve_part' (the merger, inside the
     reducer, on each part received from another member: a kill or stall acts on the first), 'checkpoint' (the learner reads
@@ -34,7 +35,7 @@ class Faults(dict[tuple[str, int], str]):
             round_: the caller's round counter.
             peer: this peer's short id, for the log line.
         """
-        action = self.get((stage, round_))
+        action = self.get((stage, round_)) or self._onward(stage, round_)
         if action:
             logger.warning("[%s] injected fault: %s at %s of round %d", peer, action, stage, round_)
         if action == "kill":
@@ -43,18 +44,27 @@ class Faults(dict[tuple[str, int], str]):
             await asyncio.sleep(STALL_S)
 
 
+    def _onward(self, stage: str, round_: int) -> str:
+        for (s, r), action in list(self.items()):
+            if s == stage and isinstance(r, str) and round_ >= int(r.rstrip("+")):
+                del self[(s, r)]  # once
+                return action
+        return ""
+
+
 def faults_from_env(name: str) -> Faults:
     """The faults planned for the peer called `name`.
 
-    P2PDILOCO_FAULTS="peer2@serve_part:3:kill,peer1@exchange:5:stall" injects faults into the merges of the
-    peers so named; an empty name before '@' is an unnamed peer.
+    P2PDILOCO_FAULTS="peer2@serve_part:3:kill,peer1@exchange:5+:stall" injects faults into the merges of the
+    peers so named (the second at the first merge from round 5 on that reaches it); an empty name before '@' is
+    an unnamed peer.
     """
     faults = Faults()
     for item in filter(None, os.environ.get("P2PDILOCO_FAULTS", "").split(",")):
         who, _, spec = item.partition("@")
         stage, round_, action = spec.split(":")
         if who == name:
-            faults[(stage, int(round_))] = action
+            faults[(stage, round_ if round_.endswith("+") else int(round_))] = action
     if faults:
         logger.warning("fault injection enabled for %s: %s", name, faults)
     return faults
