@@ -159,9 +159,11 @@ class OuterOptConfig(_Section):
     nesterov: bool = True  # use Nesterov momentum
     eager: bool = True
     """Decoupled: go on from the outer step on the own Δ while a merge is in flight (arXiv 2502.12996)."""
+    alone_lr: float = 0.0
+    """Outer lr of steps on the own Δ alone (merges alone, eager updates); 0: `lr` (sparseloco's lr 3 overshoots)."""
 
     def checks(self) -> Iterator[tuple[bool, str]]:
-        yield self.lr > 0, "learning rates must be positive"
+        yield self.lr > 0 and self.alone_lr >= 0, "learning rates must be positive"
         yield 0 <= self.momentum < 1, "outer.momentum must be in [0, 1)"
 
 
@@ -190,8 +192,7 @@ class SwarmConfig(_Section):
     merge_window_s: float = 15.0
     """Upper bound on the wait for other peers to become ready for a merge (the whole wait in sync mode)."""
     window_fraction: float = 0.25
-    """Decoupled mode: wait for others at most this fraction of this peer's recent round time (Decoupled
-    DiLoCo's grace window), clamped to [min_window_s, merge_window_s]."""
+    """Decoupled: wait for others at most this fraction of the recent round time, within [min_window_s, merge_window_s]."""
     min_window_s: float = 1.0
     """Lower bound of the adaptive merge window."""
     merge_timeout_s: float = 60.0
@@ -393,7 +394,7 @@ class Config(_Model):
         return {
             "model": self.model.fingerprint(), "tokenizer": tokenizer, "codec": {
                 "codec": s.codec, "error_feedback": s.error_feedback, **({"sparse_keep": s.sparse_keep} if sparse else {})},
-            "outer": self.outer.model_dump(exclude={"eager"}),
+            "outer": self.outer.model_dump(exclude={"eager", "alone_lr"}),
             "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync},
             "guard": self.guard.model_dump(),
         }

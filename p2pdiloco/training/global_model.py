@@ -65,7 +65,8 @@ class GlobalModel:
                 adopted = state_within_reach(self.params, params, own_next - self.params)
             if adopted:  # not an anchor: only the stepped state below is held by every member
                 self.params, self.momentum = params.clone(), momentum.clone()
-        self.params, self.momentum = outer_step(self.params, self.momentum, result.pseudo_grad, o.lr, o.momentum,
+        lr = o.alone_lr or o.lr if result.alone else o.lr
+        self.params, self.momentum = outer_step(self.params, self.momentum, result.pseudo_grad, lr, o.momentum,
                                                 o.nesterov)
         self._remember()
         return adopted
