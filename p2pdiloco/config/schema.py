@@ -11,12 +11,8 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
-from p2pdiloco.algorithm.names import AGGREGATORS, ARCHS, CODECS, OPTIMIZERS, PRECISIONS
+from p2pdiloco.algorithm.names import AGGREGATORS, ARCHS, CODECS, HOSTILE_KINDS, OPTIMIZERS, PRECISIONS
 from p2pdiloco.config.base import ConfigError, _Model, _Section
-
-HOSTILE_KINDS = ("nan", "scale", "noise", "signflip", "takeover", "final", "leader", "donor")
-"""How a hostile peer attacks (testing/hostile.py; emulate.hostile): the first four corrupt its pseudo-gradients,
-the others lie about itself (its model and weights, the end of its run, its leadership, the state it serves)."""
 
 __all__ = ["AGGREGATORS", "ARCHS", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "Config",
            "ConfigError", "DataConfig", "EmulateConfig", "GuardConfig", "InnerOptConfig", "ModelConfig",
@@ -154,9 +150,12 @@ class OuterOptConfig(_Section):
 
     SECTION: ClassVar[str] = "outer"
 
-    lr: float = 0.7  # outer learning rate
+    lr: float = 0.7
+    """Outer learning rate."""
     momentum: float = 0.9
-    nesterov: bool = True  # use Nesterov momentum
+    """Outer momentum."""
+    nesterov: bool = True
+    """Use Nesterov momentum."""
     eager: bool = True
     """Decoupled: go on from the outer step on the own Δ while a merge is in flight (arXiv 2502.12996)."""
     alone_lr: float = 0.0
@@ -379,7 +378,8 @@ class Config(_Model):
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump()  # every section's values, as plain dicts (what summaries and checkpoints record)
+        """Every section's values, as plain dicts (what summaries and checkpoints record)."""
+        return self.model_dump()
 
     def fingerprint(self, tokenizer: str = "bytes") -> dict[str, Any]:
         """What must be equal on every peer of a swarm for their contributions to mean the same thing: the model,

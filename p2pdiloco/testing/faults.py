@@ -43,7 +43,6 @@ class Faults(dict[tuple[str, int | str], str]):
         elif action == "stall":
             await asyncio.sleep(STALL_S)
 
-
     def _onward(self, stage: str, round_: int) -> str:
         for (s, r), action in list(self.items()):
             if s == stage and isinstance(r, str) and round_ >= int(r.rstrip("+")):

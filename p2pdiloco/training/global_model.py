@@ -40,6 +40,12 @@ class GlobalModel:
         while len(self._anchors) > self.keep_anchors:
             del self._anchors[next(iter(self._anchors))]
 
+    @property
+    def alone_lr(self) -> float:
+        """The outer lr of steps on this peer's own Δ alone (a merge alone, an eager update): `outer.alone_lr`,
+        or `outer.lr` where that is 0."""
+        return self.outer.alone_lr or self.outer.lr
+
     def anchors(self) -> dict[str, torch.Tensor]:
         """The states this peer can rebuild exactly, by digest, newest first (see `Contribution.anchors`)."""
         return dict(reversed(list(self._anchors.items())))
@@ -65,7 +71,7 @@ class GlobalModel:
                 adopted = state_within_reach(self.params, params, own_next - self.params)
             if adopted:  # not an anchor: only the stepped state below is held by every member
                 self.params, self.momentum = params.clone(), momentum.clone()
-        lr = o.alone_lr or o.lr if result.alone else o.lr
+        lr = self.alone_lr if result.alone else o.lr
         self.params, self.momentum = outer_step(self.params, self.momentum, result.pseudo_grad, lr, o.momentum,
                                                 o.nesterov)
         self._remember()

@@ -251,7 +251,7 @@ class Learner:
         flight, so that steps taken meanwhile start near where the merge lands (its rebase moves them by the
         difference); returns that θ_at_submit. Not from θg − Δ, far from it: at H = 10 merges land ~7 steps late."""
         o = self.cfg.outer
-        eager, _ = outer_step(self.g.params, self.g.momentum, own_delta, o.alone_lr or o.lr, o.momentum, o.nesterov)
+        eager, _ = outer_step(self.g.params, self.g.momentum, own_delta, self.g.alone_lr, o.momentum, o.nesterov)
         load_flat_(self.model, eager)
         self.model_moved += 1  # a unit's other ranks take the new θ before their next step (distributed.py)
         return eager
