@@ -200,6 +200,19 @@ def test_sampler_is_deterministic_per_seed_and_differs_between_seeds() -> None:
     assert sorted(first[50:100]) == list(range(50))
 
 
+def test_a_skipping_sampler_continues_where_one_that_drew_left_off() -> None:
+    """A resumed peer skips the batches its tokens say it drew (issue 14: it used to replay its order from the
+    start after every restart), across epoch ends and a batch straddling one."""
+    tokens = torch.arange(50 * 17)
+    for drawn in (0, 3, 12, 13, 37):  # 4-chunk batches of 50 chunks: 12.5 batches an epoch
+        drew, skipped = (BatchSampler(tokens, seq_len=16, batch_size=4, seed=5) for _ in range(2))
+        for _ in range(drawn):
+            drew.next_batch()
+        skipped.skip(drawn)
+        for _ in range(20):
+            assert _chunk_ids(skipped.next_batch()[0], 16) == _chunk_ids(drew.next_batch()[0], 16)
+
+
 def test_sampler_shards_draw_from_disjoint_chunks() -> None:
     tokens = torch.arange(30 * 9).to(torch.int64)
     seen = []

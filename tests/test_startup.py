@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -217,3 +218,13 @@ def test_a_peer_says_each_phase_imports_little_and_a_restart_reads_the_token_cac
         first_evals.append(first_eval)
     summary = json.loads((tmp_path / "run" / "peer_summary.json").read_text())  # the restart's
     assert summary["first_step_s"] == pytest.approx(first_evals[-1]["process_s"])
+    # the restart kept its peer id (its identity file, private), so peers that judged its parts still know it
+    ids = [rows[i]["peer_id"] for i in starts]
+    assert ids[0] == ids[1]
+    assert stat.S_IMODE((tmp_path / "run" / "identity.key").stat().st_mode) == 0o600
+    fresh = subprocess.run([sys.executable, "-m", "p2pdiloco", *args], capture_output=True, text=True, timeout=150,
+                           stdin=subprocess.DEVNULL)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    fresh_ids = [r["peer_id"] for r in rows if r["kind"] == "start"]
+    assert len(fresh_ids) == 1 and fresh_ids[0] != ids[0]  # a fresh run: a fresh id

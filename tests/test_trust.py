@@ -47,6 +47,30 @@ def test_trust_is_a_moving_average_of_cosines_from_the_first_seen():
     assert book.observe("b", -0.1, 0.0) == -0.1
 
 
+def test_trust_saved_in_a_checkpoint_comes_back_and_garbage_does_not(tmp_path):
+    """A restarted peer remembers what its guards learned of the others (issue 14: every member was a stranger
+    again after a restart, and a first part pointing away from the momentum was left out for a dozen rounds)."""
+    from p2pdiloco.config import load_config
+    from p2pdiloco.training.checkpoint import GlobalState, load_latest, save_learner_checkpoint
+
+    book = GuardBook()
+    book.observe("a", 0.25, 0.9)
+    book.observe("b", -0.5, 0.9)
+    model = torch.nn.Linear(2, 2)
+    state = GlobalState(torch.zeros(6), torch.zeros(6), 3, 30, 100.0)
+    save_learner_checkpoint(tmp_path, state, 10, torch.optim.AdamW(model.parameters()), list(model.parameters()),
+                            load_config().to_dict(), extra={"guard_trust": dict(book.trust)})
+    _, meta, _ = load_latest(tmp_path)
+    assert meta["round"] == 3  # the learner's own keys are not overwritten by the extra ones
+    restarted = GuardBook()
+    restarted.remember(meta["guard_trust"])
+    assert restarted.trust == {"a": 0.25, "b": -0.5}
+    restarted.remember({"c": float("nan"), "d": 7.0, 5: 0.1, "e": "0.3", "f": True, "g": 0.5})
+    assert restarted.trust == {"a": 0.25, "b": -0.5, "g": 0.5}
+    restarted.remember(["a", 1.0])  # not a table: nothing taken
+    assert restarted.trust == {"a": 0.25, "b": -0.5, "g": 0.5}
+
+
 def test_trust_decay_is_checked():
     assert GuardConfig().trust_decay == 0.9
     GuardConfig(trust_decay=-1)

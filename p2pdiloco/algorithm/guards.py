@@ -235,6 +235,14 @@ class GuardBook:
         self.trust[sender] = cosine if old is None else decay * old + (1 - decay) * cosine
         return self.trust[sender]
 
+    def remember(self, trust: object) -> None:
+        """Take back trust scores saved in this peer's checkpoint (`trust` as it was), so that a restarted peer
+        does not judge every member as a stranger again; entries that are not (peer id, score in [-1, 1]) are
+        skipped."""
+        if isinstance(trust, dict):
+            self.trust.update({p: float(t) for p, t in trust.items() if isinstance(p, str) and not isinstance(t, bool)
+                               and isinstance(t, int | float) and math.isfinite(t) and -1 <= t <= 1})
+
     def report(self) -> dict:
         """What metrics and summaries show."""
         return {"rejected": sum(self.rejected.values()), "rejected_by_reason": dict(self.rejected),

@@ -17,6 +17,7 @@ from hivemind import DHT
 from safetensors.torch import save_file
 
 from p2pdiloco import __version__
+from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.app.heartbeat import Heartbeat, swarm_finished
 from p2pdiloco.app.startup import StartupClock, say
 from p2pdiloco.config import Config, fingerprint_digest
@@ -112,13 +113,23 @@ def save_model(path: Path, learner: Learner) -> None:
     os.replace(tmp, path)
 
 
-def resume_from_checkpoint(learner: Learner, folder: Path, announce) -> None:
+IDENTITY_FILE = "identity.key"
+"""The peer's libp2p identity in its run folder (0600): kept across --resume, replaced on a fresh start."""
+
+
+def resume_from_checkpoint(learner: Learner, sampler: BatchSampler, book: GuardBook, folder: Path,
+                           announce) -> None:
+    """Continue from the newest checkpoint: its state, the data order where this peer's tokens left it, and what
+    its guards had learned of the others (kept under the same peer id, see `IDENTITY_FILE`)."""
     found = load_latest(folder)
     if found is None:
         announce(f"--resume: no usable checkpoint in {folder}; starting fresh")
         return
     tensors, meta, path = found
     learner.restore(tensors, meta)
+    book.remember(meta.get("guard_trust"))
+    # a unit's tokens count all its ranks' batches; rank 0 skips its own share (followers replay theirs)
+    sampler.skip(learner.c.tokens // (sampler.tokens_per_batch * learner.report.data_parallel))
     announce(f"resumed from {path.name}: round {meta['round']}, step {meta['step']}")
 
 
@@ -215,6 +226,12 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         torch.set_num_threads(cfg.run.threads)
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # a resumed peer keeps its peer id, and with it what others learned of it (its guards' trust, issue 14: a
+    # restarted peer under a new id was a stranger whose first unusual part was rejected for a dozen rounds);
+    # a fresh run takes a fresh id
+    identity = run_dir / IDENTITY_FILE
+    if not cfg.run.resume:
+        identity.unlink(missing_ok=True)
     check_maddrs(cfg.swarm.initial_peers, "initial peer")  # a typo should not cost a data load first
     unit = context_from_env()
     device = init_unit(unit, pick_device(cfg.run.device))
@@ -245,7 +262,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
 
     def dht_up() -> DHT:
         t0 = time.monotonic()
-        dht = start_dht(cfg.swarm)
+        dht = start_dht(cfg.swarm, identity_path=str(identity))
         say("DHT up in %.1f s: peer %s", time.monotonic() - t0, dht.peer_id.to_base58())
         return dht
 
@@ -279,6 +296,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         learner = Learner(cfg, model, sampler.next_batch, val, hooks.wrap_merger(merger), device, metrics,
                           should_stop=stop, checkpoint_dir=run_dir / "checkpoints", faults=hooks.faults,
                           t_process_start=t_process_start)
+        learner.checkpoint_meta = lambda: {"guard_trust": dict(merger.book.trust)}
         startup.lap("learner")  # the model on its device, the optimizers, the initial global model
         learner.log_start(startup.laps)  # before any state download: a restart's start-up is its own, in the metrics
         learner.report.traffic = Traffic(merge=merger.counter)
@@ -290,7 +308,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         loop.run(state_sync.start(), timeout=30)
         loop.submit(learner.report.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
         if cfg.run.resume:
-            resume_from_checkpoint(learner, run_dir / "checkpoints", announce)
+            resume_from_checkpoint(learner, sampler, merger.book, run_dir / "checkpoints", announce)
         join_swarm_state(learner, state_sync, loop, dht, cfg, peer_id, metrics)
         # public: anyone who knows the run id reads it, so no host name or user (the name is opt-in)
         static = {

@@ -112,6 +112,18 @@ class BatchSampler:
             ids.append(take)
         return torch.cat(ids)
 
+    def skip(self, batches: int) -> None:
+        """Move on as if `batches` batches had been drawn (a resumed peer continues its order instead of replaying
+        the batches it trained on before it stopped)."""
+        ids = batches * self.batch_size
+        while ids > 0:
+            if self._pos == len(self._order):
+                self._order = torch.randperm(self.n_chunks, generator=self._generator)
+                self._pos = 0
+            step = min(ids, len(self._order) - self._pos)
+            self._pos += step
+            ids -= step
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next batch.
 

@@ -195,7 +195,8 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: list[torch.Tensor],
 
 
 def save_learner_checkpoint(folder: Path, state: GlobalState, tokens: int, opt: torch.optim.Optimizer,
-                            params: list[torch.Tensor], config: dict, kill_midway: bool = False) -> Path:
+                            params: list[torch.Tensor], config: dict, kill_midway: bool = False,
+                            extra: dict | None = None) -> Path:
     """A learner's checkpoint: θg, outer momentum, inner optimizer state and counters, named by `state.round`.
 
     Args:
@@ -205,11 +206,12 @@ def save_learner_checkpoint(folder: Path, state: GlobalState, tokens: int, opt: 
         opt, params: the inner optimizer and the model's parameters, in order.
         config: the run's config as a dict, for the record.
         kill_midway: test hook (see `save_checkpoint`).
+        extra: more metadata (JSON), under keys of its own.
     """
     tensors = {"global_params": state.global_params, "momentum": state.momentum,
                **optimizer_state_tensors(opt, params)}
-    meta = {"round": state.round, "step": state.step, "tokens": tokens, "global_tokens": state.global_tokens,
-            "config": config}
+    meta = {**(extra or {}), "round": state.round, "step": state.step, "tokens": tokens,
+            "global_tokens": state.global_tokens, "config": config}
     return save_checkpoint(folder, state.round, tensors, meta, kill_midway=kill_midway)
 
 

@@ -127,6 +127,7 @@ class Learner:
         self.report = Reporter(cfg, self.c, metrics, merger.peer_id, device, self.g.params.numel(), t_process_start)
         """Metrics lines, the heartbeat record, the summary and the bandwidth report (reporting.py)."""
         self.checkpoint_dir, self.faults = checkpoint_dir, faults or {}
+        self.checkpoint_meta: Callable[[], dict] = dict  # more for its checkpoints (peer.py: its guards' trust)
         self.shared = self.snapshot()
         self.tag = merger.peer_id[-6:]
         if cfg.run.compile:
@@ -353,7 +354,8 @@ class Learner:
         """Save θg, outer momentum, inner optimizer state and counters (see checkpoint.py)."""
         kill = self.faults.get(("checkpoint", self.c.round)) == "kill"
         return save_learner_checkpoint(self.checkpoint_dir, self.snapshot(), self.c.tokens, self.opt,
-                                       list(self.model.parameters()), self.cfg.to_dict(), kill_midway=kill)
+                                       list(self.model.parameters()), self.cfg.to_dict(), kill_midway=kill,
+                                       extra=self.checkpoint_meta())
 
     def restore(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Continue from a checkpoint: the local model restarts from its global model."""
