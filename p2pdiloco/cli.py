@@ -248,9 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "scale: per peer DHT bytes/s, merge bytes per round, merge time, group share, consensus, eval loss, "
                         "start-up, host memory (PSS of its processes) and CPU outside inner steps, for swarms of "
                         "--peers N (default 4, 8, 16, 32), each ÷ the smallest swarm's (one run of about 2-3 "
-                        "minutes per N).")
+                        "minutes per N). dht: per node DHT bytes/s of N nodes running only the heartbeat and "
+                        "census loops, p2pdiloco's record stores beside hivemind's store (two runs of about "
+                        "--dht-seconds + 20 s per N; default N 4, 16, 32).")
     be.add_argument("which", choices=["straggler", "overhead", "churn", "bandwidth", "parity", "slowlink", "byzantine",
-                                      "loader", "scale"],
+                                      "loader", "scale", "dht"],
                     help="which benchmark")
     be.add_argument("--out", metavar="DIR", help="output folder (default runs/bench-<which>)")
     be.add_argument("--seconds", type=float, default=60.0, help="straggler: wall time of each of its 4 runs")
@@ -265,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "models (model.init_seed 1234, 1235, ...) and report each ratio's mean and spread (default 1)")
     be.add_argument("--peers", metavar="N[,N...]", help="parity: workers (default 4); bandwidth: peers (default "
                     "2); slowlink: peers (default 2); scale: swarm sizes, one run each, the smallest the baseline "
-                    "(default 4,8,16,32)")
+                    "(default 4,8,16,32); dht: DHT nodes (default 4,16,32)")
+    be.add_argument("--dht-seconds", type=float, help="dht: seconds measured per run, after 10 s of settling (60)")
     be.add_argument("--group-size", type=int, help="scale: swarm.group_size, the largest merge group (default the "
                     "config's, 8)")
     be.add_argument("--rate-mbit", type=float, default=10.0, help="slowlink: link rate each way (default 10)")

@@ -66,7 +66,7 @@ class FakeDHT:
     def __init__(self):
         self.records: dict[str, dict] = {}
 
-    def get(self, key, latest=False, return_future=False):
+    def get(self, key, latest=False, return_future=False, **kwargs):
         async def found():
             exp = get_dht_time() + 30
             items = {k: SimpleNamespace(value=v, expiration_time=exp) for k, v in self.records.items()}

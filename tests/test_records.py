@@ -204,3 +204,33 @@ def test_own_records_round_trip_across_a_restart_with_the_same_identity(swarm, n
             _seen(net_loop, swarm["reader"], peer_id, {"step": step})
         finally:
             peer.shutdown()
+
+
+@pytest.mark.integration
+def test_heartbeats_go_straight_to_the_nearest_nodes_and_stay_readable(swarm, net_loop):
+    """`store_near` (issue 17): the first store of a key walks the DHT, the next ones send the signed record
+    straight to the nodes that walk found; readers on other nodes see every one, and an older record is refused."""
+    from p2pdiloco.network.traffic import Traffic
+
+    victim = swarm["victim"]
+    victim_id = victim.peer_id.to_base58()
+    counts = Traffic()
+
+    def made(rpc: str) -> int:
+        net_loop.run(counts.refresh_dht(victim), 10)
+        return counts.dht_by_rpc.get(rpc, [0, 0, 0])[0]
+
+    expiration = get_dht_time() + 60
+    assert net_loop.run(write_subkey(victim, peers_key("rec"), victim_id, {"step": 0}, expiration), 10)
+    finds, stores = made("find"), made("store")
+    assert finds >= 1  # the walk
+    for step in range(1, 6):
+        expiration += 1
+        assert net_loop.run(write_subkey(victim, peers_key("rec"), victim_id, {"step": step}, expiration), 10)
+        _seen(net_loop, swarm["reader"], victim_id, {"step": step})
+    assert made("find") == finds  # no walk for the five beats after the first
+    assert made("store") > stores  # each went to the other nearest nodes by rpc_store alone
+    # a record expiring before the one the nodes hold is refused by all of them, and the newer one stays
+    assert net_loop.run(write_subkey(victim, peers_key("rec"), victim_id, {"step": -1}, expiration - 10), 10) is False
+    for dht in (swarm["reader"], swarm["boot"]):
+        assert net_loop.run(read_subkeys(dht, peers_key("rec")), 10)[victim_id] == {"step": 5}

@@ -91,6 +91,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         bench_scale(out, peers=_positive_ints(args.peers, "--peers") or PEERS, steps=args.steps or STEPS,
                     group_size=args.group_size)
+    elif args.which == "dht":
+        from p2pdiloco.bench.dht import PEERS, SECONDS, bench_dht
+
+        bench_dht(out, peers=_positive_ints(args.peers, "--peers") or PEERS, seconds=args.dht_seconds or SECONDS)
     else:
         from p2pdiloco.bench.overhead import bench_overhead
 

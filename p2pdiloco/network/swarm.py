@@ -30,6 +30,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig, fingerprint_diff
+from p2pdiloco.network.dht_store import DHT_BUCKET_SIZE, DHT_REPLICAS, store_near
 from p2pdiloco.network.identity import (
     IdentityError,
     PeerIdentity,
@@ -69,12 +70,6 @@ def check_maddrs(addrs: list[str], what: str) -> None:
             raise SwarmError(f"{what} {addr!r} is not a multiaddr (expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...)") from None
         if what == "initial peer" and "/p2p/" not in str(maddr):
             raise SwarmError(f"initial peer {addr!r} lacks the /p2p/<peer id> part (copy the full address printed by the node)")
-
-
-DHT_BUCKET_SIZE = 8
-"""Contacts per routing bucket, and per reply to a lookup (hivemind's default: 20)."""
-DHT_REPLICAS = 3
-"""Nodes that store each record (hivemind's default: 5); records are re-written every heartbeat anyway."""
 
 
 def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: bool = False) -> hivemind.DHT:
@@ -226,7 +221,8 @@ async def read_peers(dht: hivemind.DHT, run_id: str, timeout: float = 5.0) -> di
 async def read_subkeys(dht: hivemind.DHT, key: str, timeout: float = 5.0) -> dict[str, dict]:
     """Unexpired records under `key` as {subkey: value}; {} if none or on timeout. Malformed entries are skipped."""
     try:
-        found = await asyncio.wait_for(dht.get(key, latest=True, return_future=True), timeout)
+        # the beam of `store_near`'s walk: the nodes a record was stored on, not every node a wider walk passes
+        found = await asyncio.wait_for(dht.get(key, latest=True, beam_size=DHT_REPLICAS, return_future=True), timeout)
     except TimeoutError:
         logger.debug("DHT get %s timed out", key)
         return {}
@@ -244,15 +240,13 @@ async def read_subkeys(dht: hivemind.DHT, key: str, timeout: float = 5.0) -> dic
 async def write_subkey(
     dht: hivemind.DHT, key: str, subkey: str, value: dict, expiration: float, timeout: float = 5.0
 ) -> bool:
-    """Store `value` under (key, subkey) until `expiration` (DHT time).
+    """Store `value` under (key, subkey) until `expiration` (DHT time), on the key's nearest nodes (`store_near`).
 
     The DHT keeps whichever value expires last, so a record meant to replace an earlier one must be given a
     later expiration than it, or the store is silently refused.
     """
     try:
-        return bool(
-            await asyncio.wait_for(dht.store(key, value, expiration, subkey=subkey, return_future=True), timeout)
-        )
+        return bool(await asyncio.wait_for(store_near(dht, key, subkey, value, expiration), timeout))
     except TimeoutError:
         logger.warning("DHT store %s timed out", key)
         return False

@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 _DHT_COUNTER = ByteCounter()
 """In a DHT process: the bytes of its unary requests and responses (meaningless in the parent)."""
+_DHT_BY_RPC: dict[str, list[int]] = {}
+"""In a DHT process: {rpc name ("find", "store", "ping"): [requests made, requests served, bytes sent + received]}."""
 _installed = False
 
 
@@ -40,17 +42,29 @@ def install_dht_counter() -> None:
 
     call, add = Client.call_unary_handler, Client.add_unary_handler
 
+    def by_rpc(proto: str) -> list[int]:
+        name = proto.rsplit(".", 1)[-1].removeprefix("rpc_")
+        return _DHT_BY_RPC.setdefault(name, [0, 0, 0])
+
     async def counted_call(self, peer_id, proto: str, data: bytes) -> bytes:
         _DHT_COUNTER.sent += len(data)
+        rpc = by_rpc(proto)
+        rpc[0] += 1
+        rpc[2] += len(data)
         response = await call(self, peer_id, proto, data)
         _DHT_COUNTER.received += len(response)
+        rpc[2] += len(response)
         return response
 
     async def counted_add(self, proto: str, handler, balanced: bool = False) -> None:
         async def counted_handler(request: bytes, remote_id):
             _DHT_COUNTER.received += len(request)
+            rpc = by_rpc(proto)
+            rpc[1] += 1
+            rpc[2] += len(request)
             response = await handler(request, remote_id)
             _DHT_COUNTER.sent += len(response)
+            rpc[2] += len(response)
             return response
 
         await add(self, proto, counted_handler, balanced=balanced)
@@ -59,8 +73,8 @@ def install_dht_counter() -> None:
     _installed = True
 
 
-async def _dht_counts(dht: hivemind.DHT, node) -> tuple[int, int]:
-    return _DHT_COUNTER.sent, _DHT_COUNTER.received
+async def _dht_counts(dht: hivemind.DHT, node) -> tuple[int, int, dict[str, list[int]]]:
+    return _DHT_COUNTER.sent, _DHT_COUNTER.received, {k: list(v) for k, v in _DHT_BY_RPC.items()}
 
 
 def ddp_bytes_per_step(n_params: int, n_peers: int) -> float:
@@ -75,15 +89,18 @@ class Traffic:
     merge: ByteCounter = field(default_factory=ByteCounter)
     state: ByteCounter = field(default_factory=ByteCounter)
     dht: ByteCounter = field(default_factory=ByteCounter)
+    dht_by_rpc: dict[str, list[int]] = field(default_factory=dict)
+    """The DHT's traffic by request kind: {"find": [requests made, requests served, bytes both ways], ...}."""
 
     async def refresh_dht(self, dht: hivemind.DHT, timeout: float = 5.0) -> None:
         """Read the DHT process's counts (keeps the last ones if it does not answer in time)."""
         try:
-            sent, received = await asyncio.wait_for(dht.run_coroutine(_dht_counts, return_future=True), timeout)
+            sent, received, by_rpc = await asyncio.wait_for(dht.run_coroutine(_dht_counts, return_future=True),
+                                                            timeout)
         except Exception as e:  # a slow or shutting-down DHT process: the counts are a few seconds older
             logger.debug("reading the DHT byte counts failed: %r", e)
             return
-        self.dht.sent, self.dht.received = sent, received
+        self.dht.sent, self.dht.received, self.dht_by_rpc = sent, received, by_rpc
 
     async def watch_dht(self, dht: hivemind.DHT, interval: float) -> None:
         while True:

@@ -312,7 +312,7 @@ class Reporter:
         if traffic is None:
             traffic = Traffic()
             traffic.merge.sent, traffic.merge.received = self.c.bytes_sent, self.c.bytes_received
-        return {"traffic": traffic.snapshot(),
+        return {"traffic": traffic.snapshot(), "dht_by_rpc": traffic.dht_by_rpc,
                 **bandwidth_report(traffic, self.c.steps_run, self.n_params, self.c.max_group_size)}
 
     def bytes_io(self) -> tuple[int, int]:

@@ -1,0 +1,90 @@
+"""Storing a peer's records without walking the DHT every time.
+
+hivemind's `DHTNode.store` finds a key's nearest nodes by a lookup (`rpc_find`) on every store, and every node the
+lookup visits answers with the key's whole value, every subkey of it: a heartbeat into a shard holding k peers'
+records moved those k records from each of ~8 nodes every 5 s, and a census registration the whole census. Both
+grow with the swarm (issue 17: 19.3 kB/s of DHT traffic a peer at 32 peers, 2.8 at 4).
+
+`store_near` remembers a key's nearest nodes for `NEAREST_TTL_S` and sends the signed record straight to them
+(`rpc_store`: the record and its key, nothing else), walking again only when that time is up or one of them did
+not answer; the walk itself keeps `DHT_REPLICAS` nodes in its beam, not `DHT_BUCKET_SIZE`. Reads
+(`swarm.read_subkeys`) walk with the same beam, so they visit the nodes the stores went to.
+
+These functions run in the DHT's own process (`DHT.run_coroutine`), where the node and its signing validators live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import hivemind
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+
+DHT_BUCKET_SIZE = 8
+"""Contacts per routing bucket, and per reply to a lookup (hivemind's default: 20)."""
+DHT_REPLICAS = 3
+"""Nodes that store each record (hivemind's default: 5); records are re-written every heartbeat anyway."""
+NEAREST_TTL_S = 60.0
+"""A key's nearest nodes are looked up again after this long, so that nodes that joined since are found."""
+
+_NEAREST: dict[DHTID, tuple[float, dict]] = {}
+"""In the DHT process: key id -> (when looked up, monotonic; {node id: peer id} of its nearest nodes, self included)."""
+
+
+async def _nearest(node, key_id: DHTID) -> dict:
+    now = time.monotonic()
+    cached = _NEAREST.get(key_id)
+    if cached is not None and now - cached[0] < NEAREST_TTL_S:
+        return cached[1]
+    found = await node.find_nearest_nodes([key_id], k_nearest=node.num_replicas, beam_size=node.num_replicas,
+                                          exclude_self=node.protocol.client_mode)  # a client serves no records
+    for stale in [k for k, (t, _) in _NEAREST.items() if now - t >= NEAREST_TTL_S]:
+        del _NEAREST[stale]
+    _NEAREST[key_id] = (now, found[key_id])
+    return found[key_id]
+
+
+async def _store_near(dht: hivemind.DHT, node, key: str, subkey: str, value: dict, expiration: float) -> bool:
+    key_id = DHTID.generate(source=key)
+    nearest = await _nearest(node, key_id)
+    protocol = node.protocol
+    record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value),
+                       expiration)
+    if protocol.record_validator is not None:
+        record = dataclasses.replace(record, value=protocol.record_validator.sign_value(record))
+
+    async def one(node_id: DHTID, peer_id) -> bool | None:
+        if node_id == node.node_id:  # this node is among the nearest: its own storage, checked as a peer's store is
+            if protocol.record_validator is not None and not protocol.record_validator.validate(record):
+                return False
+            return protocol.storage.store(key_id, record.value, expiration, subkey=subkey)
+        stored = await protocol.call_store(peer_id, keys=[key_id], values=[record.value], expiration_time=[expiration],
+                                           subkeys=[subkey])
+        return None if stored is None else bool(stored[0])
+
+    results = await asyncio.gather(*(one(n, p) for n, p in nearest.items()))
+    if any(r is None for r in results):  # a node did not answer (it left?): look the key up again next time
+        _NEAREST.pop(key_id, None)
+    return any(results)
+
+
+async def store_near(dht: hivemind.DHT, key: str, subkey: str, value: dict, expiration: float) -> bool:
+    """Store `value` under (key, subkey) until `expiration` (DHT time) on the key's nearest nodes; whether any
+    of them took it (a node refuses a record that expires before the one it holds)."""
+    return await dht.run_coroutine(_Store(key, subkey, value, expiration), return_future=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Store:
+    """`_store_near`'s arguments, picklable, for `DHT.run_coroutine` (which passes only the DHT and the node)."""
+
+    key: str
+    subkey: str
+    value: dict
+    expiration: float
+
+    async def __call__(self, dht: hivemind.DHT, node) -> bool:
+        return await _store_near(dht, node, self.key, self.subkey, self.value, self.expiration)
