@@ -234,3 +234,22 @@ def test_heartbeats_go_straight_to_the_nearest_nodes_and_stay_readable(swarm, ne
     assert net_loop.run(write_subkey(victim, peers_key("rec"), victim_id, {"step": -1}, expiration - 10), 10) is False
     for dht in (swarm["reader"], swarm["boot"]):
         assert net_loop.run(read_subkeys(dht, peers_key("rec")), 10)[victim_id] == {"step": 5}
+
+
+@pytest.mark.integration
+def test_a_peer_restarted_under_its_id_registers_again_for_an_epoch_it_had_registered_for(swarm, net_loop):
+    """The census refused the second registration of (epoch, peer id) when it expired with the first: a peer
+    restarted under its id (issue 14) then waited out two epochs unmatched."""
+    from p2pdiloco.network.census import EPOCH_S, Census, epoch_of, registration_expiry
+
+    epoch = epoch_of(get_dht_time())
+    assert registration_expiry(epoch, epoch * EPOCH_S + 1) < registration_expiry(epoch, epoch * EPOCH_S + 2)
+    path = str(swarm["tmp"] / "peer.key")
+    for _ in range(2):
+        peer = start_dht(swarm["joined"], identity_path=path)
+        try:
+            census = Census(peer, "rec", peer.peer_id.to_base58())
+            net_loop.run(census.register(epoch), 15)
+            assert set(census._registered) == {epoch, epoch + 1}  # both stores taken, the second time too
+        finally:
+            peer.shutdown()

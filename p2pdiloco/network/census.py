@@ -64,6 +64,18 @@ def my_group(run_id: str, me: str, members: list[str], epoch: int, group_size: i
     return order[order.index(me) % n_groups::n_groups]
 
 
+def registration_expiry(epoch: int, now: float) -> float:
+    """When a registration for `epoch` made at DHT time `now` expires: one epoch past the epoch's end (a search
+    that began in it may still read it), plus a millisecond per second since the epoch before it began.
+
+    The DHT keeps, per subkey, the record that expires last and refuses an equal one, so a later registration
+    must expire later: a peer restarted under the same id (issue 14) re-registers for epochs its killed process
+    had registered for, and with equal expirations it was refused and waited out two epochs unmatched (120 s
+    sync merges alone in `bench churn`). Registrations for an epoch happen within the two epochs before its end,
+    so the extra is under 0.06 s and grows with `now`."""
+    return (epoch + 2) * EPOCH_S + max(0.0, now - (epoch - 1) * EPOCH_S) * 1e-3
+
+
 def census_key(run_id: str, epoch: int) -> str:
     return f"{run_id}_census_{epoch}"
 
@@ -91,9 +103,8 @@ class Census:
         for e in (epoch, epoch + 1):
             if e not in self._registered:
                 self.writes += 1
-                # kept one epoch past its end: a search that began in it may still read it
                 if await write_subkey(self.dht, census_key(self.run_id, e), self.peer_id, {"t": get_dht_time()},
-                                      (e + 2) * EPOCH_S):
+                                      registration_expiry(e, get_dht_time())):
                     self._registered[e] = time.monotonic()
         self._registered = {e: t for e, t in self._registered.items() if e >= epoch}
 
