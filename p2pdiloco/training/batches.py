@@ -98,31 +98,22 @@ class BatchSampler:
         """Windows this sampler draws from (one epoch)."""
         return len(self._chunks)
 
-    def _next_ids(self) -> torch.Tensor:
-        ids = []
-        missing = self.batch_size
-        while missing:
+    def _take(self, n: int):
+        """The next `n` chunk ids of the order, in slices; a fresh permutation per epoch (a batch may straddle two)."""
+        while n:
             if self._pos == len(self._order):
-                # A fresh permutation per epoch; a batch may straddle two epochs.
                 self._order = torch.randperm(self.n_chunks, generator=self._generator)
                 self._pos = 0
-            take = self._order[self._pos : self._pos + missing]
+            take = self._order[self._pos : self._pos + n]
             self._pos += len(take)
-            missing -= len(take)
-            ids.append(take)
-        return torch.cat(ids)
+            n -= len(take)
+            yield take
 
     def skip(self, batches: int) -> None:
         """Move on as if `batches` batches had been drawn (a resumed peer continues its order instead of replaying
         the batches it trained on before it stopped)."""
-        ids = batches * self.batch_size
-        while ids > 0:
-            if self._pos == len(self._order):
-                self._order = torch.randperm(self.n_chunks, generator=self._generator)
-                self._pos = 0
-            step = min(ids, len(self._order) - self._pos)
-            self._pos += step
-            ids -= step
+        for _ in self._take(batches * self.batch_size):
+            pass
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next batch.
@@ -131,7 +122,7 @@ class BatchSampler:
             ``(x, y)``, int64 of shape (batch_size, seq_len), where ``y[:, t]`` is the byte after
             ``x[:, t]``.
         """
-        windows = self._chunks[self._next_ids()].long()
+        windows = self._chunks[torch.cat(list(self._take(self.batch_size)))].long()
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
