@@ -22,4 +22,4 @@ def test_a_short_run_measures_traffic_and_finds_every_heartbeat(baseline, monkey
     assert split == pytest.approx(r["bytes_per_s_mean"], rel=1e-6)
     assert r["by_rpc"]["store"]["requests_per_s"] > 0
     # the baseline's patch is undone
-    assert swarm.store_near is store_near and swarm.DHT_REPLICAS == DHT_REPLICAS
+    assert swarm.store_near is store_near and swarm.DHT_READ_BEAM == swarm.DHT_REPLICAS == DHT_REPLICAS

@@ -5,7 +5,8 @@ DHT does in steady state and nothing else: the `Heartbeat` (every `swarm.heartbe
 a training peer writes) and the matchmaking `Census` (a registration and a read every epoch). Twice per N:
 
 - `hivemind`: every record written by hivemind's `DHT.store` (a lookup walk to the key's nearest nodes each time,
-  beam of `DHT_BUCKET_SIZE`) and read with the same beam: the baseline, p2pdiloco before `store_near`;
+  beam of `DHT_BUCKET_SIZE`) and read with the same beam, `DHT_REPLICAS` replicas as now: the baseline,
+  p2pdiloco before `store_near`;
 - `store_near`: as peers write and read now (`network/dht_store.py`).
 
 Figures per run, over `--seconds` after a settling period: DHT bytes/s per node, sent + received (the DHT
@@ -98,18 +99,18 @@ def run_dht(n: int, seconds: float, baseline: bool) -> dict:
     """N nodes for SETTLE_S + `seconds`; `baseline`: writes by hivemind's `DHT.store`, reads with its beam."""
     cfg = SwarmConfig(run_id=RUN_ID, host="127.0.0.1")
     dhts, loop = [], BackgroundLoop("bench-dht")
-    patched = swarm.store_near, swarm.DHT_REPLICAS
+    patched = swarm.store_near, swarm.DHT_READ_BEAM
     if baseline:
         swarm.store_near = lambda dht, key, subkey, value, expiration: dht.store(
             key, value, expiration, subkey=subkey, return_future=True)
-        swarm.DHT_REPLICAS = DHT_BUCKET_SIZE  # read_subkeys' beam: hivemind's default, the bucket size
+        swarm.DHT_READ_BEAM = DHT_BUCKET_SIZE  # hivemind's default beam, the bucket size
     try:
         dhts.append(start_dht(cfg))
         joined = SwarmConfig(**{**cfg.__dict__, "initial_peers": [str(m) for m in dhts[0].get_visible_maddrs()]})
         dhts += [start_dht(joined) for _ in range(n - 1)]
         return loop.run(_measure(dhts, seconds), timeout=SETTLE_S + seconds + 120)
     finally:
-        swarm.store_near, swarm.DHT_REPLICAS = patched
+        swarm.store_near, swarm.DHT_READ_BEAM = patched
         loop.close()
         for dht in dhts:
             dht.shutdown()

@@ -189,6 +189,10 @@ def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     return [str(m) for m in dht.get_visible_maddrs()]
 
 
+DHT_READ_BEAM = DHT_REPLICAS
+"""Nodes a read keeps in its beam: those of `store_near`'s walk, where the records were stored (hivemind: the
+bucket size, 8 here)."""
+
 PEER_SHARDS = 8
 """Peer records are spread over this many DHT keys: every store or read of a key moves all its records (hivemind
 returns a key's every subkey from each node on the way), so one key for the whole swarm made each peer's
@@ -221,8 +225,7 @@ async def read_peers(dht: hivemind.DHT, run_id: str, timeout: float = 5.0) -> di
 async def read_subkeys(dht: hivemind.DHT, key: str, timeout: float = 5.0) -> dict[str, dict]:
     """Unexpired records under `key` as {subkey: value}; {} if none or on timeout. Malformed entries are skipped."""
     try:
-        # the beam of `store_near`'s walk: the nodes a record was stored on, not every node a wider walk passes
-        found = await asyncio.wait_for(dht.get(key, latest=True, beam_size=DHT_REPLICAS, return_future=True), timeout)
+        found = await asyncio.wait_for(dht.get(key, latest=True, beam_size=DHT_READ_BEAM, return_future=True), timeout)
     except TimeoutError:
         logger.debug("DHT get %s timed out", key)
         return {}
