@@ -97,3 +97,36 @@ def test_byte_counters_match_payload_sizes(mergers):
         assert 0 <= r.bytes_sent - sent <= 1500, (r.bytes_sent, sent)
         assert 0 <= r.bytes_received - received <= 1500, (r.bytes_received, received)
     assert get_codec("none").encoded_size(N) / codec.encoded_size(N) >= {"none": 1, "int8": 3.9, "int4": 7.4}[codec.name]
+
+
+@pytest.mark.parametrize("codec", ["int4", "sparseloco"])
+def test_a_rejected_part_is_dropped_not_carried_into_the_next_round(bootstrap_dht, net_loop, codec):
+    """Error feedback keeps what the codec dropped, not a part the guards left out. Carried whole, a rejected part
+    came back the next round on top of the next Δ, larger, and was left out again, round after round (three of
+    16 peers in `bench scale`, whose accumulated part later made the global model worse than its start)."""
+    cfg = SwarmConfig(run_id=f"rej{codec}", merge_window_s=8, merge_timeout_s=10, codec=codec)
+    with running_mergers(bootstrap_dht, net_loop, 4, cfg, N, guard=GuardConfig(min_cosine=-1, ban_after=0)) as ms:
+        g = torch.Generator().manual_seed(5)
+        common = torch.randn(N, generator=g)
+        results = {}
+        for rnd, scale in [(1, 20.0), (2, 1.0)]:  # round 1: the last member's part is 20× too large
+            vecs = [common + 0.3 * torch.randn(N, generator=g) for _ in ms]
+            vecs[-1] = vecs[-1] * scale
+            futures = []
+            for m, v in zip(ms, vecs, strict=True):
+                c = _contribution(v, 1.0)
+                c.round = rnd
+                futures.append(m.submit(c))
+            results[rnd] = [f.result(timeout=60) for f in futures]
+            for r in results[rnd]:
+                assert r.failure == "" and len(r.group) == 4, r.failure
+            if rnd == 1:
+                residual = ms[-1].feedback.residual
+                # every member left the 20× part out; its residual is not that part (it held none before)
+                assert results[1][-1].own_kept == 0.0
+                assert residual is None or float(residual.abs().max()) == 0.0, float(residual.norm())
+                honest = ms[0].feedback.residual
+                assert honest is not None and 0 < float(honest.norm()) < float(vecs[0].norm())  # still compressed
+        # the next round's honest part is judged on its own and counts
+        assert results[2][-1].own_kept == 1.0, results[2][-1].own_kept
+        assert results[2][0].rejected == 0
