@@ -11,6 +11,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2pdiloco.algorithm.outer import weighted_average
 from p2pdiloco.config import GuardConfig, SwarmConfig
 from p2pdiloco.network.allreduce import by_values, slice_bounds
+from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.swarm import (
     SwarmError,
@@ -20,7 +21,6 @@ from p2pdiloco.network.swarm import (
     start_dht,
     write_subkey,
 )
-from p2pdiloco.network.window import MergeWindow
 from p2pdiloco.testing.faults import Faults
 from tests.conftest import running_mergers, start_local_dht, wait_for
 
@@ -165,31 +165,15 @@ def test_a_finishing_peer_waits_the_whole_window_and_its_group_ends_the_run(boot
 
 
 def test_window_grows_after_merges_alone_and_resets_after_a_group():
-    w = MergeWindow(SwarmConfig(merge_window_s=10.0, min_window_s=1.0, window_fraction=0.25))
-    assert w.next(8.0, 0.0) == 2.0  # a quarter of the round
-    w.record(alone=True)
-    assert w.next(8.0, 0.0) == 4.0  # peers drifted apart: wait longer until they meet again
-    for _ in range(4):
-        w.record(alone=True)
-    assert w.next(8.0, 0.0) == 10.0  # never beyond merge_window_s
-    w.record(alone=False)
-    assert w.next(8.0, 0.0) == 2.0
-    w.cfg.sync = True
-    assert w.next(8.0, 0.0) == 10.0
-
-
-def test_window_reaches_a_mate_that_looked_after_it_within_half_a_round():
-    """Two pairs whose searches start 4.3 s apart with 3.2 s windows merged as two swarms for 13 rounds (a README
-    run): the pair that looks first waits for the other next time; the pair that looks second does not widen."""
-    first, second = (MergeWindow(SwarmConfig(merge_window_s=15.0, min_window_s=1.0)) for _ in range(2))
-    assert first.next(12.8, 100.0) == second.next(12.8, 104.3) == pytest.approx(3.2)
-    first.mate_looking(104.3, searching=False)  # a mate of the other pair began 4.3 s after our search did
-    second.mate_looking(100.0 + 12.8, searching=False)  # 8.5 s after its own: more than half a round
-    assert first.next(12.8, 112.8) == pytest.approx(4.8)  # 4.3 s + the margin: the second pair is caught
-    assert second.next(12.8, 117.1) == pytest.approx(3.2)
-    assert first.next(12.8, 125.6) == pytest.approx(3.2)  # once: it does not stay wide
-    first.mate_looking(125.6 + 1.0, searching=True)  # within our own search: nothing to widen
-    first.mate_looking(125.6 + 6.3, searching=False)  # within half a round but barely: capped at half a round
-    assert first.next(12.8, 138.4) == pytest.approx(6.4)
-    first.mate_looking(138.4 + 7.0, searching=False)  # past half a round: the other side's business
-    assert first.next(12.8, 151.2) == pytest.approx(3.2)
+    m = Matchmaker.__new__(Matchmaker)  # only the window logic, no network
+    m.cfg = SwarmConfig(merge_window_s=10.0, min_window_s=1.0, window_fraction=0.25)
+    m._last_submit, m._round_ema, m._alone_streak = 0.0, None, 0
+    assert m._window(8.0) == 2.0  # a quarter of the round
+    m._alone_streak = 1
+    assert m._window(8.0) == 4.0  # peers drifted apart: wait longer until they meet again
+    m._alone_streak = 5
+    assert m._window(8.0) == 10.0  # never beyond merge_window_s
+    m._alone_streak = 0
+    assert m._window(8.0) == 2.0
+    m.cfg.sync = True
+    assert m._window(8.0) == 10.0

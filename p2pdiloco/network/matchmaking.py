@@ -13,7 +13,7 @@
 
 Nothing a peer claims is taken as is: weights are capped by the group's median (`bounded_weights`), a member
 checks that the notice carries its own claims unchanged (and an anchor it holds), and a deadline further off
-than any honest window is not believed. How long a peer looks is its *window* (window.py).
+than any honest window is not believed. How long a peer looks is its *window* (see `Matchmaker._window`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import asyncio
 import logging
 import math
 import secrets
+import time
 from dataclasses import dataclass, field
 
 import hivemind
@@ -33,7 +34,6 @@ from p2pdiloco.network.admission import Request
 from p2pdiloco.network.census import Census, epoch_of, my_group
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed, Rpc
-from p2pdiloco.network.window import MergeWindow
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,9 @@ class Matchmaker:
         self._search: _Search | None = None
         self._groups: dict[str, asyncio.Future] = {}
         self._closed = False
-        self.window = MergeWindow(cfg)
+        self._last_submit = time.monotonic()
+        self._round_ema: float | None = None
+        self._alone_streak = 0
         self._tasks: set[asyncio.Task] = set()
         self._passed_over: dict[str, int] = {}
         """Leaders that never invited us: peer id -> searches left in which they are not followed."""
@@ -144,8 +146,8 @@ class Matchmaker:
         return self._closed
 
     def record(self, alone: bool) -> None:
-        """The outcome of this peer's last merge (see `MergeWindow.record`)."""
-        self.window.record(alone)
+        """The outcome of this peer's last merge: merges alone in a row widen the window (see `_window`)."""
+        self._alone_streak = self._alone_streak + 1 if alone else 0
 
     def forget(self, group_id: str) -> None:
         """The merge of `group_id` is over: parts for it are refused from now on."""
@@ -166,7 +168,7 @@ class Matchmaker:
 
     async def find_group(self, c: Contribution) -> Group | None:
         """A group to merge `c` with, or None: merge alone."""
-        window = self.window.next(c.round_s, get_dht_time())
+        window = self._window(c.round_s)
         if c.final:  # the last merge of this peer's run: worth the whole window to leave with everyone live
             window = max(window, self.cfg.merge_window_s)
         now = get_dht_time()
@@ -243,6 +245,26 @@ class Matchmaker:
         deadline further off is a claim meant to be waited for (issue 18)."""
         return (isinstance(deadline, int | float) and not isinstance(deadline, bool) and math.isfinite(deadline)
                 and deadline <= now + self.cfg.merge_window_s + RPC_TIMEOUT_S)
+
+    def _window(self, round_s: float) -> float:
+        """How long to wait for others to become ready.
+
+        Sync mode waits up to merge_window_s, for everyone. Decoupled mode waits a fraction of this peer's
+        recent round time (an EMA of the rounds' wall times as the learner reports them, else of the time
+        between submits), in the spirit of Decoupled DiLoCo's grace window: long enough that peers finishing
+        their round at about the same time meet, short enough that nobody's merges are held up by a slow or
+        vanished peer. No constant to retune per model or link.
+        """
+        now = time.monotonic()
+        interval = round_s if round_s > 0 else now - self._last_submit
+        self._last_submit = now
+        self._round_ema = interval if self._round_ema is None else 0.5 * self._round_ema + 0.5 * interval
+        if self.cfg.sync:
+            return self.cfg.merge_window_s
+        # Peers whose rounds drifted apart by more than the window would never meet again: after each
+        # merge alone the window doubles (up to merge_window_s) until a group forms, then it resets.
+        base = max(self.cfg.min_window_s, self.cfg.window_fraction * self._round_ema)
+        return min(self.cfg.merge_window_s, base * 2 ** min(self._alone_streak, 8))
 
     async def _lead(self, search: _Search, candidates: list[str]) -> Group | None:
         search.leading = True  # from here on, invites from others are declined
@@ -329,7 +351,6 @@ class Matchmaker:
         now = get_dht_time()
         self._ready = {p: d for p, d in self._ready.items() if d + RPC_TIMEOUT_S >= now and p != peer}
         if header.get("looking") is True and self._plausible(header.get("deadline"), now):
-            self.window.mate_looking(now, self._search is not None)  # told once a search: when it began
             self._ready[peer] = float(header["deadline"])
         elif header.get("looking") is True:  # meant to be waited for: never waited for again
             self._liars.add(peer)
