@@ -217,8 +217,7 @@ class SwarmConfig(_Section):
     error_feedback_decay: float = 1.0
     """β: the residual is scaled by β before it is added (SparseLoCo's decayed accumulator, arXiv 2508.15706)."""
     state_anchors: int = 8
-    """Global models kept (8 bytes a parameter each): members whose models differ send int8 differences from one
-    all hold; from 2 on, one of them is the run's initial model, which every peer holds."""
+    """Recent global models kept (8 bytes a parameter each): members whose models differ send int8 differences."""
     swarm_key: str = ""
     """File with the private swarm's secret key (`p2pdiloco keygen`); empty: a public swarm."""
 

@@ -27,26 +27,17 @@ class GlobalModel:
         self.outer = outer
         self.keep_anchors = anchors
         self._anchors: dict[str, torch.Tensor] = {}
-        """The last states this peer held, (θg, momentum) concatenated, by digest, oldest first: a merge group
-        whose members' global models differ exchanges only their differences from one they all hold."""
-        self._initial: tuple[str, torch.Tensor] | None = None
-        """With 2 anchors or more, one of them is always the initial state (the model built from the run's seed,
-        zero momentum), which every peer of the run holds: once groups have mixed, members of two earlier groups
-        hold no recent state in common, and without it their agreement travelled as fp32 (in `bench scale`, 68
-        of 84 agreements at 16 peers and 388 of 493 at 32, 75 % of a peer's merge bytes at 32)."""
-        if anchors >= 2:
-            self._initial = (self.digest(), torch.cat([self.params, self.momentum]))
+        """The last `anchors` states this peer held, (θg, momentum) concatenated, by digest, oldest first: a merge
+        group whose members' global models differ exchanges only their differences from one they all hold."""
         self._remember()
 
     def _remember(self) -> None:
         if self.keep_anchors <= 0:
             return
         digest = self.digest()
-        if self._initial is not None and digest == self._initial[0]:
-            return
         self._anchors.pop(digest, None)
         self._anchors[digest] = torch.cat([self.params, self.momentum])
-        while len(self._anchors) > self.keep_anchors - (self._initial is not None):
+        while len(self._anchors) > self.keep_anchors:
             del self._anchors[next(iter(self._anchors))]
 
     @property
@@ -56,10 +47,8 @@ class GlobalModel:
         return self.outer.alone_lr or self.outer.lr
 
     def anchors(self) -> dict[str, torch.Tensor]:
-        """The states this peer can rebuild exactly, by digest, newest first, the initial state last (see
-        `Contribution.anchors`)."""
-        recent = dict(reversed(list(self._anchors.items())))
-        return {**recent, self._initial[0]: self._initial[1]} if self._initial is not None else recent
+        """The states this peer can rebuild exactly, by digest, newest first (see `Contribution.anchors`)."""
+        return dict(reversed(list(self._anchors.items())))
 
     def merge(self, result: MergeResult, own_weight: float = 1.0) -> bool:
         """Adopt the group's averaged (θg, momentum) if members disagreed, then take the outer step on Δ̄.
