@@ -121,6 +121,9 @@ def test_bootstrap_and_two_peers_by_hand_train_and_merge(tmp_path):
                                  # 40 tiny steps take about a second: without waiting for each other, each
                                  # peer can be done before it sees the other's record, and never merge
                                  "--set", "swarm.wait_for_peers=2",
+                                 # and even together, one peer's start can lag the other's by more than a
+                                 # second on a loaded machine (CI once: 0 merges); paced, the run lasts 4 s
+                                 "--set", "emulate.min_step_s=0.1",
                                  "--set", f"run.seed={i}", *TINY], tmp_path / f"p{i}.log"))
         for p in peers:
             assert p.wait(timeout=150) == 0
