@@ -6,6 +6,7 @@ DHTs on loopback, with an attacker node that overwrites a victim's heartbeat by 
 from __future__ import annotations
 
 import dataclasses
+import random
 import stat
 
 import hivemind
@@ -234,6 +235,45 @@ def test_heartbeats_go_straight_to_the_nearest_nodes_and_stay_readable(swarm, ne
     assert net_loop.run(write_subkey(victim, peers_key("rec"), victim_id, {"step": -1}, expiration - 10), 10) is False
     for dht in (swarm["reader"], swarm["boot"]):
         assert net_loop.run(read_subkeys(dht, peers_key("rec")), 10)[victim_id] == {"step": 5}
+
+
+@pytest.mark.integration
+def test_the_walk_before_a_first_store_does_not_download_the_keys_records(swarm, net_loop):
+    """The walk that finds a key's nearest nodes asks for an id beside the key (`beside`), so the nodes on the way
+    answer with contacts only: with hivemind's walk for the key itself, each node holding it sent every record
+    under it (issue 17: a census registration downloaded the whole census)."""
+    from p2pdiloco.network.traffic import Traffic
+
+    reader, victim = swarm["reader"], swarm["victim"]
+    key, blob = "rec_walk", "x" * 6_000
+    assert net_loop.run(write_subkey(reader, key, reader.peer_id.to_base58(), {"blob": blob}, get_dht_time() + 60), 10)
+    wait_for(lambda: len(net_loop.run(read_subkeys(swarm["boot"], key), 10)) == 1, 20, what="the large record")
+    counts = Traffic()
+
+    def find_bytes() -> int:
+        net_loop.run(counts.refresh_dht(victim), 10)
+        return counts.dht_by_rpc.get("find", [0, 0, 0])[2]
+
+    before = find_bytes()
+    victim_id = victim.peer_id.to_base58()
+    assert net_loop.run(write_subkey(victim, key, victim_id, {"step": 1}, get_dht_time() + 60), 10)
+    walked = find_bytes() - before
+    assert 0 < walked < 3_000  # the walk happened, and moved no copy of the 6 kB record
+    got = net_loop.run(read_subkeys(swarm["boot"], key), 10)  # stored where readers look
+    assert got[victim_id] == {"step": 1} and got[reader.peer_id.to_base58()] == {"blob": blob}
+
+
+def test_the_id_beside_a_key_has_the_keys_nearest_nodes():
+    from hivemind.dht.routing import DHTID
+
+    from p2pdiloco.network.dht_store import beside
+
+    rng = random.Random(0)
+    for _ in range(200):
+        key = DHTID.generate(source=str(rng.random()))
+        nodes = [DHTID.generate(source=str(rng.random())) for _ in range(64)]
+        assert beside(key) != key and beside(beside(key)) == key
+        assert sorted(nodes, key=key.xor_distance)[:8] == sorted(nodes, key=beside(key).xor_distance)[:8]
 
 
 @pytest.mark.integration

@@ -7,7 +7,8 @@ grow with the swarm (issue 17: 19.3 kB/s of DHT traffic a peer at 32 peers, 2.8 
 
 `store_near` remembers a key's nearest nodes for `NEAREST_TTL_S` and sends the signed record straight to them
 (`rpc_store`: the record and its key, nothing else), walking again only when that time is up or one of them did
-not answer; the walk itself keeps `DHT_REPLICAS` nodes in its beam, not `DHT_BUCKET_SIZE`. Reads
+not answer; the walk itself keeps `DHT_REPLICAS` nodes in its beam, not `DHT_BUCKET_SIZE`, and looks up an id
+next to the key's (`beside`), so that the nodes on the way do not send the key's records with their contacts. Reads
 (`swarm.read_subkeys`) walk with the same beam, so they visit the nodes the stores went to.
 
 These functions run in the DHT's own process (`DHT.run_coroutine`), where the node and its signing validators live.
@@ -39,12 +40,22 @@ async def _nearest(node, key_id: DHTID) -> dict:
     cached = _NEAREST.get(key_id)
     if cached is not None and now - cached[0] < NEAREST_TTL_S:
         return cached[1]
-    found = await node.find_nearest_nodes([key_id], k_nearest=node.num_replicas, beam_size=node.num_replicas,
+    # The walk asks for `beside(key_id)`, where nothing is stored: every node it visits answers with contacts only,
+    # where asking for the key itself returned its whole value (all subkeys) from each of them.
+    query = beside(key_id)
+    found = await node.find_nearest_nodes([query], k_nearest=node.num_replicas, beam_size=node.num_replicas,
                                           exclude_self=node.protocol.client_mode)  # a client serves no records
     for stale in [k for k, (t, _) in _NEAREST.items() if now - t >= NEAREST_TTL_S]:
         del _NEAREST[stale]
-    _NEAREST[key_id] = (now, found[key_id])
-    return found[key_id]
+    _NEAREST[key_id] = (now, found[query])
+    return found[query]
+
+
+def beside(key_id: DHTID) -> DHTID:
+    """The id that differs from `key_id` in its last bit only: its nearest nodes are `key_id`'s (XOR distances to
+    the two differ by one in the last bit, so they order nodes alike unless two nodes' distances differ in that
+    bit alone), and no record is stored under it."""
+    return DHTID(key_id ^ 1)
 
 
 async def _store_near(dht: hivemind.DHT, node, key: str, subkey: str, value: dict, expiration: float) -> bool:
