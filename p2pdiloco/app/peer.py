@@ -21,6 +21,7 @@ from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.app.heartbeat import Heartbeat, swarm_finished
 from p2pdiloco.app.startup import StartupClock, say
 from p2pdiloco.config import Config, fingerprint_digest
+from p2pdiloco.network.census import registered_now
 from p2pdiloco.network.p2p_merger import P2PMerger
 from p2pdiloco.network.state_sync import StateSync
 from p2pdiloco.network.swarm import (
@@ -183,14 +184,15 @@ def telemetry_snapshot(learner: Learner, static: dict) -> dict:
             "merge_wait_s": c.merge_wait_s}
 
 
-def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, stop: StopFlag) -> int:
-    """Block until `swarm.wait_for_peers` peers are live (or the wait times out); returns how many are."""
+def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, peer_id: str, stop: StopFlag) -> int:
+    """Block until `swarm.wait_for_peers` peers (this one included) are in matchmaking's census (or the wait
+    times out); returns how many are. Every peer's merger registers it there when it starts."""
     want, deadline = cfg.swarm.wait_for_peers, time.monotonic() + cfg.swarm.wait_for_peers_s
     while True:
-        live = len(live_records(loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)))
+        live = len(loop.run(registered_now(dht, cfg.swarm.run_id), timeout=30) | {peer_id})
         if live >= want or stop() or time.monotonic() > deadline:
             return live
-        time.sleep(0.2)  # polling the DHT, with a deadline
+        time.sleep(1.0)  # polling the DHT (a read of the census grows with the swarm), with a deadline
 
 
 def join_address(maddrs: list[str]) -> str:
@@ -329,7 +331,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
             announce(f"Prometheus metrics at {loop.run(metrics_server.start(), timeout=10)}")
         if cfg.swarm.wait_for_peers > 1 and not cfg.run.resume:  # a restarted peer joins a running swarm
             say("waiting for %d peers to be live", cfg.swarm.wait_for_peers, tag=peer_id[-6:])
-            live = wait_for_peers(loop, dht, cfg, stop)
+            live = wait_for_peers(loop, dht, cfg, peer_id, stop)
             logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)
         summary = learner.run()
         loop.run(learner.report.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's

@@ -80,6 +80,14 @@ def census_key(run_id: str, epoch: int) -> str:
     return f"{run_id}_census_{epoch}"
 
 
+async def registered_now(dht: hivemind.DHT, run_id: str, timeout: float = 5.0) -> set[str]:
+    """The peers registered for the current epoch, as one read of its census (a small key: one short record a
+    peer). `wait_for_peers` polls this before training starts, where it used to read every shard of the
+    heartbeat records every 0.2 s: in `bench scale` at 16 peers that start-up poll was 44 % of a peer's DHT
+    bytes (issue 17)."""
+    return set(await read_subkeys(dht, census_key(run_id, epoch_of(get_dht_time())), timeout))
+
+
 class Census:
     """This peer's registrations and its views of recent epochs' censuses.
 
