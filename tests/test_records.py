@@ -263,29 +263,6 @@ def test_the_walk_before_a_first_store_does_not_download_the_keys_records(swarm,
     assert got[victim_id] == {"step": 1} and got[reader.peer_id.to_base58()] == {"blob": blob}
 
 
-@pytest.mark.integration
-def test_a_read_from_the_nearest_node_sees_every_record_and_moves_one_copy(swarm, net_loop):
-    """`read_near_subkeys` (the census's read): every node reads every writer's record, from one node holding them."""
-    from p2pdiloco.network.swarm import read_near_subkeys
-    from p2pdiloco.network.traffic import Traffic
-
-    key, blob = "rec_near", "y" * 2_000
-    writers = [swarm["boot"], swarm["victim"], swarm["reader"]]
-    for i, dht in enumerate(writers):
-        assert net_loop.run(write_subkey(dht, key, dht.peer_id.to_base58(), {"i": i, "blob": blob}, get_dht_time() + 60), 10)
-    want = {dht.peer_id.to_base58(): {"i": i, "blob": blob} for i, dht in enumerate(writers)}
-    for dht in writers:
-        counts = Traffic()
-        net_loop.run(read_near_subkeys(dht, key), 10)  # a first read may walk (contacts only) to find the nearest
-        net_loop.run(counts.refresh_dht(dht), 10)
-        before = counts.dht_by_rpc.get("find", [0, 0, 0])
-        assert net_loop.run(read_near_subkeys(dht, key), 10) == want
-        net_loop.run(counts.refresh_dht(dht), 10)
-        after = counts.dht_by_rpc.get("find", [0, 0, 0])
-        assert after[0] - before[0] <= 1  # one node asked (none when this node is the nearest)
-        assert after[2] - before[2] < 1.5 * len(want) * len(blob)  # at most one copy of the records
-
-
 def test_the_id_beside_a_key_has_the_keys_nearest_nodes():
     from hivemind.dht.routing import DHTID
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco.network.swarm import read_near_subkeys, write_subkey
+from p2pdiloco.network.swarm import read_subkeys, write_subkey
 
 EPOCH_S = 30.0
 """Groups and leaders are drawn anew every this many seconds of DHT time."""
@@ -85,7 +85,7 @@ async def registered_now(dht: hivemind.DHT, run_id: str, timeout: float = 5.0) -
     peer). `wait_for_peers` polls this before training starts, where it used to read every shard of the
     heartbeat records every 0.2 s: in `bench scale` at 16 peers that start-up poll was 44 % of a peer's DHT
     bytes (issue 17)."""
-    return set(await read_near_subkeys(dht, census_key(run_id, epoch_of(get_dht_time())), timeout))
+    return set(await read_subkeys(dht, census_key(run_id, epoch_of(get_dht_time())), timeout))
 
 
 class Census:
@@ -130,7 +130,7 @@ class Census:
         # a view of this peer alone may be a read that timed out: it is never trusted for long
         if view is None or ((epoch in self._stale or len(view[1]) == 1) and time.monotonic() - view[0] >= REREAD_S):
             self.reads += 1
-            records = await read_near_subkeys(self.dht, census_key(self.run_id, epoch))
+            records = await read_subkeys(self.dht, census_key(self.run_id, epoch))
             self._views = {e: v for e, v in self._views.items() if e >= epoch - 1}
             self._views[epoch] = (time.monotonic(), frozenset(records) | {self.peer_id})
             self._stale.discard(epoch)
