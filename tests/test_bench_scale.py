@@ -27,7 +27,9 @@ def _peer(name, dht, merge, wall_s, rounds, compute_cpu_s, eval_loss):
     return {"name": name, "wall_s": wall_s, "rounds": rounds, "compute_cpu_s": compute_cpu_s,
             "eval_loss_final": eval_loss, "merge_failures": 0,
             "traffic": {"dht": {"sent": dht[0], "received": dht[1]}, "merge": {"sent": merge[0], "received": merge[1]},
-                        "state": {"sent": 0, "received": 0}}}
+                        "state": {"sent": 0, "received": 0}},
+            # most of the DHT's bytes: the rest were pings and keys of no kind here
+            "dht_by_kind": {"census": dht[0] // 2, "peer records": dht[1] // 2, "config": 0, "other": 0}}
 
 
 def _rows(process_s, t_eval, merges, t_final):
@@ -66,6 +68,7 @@ def test_percentile_interpolates_between_order_statistics():
 def test_run_figures_from_summary_and_metrics_rows():
     f = run_figures(SUMMARY, ROWS, CPU, MEMORY)
     assert f["dht_bytes_per_s_mean"] == 200 and f["dht_bytes_per_s_max"] == 300  # 1000/10 and 3000/10
+    assert f["dht_census_bytes_per_s"] == 52.5 and f["dht_records_bytes_per_s"] == 47.5  # (30 + 75)/2, (20 + 75)/2
     assert f["merge_bytes_per_round"] == 1500  # (4000/4 + 8000/4) / 2
     # group merges' times, sorted: 0.5 0.5 1.0 1.5 1.5 2.0
     assert f["merge_s_median"] == pytest.approx(1.25) and f["merge_s_p95"] == pytest.approx(1.875)
@@ -129,6 +132,7 @@ def test_a_tiny_real_run_of_two_peers(tmp_path):
     run = results["runs"]["2"]
     assert run["peers_finished"] == 2 and run["rounds_mean"] >= 1 and run["group_share"] > 0
     assert run["dht_bytes_per_s_mean"] > 0 and run["merge_bytes_per_round"] > 0
+    assert run["dht_census_bytes_per_s"] > 0 and run["dht_records_bytes_per_s"] > 0  # told apart by key
     # CPU outside inner steps: process CPU read once a second minus the thread's exact inner-step CPU, so a
     # 20-step run can come out a few ms either side of its true value; here only that it was measured
     assert run["cpu_per_round_mean"] is not None and run["startup_s_median"] > 0

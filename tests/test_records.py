@@ -27,6 +27,7 @@ from p2pdiloco.network.identity import (
 )
 from p2pdiloco.network.swarm import SwarmError, peers_key, read_subkeys, start_dht, write_subkey
 from p2pdiloco.network.swarm_key import KeyedRecordValidator, load_key, write_new_key
+from p2pdiloco.network.traffic import dht_bytes_by_kind
 from p2pdiloco.observe.status import read_status
 from tests.conftest import wait_for
 
@@ -231,6 +232,10 @@ def test_heartbeats_go_straight_to_the_nearest_nodes_and_stay_readable(swarm, ne
         _seen(net_loop, swarm["reader"], victim_id, {"step": step})
     assert made("find") == finds  # no walk for the five beats after the first
     assert made("store") > stores  # each went to the other nearest nodes by rpc_store alone
+    # those finds and stores are told apart as the peer records' (traffic.dht_bytes_by_kind); the rest are
+    # hivemind's routing-table refreshes
+    kinds = dht_bytes_by_kind(counts.dht_by_key, "rec", range(0))
+    assert kinds["peer records"] > sum(counts.dht_by_key.values()) / 2 and kinds["census"] == kinds["config"] == 0
     # a record expiring before the one the nodes hold is refused by all of them, and the newer one stays
     assert net_loop.run(write_subkey(victim, peers_key("rec"), victim_id, {"step": -1}, expiration - 10), 10) is False
     for dht in (swarm["reader"], swarm["boot"]):
@@ -261,6 +266,23 @@ def test_the_walk_before_a_first_store_does_not_download_the_keys_records(swarm,
     assert 0 < walked < 3_000  # the walk happened, and moved no copy of the 6 kB record
     got = net_loop.run(read_subkeys(swarm["boot"], key), 10)  # stored where readers look
     assert got[victim_id] == {"step": 1} and got[reader.peer_id.to_base58()] == {"blob": blob}
+
+
+def test_dht_bytes_are_told_apart_by_the_key_they_were_for():
+    from hivemind.dht.routing import DHTID
+
+    from p2pdiloco.network.census import census_key
+    from p2pdiloco.network.swarm import config_key
+
+    def hex_id(key: str) -> str:
+        return DHTID.generate(source=key).to_bytes().hex()
+
+    from p2pdiloco.network.dht_store import beside
+
+    by_key = {hex_id(peers_key("run", 0)): 100, hex_id(peers_key("run", 7)): 20, hex_id(census_key("run", 5)): 7,
+              hex_id(census_key("run", 9)): 3, hex_id(config_key("run")): 50, hex_id(peers_key("other run", 0)): 1,
+              beside(DHTID.generate(source=census_key("run", 4))).to_bytes().hex(): 2}  # a walk before a store
+    assert dht_bytes_by_kind(by_key, "run", range(4, 7)) == {"peer records": 120, "census": 9, "config": 50, "other": 4}
 
 
 def test_the_id_beside_a_key_has_the_keys_nearest_nodes():

@@ -5,7 +5,8 @@ For each N in --peers, one `run_local` swarm of N peers of the benchmark model, 
 timed rounds of `ROUND_S`, groups of at most `swarm.group_size`. Figures, per run (`run_figures`):
 
 - DHT bytes/s per peer: a peer's DHT bytes sent + received (its summary's `traffic.dht`) ÷ its `wall_s` (from
-  its learner's start to its summary); mean and max over peers.
+  its learner's start to its summary); mean and max over peers. Beside it, the mean of the finds' and stores'
+  bytes of the census keys and of the heartbeat shards (its summary's `dht_by_kind`), ÷ `wall_s` the same way.
 - merge bytes per peer per round: a peer's merge bytes sent + received (`traffic.merge`) ÷ its rounds; mean.
 - group merge time: `merge_s` (submit to result: matchmaking, exchange, averaging) of the merge lines with
   `group_size` >= 2, all peers' pooled; median and p95 (linear interpolation between order statistics).
@@ -66,6 +67,8 @@ class Figure(NamedTuple):
 FIGURES = (
     Figure("dht_bytes_per_s_mean", "DHT bytes/s per peer", "mean", "B/s"),
     Figure("dht_bytes_per_s_max", "DHT bytes/s per peer", "max", "B/s"),
+    Figure("dht_census_bytes_per_s", "DHT bytes/s per peer, by key", "census, mean", "B/s"),
+    Figure("dht_records_bytes_per_s", "DHT bytes/s per peer, by key", "peer records, mean", "B/s"),
     Figure("merge_bytes_per_round", "merge bytes per peer per round", "mean", "B"),
     Figure("merge_s_median", "group merge time", "median", "s"),
     Figure("merge_s_p95", "group merge time", "p95", "s"),
@@ -160,6 +163,8 @@ def run_figures(summary: dict, rows: dict[str, list[dict]], cpu: dict[str, list[
         return p["traffic"][kind]["sent"] + p["traffic"][kind]["received"]
 
     dht_rate = [both(p, "dht") / p["wall_s"] for p in peers if p["wall_s"] > 0]
+    by_kind = {kind: [p["dht_by_kind"][kind] / p["wall_s"] for p in peers if p["wall_s"] > 0 and "dht_by_kind" in p]
+               for kind in ("census", "peer records")}
     merge_bytes = [both(p, "merge") / p["rounds"] for p in peers if p["rounds"] > 0]
     merges = [r for rs in rows.values() for r in rs if r.get("kind") == "merge"]
     group_merge_s = [r["merge_s"] for r in merges if r["group_size"] >= 2]
@@ -174,6 +179,8 @@ def run_figures(summary: dict, rows: dict[str, list[dict]], cpu: dict[str, list[
         "peers_finished": summary["peers_finished"],
         "dht_bytes_per_s_mean": statistics.mean(dht_rate) if dht_rate else None,
         "dht_bytes_per_s_max": max(dht_rate) if dht_rate else None,
+        "dht_census_bytes_per_s": statistics.mean(by_kind["census"]) if by_kind["census"] else None,
+        "dht_records_bytes_per_s": statistics.mean(by_kind["peer records"]) if by_kind["peer records"] else None,
         "merge_bytes_per_round": statistics.mean(merge_bytes) if merge_bytes else None,
         "merge_s_median": percentile(group_merge_s, 0.5), "merge_s_p95": percentile(group_merge_s, 0.95),
         "group_share": len(group_merge_s) / len(merges) if merges else None,

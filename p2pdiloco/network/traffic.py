@@ -30,7 +30,19 @@ _DHT_COUNTER = ByteCounter()
 """In a DHT process: the bytes of its unary requests and responses (meaningless in the parent)."""
 _DHT_BY_RPC: dict[str, list[int]] = {}
 """In a DHT process: {rpc name ("find", "store", "ping"): [requests made, requests served, bytes sent + received]}."""
+_DHT_BY_KEY: dict[str, int] = {}
+"""In a DHT process: {key id (hex): bytes sent + received} of find and store requests, made and served; a request
+for k keys gives each a k-th of its bytes."""
 _installed = False
+
+
+def _keyed_requests() -> dict:
+    from hivemind.proto import dht_pb2
+
+    return {"find": dht_pb2.FindRequest, "store": dht_pb2.StoreRequest}
+
+
+_KEYED_REQUESTS = _keyed_requests()
 
 
 def install_dht_counter() -> None:
@@ -46,6 +58,17 @@ def install_dht_counter() -> None:
         name = proto.rsplit(".", 1)[-1].removeprefix("rpc_")
         return _DHT_BY_RPC.setdefault(name, [0, 0, 0])
 
+    def by_key(proto: str, request: bytes, moved: int) -> None:
+        kind = _KEYED_REQUESTS.get(proto.rsplit(".", 1)[-1].removeprefix("rpc_"))
+        if kind is None:
+            return
+        try:
+            keys = kind.FromString(request).keys
+        except Exception:  # a malformed request: its bytes are in the totals, under no key
+            return
+        for key in keys:
+            _DHT_BY_KEY[key.hex()] = _DHT_BY_KEY.get(key.hex(), 0) + moved // len(keys)
+
     async def counted_call(self, peer_id, proto: str, data: bytes) -> bytes:
         _DHT_COUNTER.sent += len(data)
         rpc = by_rpc(proto)
@@ -54,6 +77,7 @@ def install_dht_counter() -> None:
         response = await call(self, peer_id, proto, data)
         _DHT_COUNTER.received += len(response)
         rpc[2] += len(response)
+        by_key(proto, data, len(data) + len(response))
         return response
 
     async def counted_add(self, proto: str, handler, balanced: bool = False) -> None:
@@ -65,6 +89,7 @@ def install_dht_counter() -> None:
             response = await handler(request, remote_id)
             _DHT_COUNTER.sent += len(response)
             rpc[2] += len(response)
+            by_key(proto, request, len(request) + len(response))
             return response
 
         await add(self, proto, counted_handler, balanced=balanced)
@@ -73,8 +98,35 @@ def install_dht_counter() -> None:
     _installed = True
 
 
-async def _dht_counts(dht: hivemind.DHT, node) -> tuple[int, int, dict[str, list[int]]]:
-    return _DHT_COUNTER.sent, _DHT_COUNTER.received, {k: list(v) for k, v in _DHT_BY_RPC.items()}
+async def _dht_counts(dht: hivemind.DHT, node) -> tuple[int, int, dict[str, list[int]], dict[str, int]]:
+    return _DHT_COUNTER.sent, _DHT_COUNTER.received, {k: list(v) for k, v in _DHT_BY_RPC.items()}, dict(_DHT_BY_KEY)
+
+
+def dht_bytes_by_kind(by_key: dict[str, int], run_id: str, epochs: range) -> dict[str, int]:
+    """A DHT process's bytes by key (`Traffic.dht_by_key`) by what the key holds: "peer records" (the heartbeat
+    shards), "census" (the census keys of `epochs`), "config", and "other" (hivemind's routing-table refreshes,
+    which look up random ids, and keys of other runs or of epochs outside `epochs`)."""
+    from hivemind.dht.routing import DHTID
+
+    from p2pdiloco.network.census import census_key
+    from p2pdiloco.network.dht_store import beside
+    from p2pdiloco.network.swarm import PEER_SHARDS, config_key, peers_key
+
+    kinds: dict[str, str] = {}
+
+    def add(key: str, kind: str) -> None:  # a key's walks look up the id beside it (dht_store.beside)
+        key_id = DHTID.generate(source=key)
+        kinds[key_id.to_bytes().hex()] = kinds[beside(key_id).to_bytes().hex()] = kind
+
+    for shard in range(PEER_SHARDS):
+        add(peers_key(run_id, shard), "peer records")
+    add(config_key(run_id), "config")
+    for epoch in epochs:
+        add(census_key(run_id, epoch), "census")
+    out = dict.fromkeys(("peer records", "census", "config", "other"), 0)
+    for key, moved in by_key.items():
+        out[kinds.get(key, "other")] += moved
+    return out
 
 
 def ddp_bytes_per_step(n_params: int, n_peers: int) -> float:
@@ -91,16 +143,18 @@ class Traffic:
     dht: ByteCounter = field(default_factory=ByteCounter)
     dht_by_rpc: dict[str, list[int]] = field(default_factory=dict)
     """The DHT's traffic by request kind: {"find": [requests made, requests served, bytes both ways], ...}."""
+    dht_by_key: dict[str, int] = field(default_factory=dict)
+    """The DHT's find and store bytes by key id (hex), both ways; see `dht_bytes_by_kind`."""
 
     async def refresh_dht(self, dht: hivemind.DHT, timeout: float = 5.0) -> None:
         """Read the DHT process's counts (keeps the last ones if it does not answer in time)."""
         try:
-            sent, received, by_rpc = await asyncio.wait_for(dht.run_coroutine(_dht_counts, return_future=True),
-                                                            timeout)
+            sent, received, by_rpc, by_key = await asyncio.wait_for(
+                dht.run_coroutine(_dht_counts, return_future=True), timeout)
         except Exception as e:  # a slow or shutting-down DHT process: the counts are a few seconds older
             logger.debug("reading the DHT byte counts failed: %r", e)
             return
-        self.dht.sent, self.dht.received, self.dht_by_rpc = sent, received, by_rpc
+        self.dht.sent, self.dht.received, self.dht_by_rpc, self.dht_by_key = sent, received, by_rpc, by_key
 
     async def watch_dht(self, dht: hivemind.DHT, interval: float) -> None:
         while True:
