@@ -204,8 +204,7 @@ class SwarmConfig(_Section):
     join_timeout_s: float = 20.0
     """Give up on unreachable initial peers after this many seconds."""
     wait_for_peers: int = 0
-    """Before the first inner step, wait until this many peers (this one included) are live (in matchmaking's census
-    of the current epoch); 0 does not wait."""
+    """Before the first inner step, wait until this many peers (this one included) are in the census; 0: no wait."""
     wait_for_peers_s: float = 120.0
     """Longest wait for `wait_for_peers`; after it the peer starts with whoever is there."""
     codec: str = "int4"
