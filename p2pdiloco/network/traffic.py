@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass, field
 
 import hivemind
+from hivemind.proto import dht_pb2
 
 from p2pdiloco.network.wire import ByteCounter
 
@@ -36,13 +37,12 @@ for k keys gives each a k-th of its bytes."""
 _installed = False
 
 
-def _keyed_requests() -> dict:
-    from hivemind.proto import dht_pb2
-
-    return {"find": dht_pb2.FindRequest, "store": dht_pb2.StoreRequest}
+_KEYED_REQUESTS = {"find": dht_pb2.FindRequest, "store": dht_pb2.StoreRequest}
+"""The DHT requests that name keys, by rpc name: their bytes are also counted by key."""
 
 
-_KEYED_REQUESTS = _keyed_requests()
+def _rpc_name(proto: str) -> str:
+    return proto.rsplit(".", 1)[-1].removeprefix("rpc_")
 
 
 def install_dht_counter() -> None:
@@ -55,11 +55,10 @@ def install_dht_counter() -> None:
     call, add = Client.call_unary_handler, Client.add_unary_handler
 
     def by_rpc(proto: str) -> list[int]:
-        name = proto.rsplit(".", 1)[-1].removeprefix("rpc_")
-        return _DHT_BY_RPC.setdefault(name, [0, 0, 0])
+        return _DHT_BY_RPC.setdefault(_rpc_name(proto), [0, 0, 0])
 
     def by_key(proto: str, request: bytes, moved: int) -> None:
-        kind = _KEYED_REQUESTS.get(proto.rsplit(".", 1)[-1].removeprefix("rpc_"))
+        kind = _KEYED_REQUESTS.get(_rpc_name(proto))
         if kind is None:
             return
         try:
