@@ -86,6 +86,9 @@ class MergeResult:
     state_share: float = 0.0
     """When global models were averaged: this peer's θg's share of the agreed θg, its state weight ÷ the state
     weights combined (as the group counted them), averaged over the values; 0 where its part was left out."""
+    phase_shift_s: float = 0.0
+    """How much later (> 0) or earlier the round in progress should end to meet the mates' round ends (phase.py;
+    rounds of a fixed step count only)."""
 
     @property
     def alone(self) -> bool:

@@ -31,9 +31,11 @@ import torch
 from p2pdiloco.algorithm.codecs import Codec, DeflatedCodec, ErrorFeedback, get_codec
 from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.network.admission import Request
 from p2pdiloco.network.allreduce import AllReduce, PlainReducer, by_values, slice_bounds
 from p2pdiloco.network.matchmaking import Group, Matchmaker
 from p2pdiloco.network.merger import Contribution, FaultHook, MergeResult, alone_result
+from p2pdiloco.network.phase import Phase
 from p2pdiloco.network.rpc import MergeFailed, Rpc
 from p2pdiloco.network.slice_guard import SliceGuard
 from p2pdiloco.network.sparse_exchange import SparseExchange
@@ -91,7 +93,9 @@ class P2PMerger:
         self.sparse = SparseExchange(self.rpc, self.matchmaker.expected_group, self.codec,
                                      self.guard if self.guard.enabled else None, self.book, cfg.merge_timeout_s, faults)
         """Pseudo-gradients of a sparse codec are all-gathered instead (sparse_exchange.py)."""
-        self._loop.run(self.rpc.start({"ready": self.matchmaker.on_ready, "invite": self.matchmaker.on_invite,
+        self.phase = Phase()
+        """When mates said they are looking: where their round ends lie against this peer's (phase.py)."""
+        self._loop.run(self.rpc.start({"ready": self._on_ready, "invite": self.matchmaker.on_invite,
                                        "group": self.matchmaker.on_group, "part": self.allreduce.on_part,
                                        "sparse": self.sparse.on_part}), timeout=30)
         self._loop.submit(self.matchmaker.census.keep_registered(lambda: self.matchmaker.closed))
@@ -104,6 +108,11 @@ class P2PMerger:
     def close(self) -> None:
         self.matchmaker.close()
 
+    async def _on_ready(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if request.header.get("looking") is True:  # when its round ended, as this peer's clock saw it
+            self.phase.heard(request.sender)
+        await self.matchmaker.on_ready(request, reader, writer)
+
     # ---- one merge ----
 
     async def _merge(self, c: Contribution) -> MergeResult:
@@ -113,6 +122,10 @@ class P2PMerger:
 
         def finish(result: MergeResult) -> MergeResult:
             self.matchmaker.record(alone=result.alone)
+            # rounds of a fixed step count drift apart (timed rounds end on a swarm-wide cadence, sync rounds wait);
+            # taken now, when mates whose rounds ended with this peer's have said so too
+            if not (self.cfg.sync or self.cfg.round_seconds > 0):
+                result.phase_shift_s = self.phase.shift_s(c.round_s, t0)
             result.rejected = sum(self.book.rejected.values()) - rejected0
             result.bytes_sent = self.counter.sent - sent0
             result.bytes_received = self.counter.received - recv0

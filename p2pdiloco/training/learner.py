@@ -136,9 +136,8 @@ class Learner:
         self.clock = RoundClock(cfg.swarm, cfg.run.time_limit_s)
         self.train_s = 0.0
         self.ended_with_swarm = False
-        self.last_round_steps, self.last_round_s = 0, 0.0
-        """Inner steps and seconds of the last round submitted (what `near_end` counts in)."""
         """A group merge included another peer's last contribution: the run is over (see `MergeResult.final`)."""
+        self.last_round_steps, self.last_round_s = 0, 0.0  # of the last round submitted (what `near_end` counts in)
 
     # ---- the loop ----
 
@@ -294,6 +293,7 @@ class Learner:
     def _apply_in_flight(self, result: MergeResult) -> None:
         flight, self.in_flight = self.in_flight, None
         self.apply_merge(result, flight.local_at_submit)
+        self.clock.shift(result.phase_shift_s)  # toward the mates' round ends (network/phase.py)
         if result.final and not result.alone and not flight.contribution.final:
             if self.near_end():
                 self.ended_with_swarm = True  # the steps taken since this contribution are not in any global model

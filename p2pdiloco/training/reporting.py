@@ -238,7 +238,7 @@ class Reporter:
             eval_loss_per_byte=self.per_byte(eval_loss),
             round_compute_s=round_compute_s, rejected=result.rejected, final=result.final,
             own_kept=result.own_kept, state_share=result.state_share, state_anchored=result.state_anchored,
-            state_bytes_sent=result.state_bytes_sent,
+            state_bytes_sent=result.state_bytes_sent, phase_shift_s=result.phase_shift_s,
             **({"traffic": self.traffic.snapshot()} if self.traffic else {}),
         )
         logger.info(

@@ -2,7 +2,8 @@
 
 A round is `swarm.round_steps` inner steps, or, with `swarm.round_seconds = T`, lasts until the next
 multiple of T in DHT time, so that peers of different speeds reach their merges together (each with as
-many steps as it managed: Async Local-SGD's dynamic local updates, arXiv 2401.09135).
+many steps as it managed: Async Local-SGD's dynamic local updates, arXiv 2401.09135). A round of steps can be
+lengthened or shortened by `shift` so that its end meets the round ends of this peer's mates (network/phase.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class RoundClock:
         self.t_train = time.monotonic()
         self.round_started = time.monotonic()
         self._deadline = 0.0
+        self._extra_steps = 0
+        """Steps added to (or, < 0, taken from) the round in progress by `shift`."""
+        self._step_s = 0.0
+        """Seconds per inner step in the round in progress, as last seen by `round_over`."""
 
     def start_training(self) -> None:
         """The time limit counts from now."""
@@ -35,6 +40,7 @@ class RoundClock:
 
     def start_round(self) -> None:
         self.round_started = time.monotonic()
+        self._extra_steps = 0
         T = self.swarm.round_seconds
         if T > 0:  # end on the swarm-wide cadence: the next multiple of T in DHT time
             self._deadline = (math.floor(get_dht_time() / T) + 1) * T
@@ -43,7 +49,17 @@ class RoundClock:
         """The round that has taken `steps_in_round` inner steps so far has reached its end."""
         if self.swarm.round_seconds > 0:
             return get_dht_time() >= self._deadline
-        return steps_in_round >= self.swarm.round_steps
+        if steps_in_round > 0:
+            self._step_s = self.round_s() / steps_in_round
+        return steps_in_round >= self.swarm.round_steps + self._extra_steps
+
+    def shift(self, seconds: float) -> None:
+        """End the round in progress about `seconds` later (> 0) or earlier (< 0), by at most half a round of steps
+        either way; rounds of a fixed step count only (timed rounds already end on a swarm-wide cadence)."""
+        if self.swarm.round_seconds > 0 or self._step_s <= 0 or seconds == 0:
+            return
+        half = self.swarm.round_steps // 2
+        self._extra_steps = max(-half, min(half, round(seconds / self._step_s)))
 
     def round_s(self) -> float:
         """Wall time since this round started."""
