@@ -315,3 +315,46 @@ def test_a_peer_restarted_under_its_id_registers_again_for_an_epoch_it_had_regis
             assert set(census._registered) == {epoch, epoch + 1}  # both stores taken, the second time too
         finally:
             peer.shutdown()
+
+
+async def _node_id(dht, node) -> int:
+    return int(node.node_id)
+
+
+@pytest.mark.integration
+def test_a_read_sends_no_copy_of_what_it_found_back_into_the_dht(swarm, net_loop):
+    """hivemind's defaults have a reader keep what it found (`cache_locally`, which also re-reads it in the
+    background before it expires) and push it to a node near the key (`cache_nearest`): at 32 peers that push of
+    the whole census after a read was ~0.4 kB/s a peer of DHT stores (docs/benchmarks.md, DHT). Records are
+    stored on their key's nearest nodes and read from there, so neither copy serves anyone."""
+    from hivemind.dht.routing import DHTID
+
+    from p2pdiloco.network.traffic import Traffic
+
+    reader, victim, boot = swarm["reader"], swarm["victim"], swarm["boot"]
+    nodes = [boot, victim, reader, swarm["attacker"]]
+    ids = [d.run_coroutine(_node_id) for d in nodes]
+
+    def farthest(key: str) -> int:
+        return max(range(4), key=lambda i: ids[i] ^ int(DHTID.generate(source=key)))
+
+    # a key whose 3 nearest nodes are the other three: the victim holds none of it and reads it from them
+    key = next(k for k in (f"rec_cache_{i}" for i in range(200)) if farthest(k) == 1)
+    blob = "x" * 6_000
+    now = get_dht_time()
+    assert net_loop.run(write_subkey(reader, key, reader.peer_id.to_base58(), {"blob": blob}, now + 120), 10)
+    wait_for(lambda: len(net_loop.run(read_subkeys(boot, key), 10)) == 1, 20, what="the large record")
+    counts = Traffic()
+
+    def store_bytes() -> int:
+        net_loop.run(counts.refresh_dht(victim), 10)
+        return counts.dht_by_rpc.get("store", [0, 0, 0])[2]
+
+    before = store_bytes()
+    assert set(net_loop.run(read_subkeys(victim, key), 10)) == {reader.peer_id.to_base58()}
+    assert store_bytes() - before < 1_000  # no copy of the 6 kB record went anywhere
+    boot_id = boot.peer_id.to_base58()
+    assert net_loop.run(write_subkey(boot, key, boot_id, {"step": 1}, now + 60), 10)
+    got = wait_for(lambda: (r := net_loop.run(read_subkeys(victim, key), 10)).get(boot_id) and r, 10,
+                   what="a record added since, read again by the same node")
+    assert got[boot_id] == {"step": 1} and store_bytes() - before < 1_000

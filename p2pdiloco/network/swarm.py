@@ -126,6 +126,11 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
             # every DHT request of a swarm of 16 moved ~14 KB with hivemind's defaults (20 contacts per reply,
             # 5 replicas), ~4.5 KB with these (BitTorrent's DHT also keeps 8 per bucket): measured, issue 17
             bucket_size=DHT_BUCKET_SIZE, num_replicas=DHT_REPLICAS,
+            # hivemind's reader keeps what it found (and re-reads it in the background before it expires) and
+            # pushes it to a node near the key: records live on their key's nearest nodes and are read from there
+            # (`read_subkeys`), so neither copy serves anyone, and the push cost a whole census after each read
+            # (~0.4 kB/s a peer at 32 peers, issue 17; tests/test_records.py)
+            cache_locally=False, cache_nearest=0,
         )
     except P2PDaemonError as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
