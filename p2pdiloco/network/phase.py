@@ -10,11 +10,11 @@ final merge alone and the global models apart).
 
 The fix moves round ends instead of waiting longer (a longer window held merges up, docs/benchmarks.md): a mate's
 word that it is looking for a group (`ready`) arrives when its round ended, so its arrival time, taken modulo this
-peer's round length, is the mate's phase relative to this peer's. At each search this peer takes the median of
-its mates' phases and its own (0) and ends its current round that much later or earlier (`RoundClock.shift`):
-two halves each move half-way and meet at the next round end; peers already together stay put (a dead zone).
-It is taken when this peer's merge is over, not when its round ended, so that mates whose rounds ended a moment
-after its own have been heard in this round (an older word of theirs would place them a round off).
+peer's round length, is the mate's phase relative to this peer's. When its merge is over, this peer takes the
+median of its mates' phases and its own (0) and ends its current round that much later or earlier
+(`RoundClock.shift`): two halves each move half-way and meet at the next round end; peers already together stay
+put (a dead zone). Not earlier, at its round end: mates whose rounds ended a moment after its own would not have
+been heard in this round yet, and an older word of theirs would place them a round off.
 
 Only the time a mate's word arrived is used, on this peer's clock: nothing a peer claims. A liar can move the
 median only with half the mates, and only the moment a round ends, never what is merged.
