@@ -11,7 +11,7 @@ from p2pdiloco.algorithm.codecs import CodecError, ErrorFeedback, NonFiniteError
 from p2pdiloco.algorithm.sparse import SparseCodec, rice_decode, rice_encode, rice_parameter
 from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.rpc import MergeFailed
-from p2pdiloco.network.sparse_exchange import decode_part, reduce_parts
+from p2pdiloco.network.sparse_exchange import decode_part, reduce_parts, trusted
 
 
 def test_keeps_the_top_k_of_each_chunk_with_their_signs_and_two_magnitudes():
@@ -129,6 +129,56 @@ def test_two_members_are_judged_from_the_smaller_part_by_both():
     for order in ([small, large], [large, small]):
         _, reasons, _ = reduce_parts(order, ["", ""], [1.0, 1.0], GuardConfig(norm_bound=4.0))
         assert reasons == ["" if p is small else "norm" for p in order]
+
+
+def _sparse_swarm(n: int = 40_000, honest: int = 3, seed: int = 6):
+    """(the momentum, honest members' decoded sparse parts, each pointing partly along it, a sign-flipped one,
+    a same-norm noise one)."""
+    codec, g = SparseCodec(), torch.Generator().manual_seed(seed)
+    momentum = torch.randn(n, generator=g)
+    deltas = [0.3 * momentum + torch.randn(n, generator=g) for _ in range(honest)]
+    noise = torch.randn(n, generator=g) * (deltas[0].norm() / n ** 0.5)
+    coded = [codec.decode(codec.encode(d), n) for d in [*deltas, -deltas[0], noise]]
+    return momentum, coded[:honest], coded[honest], coded[honest + 1]
+
+
+def test_trust_screen_leaves_out_sign_flipped_and_noise_parts_for_every_member_alike():
+    momentum, honest, flipped, noise = _sparse_swarm()
+    parts = [flipped, honest[0], noise, honest[1], flipped.clone(), honest[2]]
+    reasons = trusted(parts, [""] * 6, momentum)
+    assert reasons == ["trust", "", "trust", "", "trust", ""]
+    avg, reasons, shares = reduce_parts(parts, [""] * 6, [1.0] * 6, GuardConfig(), momentum)
+    assert reasons == ["trust", "", "trust", "", "trust", ""] and shares == [0.0, 1 / 3, 0.0, 1 / 3, 0.0, 1 / 3]
+    torch.testing.assert_close(avg, (honest[0] + honest[1] + honest[2]) / 3)
+    # the same decision from a momentum that differs slightly (members of a fork that this merge's agreement
+    # mends): all or nothing, so they still average the same parts
+    nudged = momentum + 1e-3 * torch.randn(momentum.numel(), generator=torch.Generator().manual_seed(1))
+    assert trusted(parts, [""] * 6, nudged) == reasons
+    # trust_decay -1 turns the screen off, as for the default codec
+    _, off, _ = reduce_parts(parts, [""] * 6, [1.0] * 6, GuardConfig(trust_decay=-1), momentum)
+    assert off == [""] * 6
+
+
+def test_trust_screen_stands_aside_without_a_momentum_or_against_a_majority():
+    momentum, honest, flipped, _ = _sparse_swarm()
+    parts = [honest[0], honest[1], flipped]
+    assert trusted(parts, ["", "", ""], None) == ["", "", ""]
+    # a majority points against the momentum: it is the momentum that is wrong (guards.trust_factors)
+    assert trusted(parts, ["", "", ""], -momentum) == ["", "", ""]
+    # parts left out for another reason keep it and are not part of the median
+    assert trusted(parts, ["norm", "", ""], momentum) == ["norm", "", "trust"]
+
+
+def test_without_a_momentum_a_part_few_others_point_with_is_left_out():
+    """The run's first merge (momentum all zeros): its average becomes the reference of every later merge, so
+    sign-flipped parts must not make it; a part counts if as many others point with it as the upper median."""
+    momentum, honest, flipped, _ = _sparse_swarm()
+    zeros = torch.zeros_like(momentum)
+    parts = [flipped, honest[0], honest[1], flipped.clone(), honest[2]]
+    assert trusted(parts, [""] * 5, zeros) == ["trust", "", "", "trust", ""]
+    assert trusted(honest, [""] * 3, zeros) == ["", "", ""]  # honest parts all point alike
+    assert trusted([honest[0], flipped], ["", ""], zeros) == ["", ""]  # two: nothing to tell them apart by
+    assert trusted([honest[0], honest[1], flipped], ["", "", "norm"], zeros) == ["", "", "norm"]
 
 
 def test_decayed_error_feedback_scales_the_residual_before_adding_it():

@@ -74,3 +74,32 @@ def test_a_member_frozen_before_sending_fails_the_sparse_merge_for_everyone(boot
             assert r.failure and r.alone and torch.equal(r.pseudo_grad, v)  # own Δ, no partial average
             assert m.feedback.residual is None  # nothing counted as sent: the residual was not charged
         futures[2].cancel()
+
+
+def test_sign_flipped_sparse_parts_are_left_out_by_every_member_alike(bootstrap_dht, net_loop):
+    """The trust screen for all-gathered parts (sparse_exchange.trusted): 2 of 5 members send −Δ; every member
+    judges the parts against the same momentum, leaves the same two out, and ends with the same bits: the mean
+    of the three honest parts. The flippers learn that their parts counted nothing (own_kept 0), no strike."""
+    cfg = SwarmConfig(run_id="spt", merge_window_s=8, merge_timeout_s=10, codec="sparseloco")
+    with running_mergers(bootstrap_dht, net_loop, 5, cfg, N) as mergers:
+        codec = mergers[0].codec
+        g = torch.Generator().manual_seed(9)
+        momentum = torch.randn(N, generator=g)  # the shared global state's momentum: the screen's reference
+        honest = [0.3 * momentum + torch.randn(N, generator=g) for _ in range(3)]
+        vecs = [-honest[0], *honest, -honest[1]]  # members 0 and 4 flip signs
+        futures = []
+        for m, v in zip(mergers, vecs, strict=True):
+            c = _contribution(v, 1.0)
+            c.momentum = momentum.clone()
+            futures.append(m.submit(c))
+        results = [f.result(timeout=60) for f in futures]
+        for r in results:
+            assert r.failure == "" and len(r.group) == 5, r.failure
+            assert torch.equal(r.pseudo_grad, results[0].pseudo_grad)
+        assert [r.own_kept for r in results] == [0.0, 1.0, 1.0, 1.0, 0.0]
+        expected = sum(codec.decode(codec.encode(h), N) for h in honest) / 3
+        torch.testing.assert_close(results[0].pseudo_grad, expected, rtol=1e-5, atol=1e-8)
+        flippers = {mergers[0].peer_id, mergers[4].peer_id}
+        for m in mergers[1:4]:
+            assert m.book.rejected["trust"] == 2 and sum(m.book.strikes.values()) == 0  # each flipped part, once
+            assert not flippers & set(m.book.banned)
