@@ -88,3 +88,12 @@ def test_bad_values_in_every_section_are_one_line_config_errors():
         assert "\n" not in str(e.value), item
     with pytest.raises(ConfigError, match="unknown config key 'model.x'"):
         Config(model={"x": 1})  # the models check when built directly, too
+
+
+def test_sparse_peers_from_before_the_momentum_screen_are_told_apart():
+    """Sparse parts are screened against the momentum by every member alike; a sparse peer without that screen
+    would leave out other parts and fork the group's model, so its fingerprint must differ, by a named key."""
+    new = load_config(None, [parse_set(["swarm.codec=sparseloco"])]).fingerprint()
+    old = {**new, "codec": {k: v for k, v in new["codec"].items() if k != "sparse_screen"}}
+    assert fingerprint_diff(new, old) == ["codec.sparse_screen: 'momentum' here, None in the swarm"]
+    assert "sparse_screen" not in load_config(None, []).fingerprint()["codec"]  # int4 swarms: unchanged

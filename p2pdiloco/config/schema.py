@@ -390,11 +390,10 @@ class Config(_Model):
             tokenizer: the loaded tokenizer's digest (`Tokenizer.digest`): "bytes", or a hash of its file, which
                 only the peer that loaded it knows (two machines may keep one tokenizer.json at different paths).
         """
-        s, sparse = self.swarm, self.swarm.codec == "sparseloco"
-        return {
-            "model": self.model.fingerprint(), "tokenizer": tokenizer, "codec": {
-                "codec": s.codec, "error_feedback": s.error_feedback, **({"sparse_keep": s.sparse_keep} if sparse else {})},
-            "outer": self.outer.model_dump(exclude={"eager", "alone_lr"}),
-            "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync},
-            "guard": self.guard.model_dump(),
-        }
+        s = self.swarm  # sparse peers without the momentum screen (before adae655) would reduce parts differently
+        sparse = {"sparse_keep": s.sparse_keep, "sparse_screen": "momentum"} if s.codec == "sparseloco" else {}
+        return {"model": self.model.fingerprint(), "tokenizer": tokenizer,
+                "codec": {"codec": s.codec, "error_feedback": s.error_feedback, **sparse},
+                "outer": self.outer.model_dump(exclude={"eager", "alone_lr"}),
+                "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync},
+                "guard": self.guard.model_dump()}
