@@ -1,6 +1,7 @@
 """Members whose global models differ agree on one (issue 19, section 3): through the real merger (hivemind DHTs,
 p2p daemons, loopback), as int8 differences from a state all members hold (an anchor) when there is one, else
-as fp32 models; members end bit-identical either way, and the anchored exchange costs a fraction of the bytes."""
+from the int8 average of their models; members end bit-identical either way, and either costs a fraction of an
+fp32 exchange's bytes."""
 
 from __future__ import annotations
 
@@ -60,14 +61,17 @@ def test_differing_members_agree_bit_identically_and_an_anchor_cuts_the_bytes(bo
     for r in results.values():
         assert r.failure == "" and len(r.group) == 3 and r.global_state is not None, r.failure
         assert torch.equal(r.global_state, first.global_state)  # every member holds the same bits
+    spread = float((torch.stack(states) - anchor).abs().max())
+    err = float((first.global_state - exact).abs().max())
     if common_anchor:
         # int8 differences from the anchor: off the fp32 average by at most ~1/127 of the largest difference
         # in a block, far below the differences themselves
-        spread = float((torch.stack(states) - anchor).abs().max())
-        err = float((first.global_state - exact).abs().max())
         assert 0 < err <= spread / 100, (err, spread)
     else:
-        torch.testing.assert_close(first.global_state, exact, rtol=1e-6, atol=1e-7)  # fp32: the average itself
+        # no anchor: the int8 average of the states is made one, then the differences from it travel. int8 on the
+        # model itself is off by up to 0.007 of a block's largest value; the second exchange takes that back
+        model_int8_err = 0.007 * float(torch.stack(states).abs().max())
+        assert 0 < err <= model_int8_err / 10 and err <= spread / 20, (err, model_int8_err, spread)
     fp32_state = 2 * (3 - 1) / 3 * 8 * N  # what one member sends of a sliced fp32 (θg, momentum) exchange
     for r in results.values():
         state_bytes = r.state_bytes_sent
@@ -76,7 +80,7 @@ def test_differing_members_agree_bit_identically_and_an_anchor_cuts_the_bytes(bo
         if common_anchor:
             assert state_bytes < 0.3 * fp32_state, (state_bytes, fp32_state)  # 1 byte a value, not 4
         else:
-            assert state_bytes > 0.95 * fp32_state, (state_bytes, fp32_state)
+            assert 0.4 * fp32_state < state_bytes < 0.6 * fp32_state, (state_bytes, fp32_state)  # two int8 exchanges
 
 
 def test_a_member_refuses_a_notice_naming_an_anchor_it_does_not_hold():
@@ -89,7 +93,7 @@ def test_a_member_refuses_a_notice_naming_an_anchor_it_does_not_hold():
     notice = {"members": ["you", "me"], "weights": [10.0, 10.0], "state_weights": [5.0, 5.0], "need_state": True}
     m = _bare_matchmaker()
     assert m._own_claims_kept({**notice, "anchor": "older"}, c)
-    assert m._own_claims_kept({**notice, "anchor": ""}, c) and m._own_claims_kept(notice, c)  # fp32 agreement
+    assert m._own_claims_kept({**notice, "anchor": ""}, c) and m._own_claims_kept(notice, c)  # no anchor
     assert not m._own_claims_kept({**notice, "anchor": "not-held"}, c)
     assert not m._own_claims_kept({**notice, "anchor": ["older"]}, c)  # not even a digest
 

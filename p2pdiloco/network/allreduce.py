@@ -206,7 +206,7 @@ class AllReduce:
         slices = torch.tensor_split(vector, n_members)  # the wire layout: see slice_bounds
         owned = [owned_slice(group.group_id, j, n_members) for j in range(n_members)]  # member j owns slices[owned[j]]
         slot = self._slot(group, tag, me)
-        slot.add(me, slices[owned[me]].clone())
+        slot.add(me, self._own_part(tag, slices[owned[me]]))
         sent = list(slices)
 
         async def exchange(j: int) -> tuple[torch.Tensor, float]:
@@ -236,6 +236,21 @@ class AllReduce:
         results = await asyncio.gather(*(exchange(j) for j in range(n_members)))
         by_slice = sorted(zip(owned, results, strict=True), key=lambda x: x[0])
         return torch.cat([a for _, (a, _) in by_slice]), torch.cat(sent), [share for _, (_, share) in by_slice]
+
+    def _own_part(self, tag: str, part: torch.Tensor) -> torch.Tensor:
+        """This peer's part of the slice it owns, as it enters the slice's reduction: exact for a pseudo-gradient
+        (nothing is lost on the way to itself), and for a state (θg, momentum, or their differences) through the
+        codec like every other member's, so that members holding the same state give the same bits and the robust
+        rule returns them exactly (found when the int8 agreement let a hostile member's 1e30 weight pull an
+        honest owner's slice 0.13 off the honest model: its own exact part and the others' decoded ones differed,
+        so CenteredClip's radius was not 0)."""
+        if tag == "d" or not self.codecs[tag].lossy:
+            return part.clone()
+        codec = self.codecs[tag]
+        try:
+            return codec.decode(codec.encode(part), part.numel())
+        except CodecError:  # not finite: the guards say so
+            return part.clone()
 
     def _slot(self, group: Group, tag: str, me: int) -> _Slot:
         if tag not in group.slots:
