@@ -32,7 +32,7 @@ from p2pdiloco.network.admission import Request
 from p2pdiloco.network.matchmaking import Group
 from p2pdiloco.network.merger import FaultHook
 from p2pdiloco.network.rpc import MergeFailed, Rpc
-from p2pdiloco.network.wire import WireError
+from p2pdiloco.network.wire import WireError, phase_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +202,7 @@ class AllReduce:
         if vector.numel() != group.lengths[tag]:
             raise MergeFailed(f"vector of {vector.numel()} values, group expects {group.lengths[tag]}")
         codec = self.codecs[tag]
+        phase_bytes(group.slots, tag)  # this task's frames are this phase's (see wire.PHASE_BYTES)
         n_members = len(group.members)
         slices = torch.tensor_split(vector, n_members)  # the wire layout: see slice_bounds
         owned = [owned_slice(group.group_id, j, n_members) for j in range(n_members)]  # member j owns slices[owned[j]]
@@ -270,6 +271,7 @@ class AllReduce:
         sender = request.sender
         try:
             group, tag, index, me, (lo, hi) = await self._expect_part(sender, request.header)
+            phase_bytes(group.slots, tag)  # this handler's payload and reply are that phase's bytes
             slot = self._slot(group, tag, me)
             slot.claim(index)  # one part per member: a second stream for the same part is refused unread
             try:

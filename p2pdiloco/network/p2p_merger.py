@@ -141,22 +141,20 @@ class P2PMerger:
             me = group.members.index(self.peer_id)
             if self.faults is not None:
                 await self.faults.fire("exchange", c.round, self.peer_id[-6:])
-            timeout = self.cfg.merge_timeout_s  # per exchange phase: Δ, then (θg, m) if they disagree
+            timeout = self.cfg.merge_timeout_s  # per exchange phase: Δ, and (θg, m) if they disagree
             group.reference = c.momentum  # its slice guard judges members' parts by it (guards.cosines_to)
             target = self.feedback.compensate(c.pseudo_grad)
-            delta_sent0 = self.counter.sent
-            if self.codec.sliced:
-                avg, sent, shares = await asyncio.wait_for(self.allreduce.average(group, me, "d", target), timeout)
-            else:
-                avg, sent, all_shares = await asyncio.wait_for(self.sparse.average(group, me, target), timeout)
-                shares = [all_shares[me]] * len(group.members)  # one part, counted whole or not at all
+            exchange = (self.allreduce.average(group, me, "d", target) if self.codec.sliced
+                        else self.sparse.average(group, me, target))
+            # the agreement needs nothing from the Δ exchange, so both run at once: a merge that needs one takes
+            # as long as its longer phase, not their sum (two exchanges of its own without a common anchor)
+            agreement = self._agree(group, me, c) if group.need_state else _nothing()
+            (avg, sent, shares), (state, state_shares) = await _together(
+                asyncio.wait_for(exchange, timeout), asyncio.wait_for(agreement, timeout * (1 if group.anchor else 2)))
+            if not self.codec.sliced:
+                shares = [shares[me]] * len(group.members)  # one part, counted whole or not at all
             sent = _rejected_as_dropped(sent, c.pseudo_grad, shares)
-            delta_sent = self.counter.sent - delta_sent0
-            state, state_shares, state_sent0 = None, [], self.counter.sent
-            if group.need_state:
-                # two exchanges without a common anchor (see _agree), each bounded like the others
-                phases = 1 if group.anchor else 2
-                state, state_shares = await asyncio.wait_for(self._agree(group, me, c), timeout * phases)
+            phase_sent = {tag: group.slots[("bytes", tag)].sent for tag in "dsa" if ("bytes", tag) in group.slots}
             # only now: a failed merge sent nothing that counts. A failed merge falls back to merging alone with
             # the uncompensated Δ, so the residual is neither applied there nor lost: it goes out once, with the
             # next merge. In a slice the group left out, this round's Δ is dropped and the residual carried into
@@ -169,7 +167,8 @@ class P2PMerger:
                     state_weight=group.agreed_state_weight() if state is not None else 0.0, final=group.final,
                     own_kept=by_values([float(s > 0) for s in shares], group.lengths["d"]),
                     state_share=by_values(state_shares, group.lengths["s"]) if state is not None else 0.0,
-                    pseudo_grad_bytes_sent=delta_sent, state_bytes_sent=self.counter.sent - state_sent0,
+                    pseudo_grad_bytes_sent=phase_sent.get("d", 0),
+                    state_bytes_sent=phase_sent.get("s", 0) + phase_sent.get("a", 0),
                     state_anchored=state is not None and group.anchor in c.anchors,
                 )
             )
@@ -201,6 +200,23 @@ class P2PMerger:
             anchor, _, _ = await self.allreduce.average(group, me, "s", state)
         avg, _, shares = await self.allreduce.average(group, me, "a", state - anchor)
         return anchor + avg, shares
+
+
+async def _nothing() -> tuple[None, list[float]]:
+    return None, []
+
+
+async def _together(*phases):
+    """Run a merge's phases at once and return their results; if one fails, the others are cancelled (and
+    awaited) before its error is raised, so that no phase goes on sending for a merge already given up."""
+    tasks = [asyncio.ensure_future(p) for p in phases]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _rejected_as_dropped(sent: torch.Tensor, delta: torch.Tensor, shares: list[float]) -> torch.Tensor:

@@ -34,7 +34,7 @@ from p2pdiloco.network.admission import Request
 from p2pdiloco.network.matchmaking import Group
 from p2pdiloco.network.merger import FaultHook
 from p2pdiloco.network.rpc import MergeFailed, Rpc
-from p2pdiloco.network.wire import WireError
+from p2pdiloco.network.wire import WireError, phase_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +206,7 @@ class SparseExchange:
         if vector.numel() != n:
             raise MergeFailed(f"vector of {vector.numel()} values, group expects {n}")
         data = self.codec.encode(vector)
+        phase_bytes(group.slots, "d")  # this task's frames are the Δ phase's (see wire.PHASE_BYTES)
         gathered = self._gathered(group)
         gathered.add(me, data)
         header = {"group_id": group.group_id, "index": me, "codec": self.codec.name}
@@ -249,6 +250,7 @@ class SparseExchange:
             group = await self.expected_group(gid)
             if not 0 <= index < len(group.members) or group.members[index] != sender:
                 raise MergeFailed("sender is not that member of the group")
+            phase_bytes(group.slots, "d")
             gathered = self._gathered(group)
             if gathered.parts[index] is not None:
                 raise MergeFailed(f"duplicate part from member {index}")

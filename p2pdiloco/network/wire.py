@@ -10,6 +10,7 @@ huge message, is refused before its payload is read.
 from __future__ import annotations
 
 import asyncio
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import msgpack
@@ -38,6 +39,26 @@ class ByteCounter:
 
     sent: int = 0
     received: int = 0
+
+
+PHASE_BYTES: ContextVar[ByteCounter | None] = ContextVar("phase_bytes", default=None)
+"""Where the frames of the exchange phase the current task works for are counted too, besides the peer's own
+counter: a merge's phases (its Δ, its agreement) run at once, so the peer's counter alone cannot tell their bytes
+apart. Set only in the task of one phase (`phase_bytes`) or in a handler serving one."""
+
+
+def phase_bytes(group_slots: dict, tag: str) -> ByteCounter:
+    """Count the current task's frames in the counter of phase `tag` of a group (kept in its `slots`); returns it."""
+    counter = group_slots.setdefault(("bytes", tag), ByteCounter())
+    PHASE_BYTES.set(counter)
+    return counter
+
+
+def _count(counter: ByteCounter | None, sent: int = 0, received: int = 0) -> None:
+    for c in (counter, PHASE_BYTES.get()):
+        if c is not None:
+            c.sent += sent
+            c.received += received
 
 
 def send_deadline(nbytes: int) -> float:
@@ -83,8 +104,7 @@ async def send_msg(writer: asyncio.StreamWriter, header: dict, payload: bytes | 
             if transport is not None:
                 transport.abort()  # close() would keep the unsent bytes until the reader takes them
             raise WireError(f"the reader took less than {len(payload)} bytes in {deadline_s:.0f} s") from None
-    if counter is not None:
-        counter.sent += len(prefix) + len(payload)
+    _count(counter, sent=len(prefix) + len(payload))
 
 
 async def recv_header(reader: asyncio.StreamReader, counter: ByteCounter | None = None) -> dict:
@@ -101,8 +121,7 @@ async def recv_header(reader: asyncio.StreamReader, counter: ByteCounter | None 
         head = await reader.readexactly(head_len)
     except asyncio.IncompleteReadError as e:
         raise WireError("stream closed mid-message") from e
-    if counter is not None:
-        counter.received += 4 + head_len
+    _count(counter, received=4 + head_len)
     try:
         header = msgpack.unpackb(head, raw=False)
     except Exception as e:  # msgpack raises several unrelated types on garbage
@@ -131,8 +150,7 @@ async def recv_payload(reader: asyncio.StreamReader, max_payload: int, counter: 
         payload = await reader.readexactly(payload_len) if payload_len else b""
     except asyncio.IncompleteReadError as e:
         raise WireError("stream closed mid-message") from e
-    if counter is not None:
-        counter.received += 8 + payload_len
+    _count(counter, received=8 + payload_len)
     return payload
 
 
