@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from p2pdiloco.bench import dht as bench
-from p2pdiloco.network import swarm
+from p2pdiloco.network import census, swarm
 from p2pdiloco.network.dht_store import DHT_REPLICAS, store_near
 
 
@@ -23,3 +23,4 @@ def test_a_short_run_measures_traffic_and_finds_every_heartbeat(baseline, monkey
     assert r["by_rpc"]["store"]["requests_per_s"] > 0
     # the baseline's patch is undone
     assert swarm.store_near is store_near and swarm.DHT_READ_BEAM == swarm.DHT_REPLICAS == DHT_REPLICAS
+    assert census.read_near_subkeys is swarm.read_near_subkeys

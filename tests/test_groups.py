@@ -3,6 +3,7 @@ epoch, and every peer computes the same split from the same ready records."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 
@@ -87,3 +88,41 @@ def test_the_last_merge_of_peers_finishing_together_takes_them_all_and_ends_with
     states = [r.global_state for r in results]
     assert all(s is not None for s in states)
     assert all(torch.equal(s, states[0]) for s in states)  # one (θg, momentum) on every peer, bit for bit
+
+
+def test_an_epochs_first_census_read_takes_one_nodes_copy_only_when_it_looks_whole(monkeypatch):
+    """`Census.members`: an epoch's first read asks the census key's nearest node (a third of a walk's bytes), and
+    walks instead when that copy lacks this peer or holds fewer peers than the last view; the first read of all and
+    every re-read walk (a copy from one node once hid the others for 22 s: docs/benchmarks.md, Scale)."""
+    from p2pdiloco.network import census as census_module
+
+    calls, copies = [], {}
+
+    def reader(kind):
+        async def read(dht, key, timeout=5.0):
+            calls.append(kind)
+            return {p: {"t": 0.0} for p in copies[kind]}
+        return read
+
+    monkeypatch.setattr(census_module, "read_near_subkeys", reader("near"))
+    monkeypatch.setattr(census_module, "read_subkeys", reader("walk"))
+    census = census_module.Census(None, "run", "me")
+    census._registered = {e: 0.0 for e in range(1, 6)}  # registered for these epochs
+
+    def members(epoch: int) -> set[str]:
+        return set(asyncio.run(census.members(epoch)))
+
+    copies["walk"] = {"me", "a", "b"}
+    assert members(1) == {"me", "a", "b"} and calls == ["walk"]  # the first read of all walks
+    copies["near"] = {"me", "a", "b", "c"}
+    assert members(2) == {"me", "a", "b", "c"} and calls[-1] == "near"  # whole: taken, no walk
+    copies["near"], copies["walk"] = {"me", "a"}, {"me", "a", "b", "c"}
+    assert members(3) == {"me", "a", "b", "c"} and calls[-2:] == ["near", "walk"]  # fewer than the last view
+    copies["near"] = {"a", "b", "c", "d"}  # this peer's own registration missing: a copy not to be trusted
+    copies["walk"] = {"me", "a", "b", "c", "d"}
+    assert members(4) == {"me", "a", "b", "c", "d"} and calls[-2:] == ["near", "walk"]
+    census.saw("e", 4)  # an unknown peer announced itself: read again (once REREAD_S has passed), by a walk
+    census._views[4] = (census._views[4][0] - census_module.REREAD_S, census._views[4][1])
+    copies["walk"] = {"me", "a", "b", "c", "d", "e"}
+    assert members(4) == copies["walk"] and calls[-1] == "walk"
+    assert (census.reads, census.walks) == (5, 4)

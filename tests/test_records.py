@@ -285,6 +285,30 @@ def test_dht_bytes_are_told_apart_by_the_key_they_were_for():
     assert dht_bytes_by_kind(by_key, "run", range(4, 7)) == {"peer records": 120, "census": 9, "config": 50, "other": 4}
 
 
+@pytest.mark.integration
+def test_a_read_from_the_nearest_node_sees_every_record_and_moves_one_copy(swarm, net_loop):
+    """`read_near_subkeys` (an epoch's first census read): every node reads every writer's record, from one node."""
+    from p2pdiloco.network.swarm import read_near_subkeys
+    from p2pdiloco.network.traffic import Traffic
+
+    key, blob = "rec_near", "y" * 2_000
+    writers = [swarm["boot"], swarm["victim"], swarm["reader"]]
+    for i, dht in enumerate(writers):
+        record = {"i": i, "blob": blob}
+        assert net_loop.run(write_subkey(dht, key, dht.peer_id.to_base58(), record, get_dht_time() + 60), 10)
+    want = {dht.peer_id.to_base58(): {"i": i, "blob": blob} for i, dht in enumerate(writers)}
+    for dht in writers:
+        counts = Traffic()
+        net_loop.run(read_near_subkeys(dht, key), 10)  # a first read may walk (contacts only) to find the nearest
+        net_loop.run(counts.refresh_dht(dht), 10)
+        before = counts.dht_by_rpc.get("find", [0, 0, 0])
+        assert net_loop.run(read_near_subkeys(dht, key), 10) == want
+        net_loop.run(counts.refresh_dht(dht), 10)
+        after = counts.dht_by_rpc.get("find", [0, 0, 0])
+        assert after[0] - before[0] <= 1  # one node asked (none when this node is the nearest)
+        assert after[2] - before[2] < 1.5 * len(want) * len(blob)  # at most one copy of the records
+
+
 def test_the_id_beside_a_key_has_the_keys_nearest_nodes():
     from hivemind.dht.routing import DHTID
 

@@ -5,9 +5,10 @@ DHT does in steady state and nothing else: the `Heartbeat` (every `swarm.heartbe
 a training peer writes) and the matchmaking `Census` (a registration and a read every epoch). Twice per N:
 
 - `hivemind`: every record written by hivemind's `DHT.store` (a lookup walk to the key's nearest nodes each time,
-  beam of `DHT_BUCKET_SIZE`) and read with the same beam, `DHT_REPLICAS` replicas as now: the baseline,
-  p2pdiloco before `store_near`;
-- `store_near`: as peers write and read now (`network/dht_store.py`).
+  beam of `DHT_BUCKET_SIZE`) and read by a walk with the same beam (`DHT.get`, the census too), `DHT_REPLICAS`
+  replicas as now: the baseline, p2pdiloco before `store_near`;
+- `store_near`: as peers write and read now (`network/dht_store.py`: stores straight to the nearest nodes, walks
+  that fetch no records, an epoch's census read from its nearest node when that copy looks whole).
 
 Figures per run, over `--seconds` after a settling period: DHT bytes/s per node, sent + received (the DHT
 process's own counters, as in a peer's summary), mean and max; the same split by request kind (find, store) and
@@ -28,6 +29,7 @@ from rich.console import Console
 
 from p2pdiloco.bench.common import machine, write_results
 from p2pdiloco.config import SwarmConfig
+from p2pdiloco.network import census as census_module
 from p2pdiloco.network import swarm
 from p2pdiloco.network.census import EPOCH_S, Census, epoch_of
 from p2pdiloco.network.dht_store import DHT_BUCKET_SIZE, DHT_REPLICAS
@@ -99,18 +101,19 @@ def run_dht(n: int, seconds: float, baseline: bool) -> dict:
     """N nodes for SETTLE_S + `seconds`; `baseline`: writes by hivemind's `DHT.store`, reads with its beam."""
     cfg = SwarmConfig(run_id=RUN_ID, host="127.0.0.1")
     dhts, loop = [], BackgroundLoop("bench-dht")
-    patched = swarm.store_near, swarm.DHT_READ_BEAM
+    patched = swarm.store_near, swarm.DHT_READ_BEAM, census_module.read_near_subkeys
     if baseline:
         swarm.store_near = lambda dht, key, subkey, value, expiration: dht.store(
             key, value, expiration, subkey=subkey, return_future=True)
         swarm.DHT_READ_BEAM = DHT_BUCKET_SIZE  # hivemind's default beam, the bucket size
+        census_module.read_near_subkeys = swarm.read_subkeys  # the census read by a walk too
     try:
         dhts.append(start_dht(cfg))
         joined = SwarmConfig(**{**cfg.__dict__, "initial_peers": [str(m) for m in dhts[0].get_visible_maddrs()]})
         dhts += [start_dht(joined) for _ in range(n - 1)]
         return loop.run(_measure(dhts, seconds), timeout=SETTLE_S + seconds + 120)
     finally:
-        swarm.store_near, swarm.DHT_READ_BEAM = patched
+        swarm.store_near, swarm.DHT_READ_BEAM, census_module.read_near_subkeys = patched
         loop.close()
         for dht in dhts:
             dht.shutdown()

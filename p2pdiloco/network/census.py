@@ -22,7 +22,7 @@ from collections.abc import Callable
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco.network.swarm import read_subkeys, write_subkey
+from p2pdiloco.network.swarm import read_near_subkeys, read_subkeys, write_subkey
 
 EPOCH_S = 30.0
 """Groups and leaders are drawn anew every this many seconds of DHT time."""
@@ -103,8 +103,11 @@ class Census:
         """Epochs this peer is in the census of -> when it registered (monotonic)."""
         self._views: dict[int, tuple[float, frozenset[str]]] = {}
         self._stale: set[int] = set()
-        self.reads = self.writes = 0
-        """DHT requests made, for tests and benchmarks (they must not grow with the swarm)."""
+        self.reads = self.writes = self.walks = 0
+        """DHT requests made (`walks`: reads that walked), for tests and benchmarks (they must not grow with the
+        swarm)."""
+        self._last_size = 0
+        """Peers in the last view read (this one included); 0 before the first."""
 
     async def register(self, epoch: int) -> None:
         """Be in the census of `epoch` and of the next one (a DHT store for each epoch not yet registered)."""
@@ -130,11 +133,32 @@ class Census:
         # a view of this peer alone may be a read that timed out: it is never trusted for long
         if view is None or ((epoch in self._stale or len(view[1]) == 1) and time.monotonic() - view[0] >= REREAD_S):
             self.reads += 1
-            records = await read_subkeys(self.dht, census_key(self.run_id, epoch))
+            key, records = census_key(self.run_id, epoch), None
+            if view is None and self._last_size > 1:
+                near = set(await read_near_subkeys(self.dht, key))
+                if self._whole(near, epoch):
+                    records = near | {self.peer_id}
+            if records is None:
+                self.walks += 1
+                records = set(await read_subkeys(self.dht, key)) | {self.peer_id}
+            self._last_size = len(records)
             self._views = {e: v for e, v in self._views.items() if e >= epoch - 1}
-            self._views[epoch] = (time.monotonic(), frozenset(records) | {self.peer_id})
+            self._views[epoch] = (time.monotonic(), frozenset(records))
             self._stale.discard(epoch)
         return self._views[epoch][1]
+
+    def _whole(self, near: set[str], epoch: int) -> bool:
+        """Whether a census read from its key's nearest node alone may stand for the walk's merged read: it holds
+        this peer's own registration (when there is one) and at least as many peers as the last view.
+
+        An epoch's first read takes one node's copy of the census (`swarm.read_near_subkeys`), a third of a walk's
+        bytes (the walk merges the whole copy of each of the ~3 nodes holding it): at 32 peers census reads were
+        half of a peer's DHT bytes (issue 17). One node's copy may lack registrations that a writer, its routing
+        table still filling, stored elsewhere: reading only that node once kept three of a run's four peers from
+        seeing the others for 22 s, and the run ended apart (the README's run, since reverted). So the first read
+        of all, any copy smaller than the last view, any copy without this peer, and every re-read (an unknown peer
+        announced itself, or the view was read too soon after registering) walk."""
+        return (epoch not in self._registered or self.peer_id in near) and len(near | {self.peer_id}) >= self._last_size
 
     def settled(self, epoch: int) -> bool:
         """Whether this peer's view of `epoch` was read at least `REREAD_S` after it registered for it, so that

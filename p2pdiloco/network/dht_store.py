@@ -21,6 +21,7 @@ import dataclasses
 import time
 
 import hivemind
+from hivemind.dht.node import _SearchState
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 
@@ -99,3 +100,43 @@ class _Store:
 
     async def __call__(self, dht: hivemind.DHT, node) -> bool:
         return await _store_near(dht, node, self.key, self.subkey, self.value, self.expiration)
+
+
+async def _read_near(node, key: str) -> dict[str, tuple[object, float]]:
+    key_id = DHTID.generate(source=key)
+    protocol = node.protocol
+    found = _SearchState(key_id, float("inf"), serializer=protocol.serializer, record_validator=protocol.record_validator)
+    for node_id, peer_id in (await _nearest(node, key_id)).items():
+        if node_id == node.node_id:
+            found.add_candidate(protocol.storage.get(key_id), source_node_id=node_id)
+            break
+        answer = await protocol.call_find(peer_id, [key_id])  # records checked by the validators on arrival
+        if answer is not None:
+            found.add_candidate(answer[key_id][0], source_node_id=node_id)
+            break
+        _NEAREST.pop(key_id, None)  # it did not answer (it left?): look the key up again next time, ask the next
+    found.finish_search()
+    result = found.future.result()
+    if result is None or not isinstance(result.value, dict):
+        return {}
+    return {k: (v.value, v.expiration_time) for k, v in result.value.items()}
+
+
+async def read_near(dht: hivemind.DHT, key: str) -> dict[str, tuple[object, float]]:
+    """Every record under `key` as {subkey: (value, expiration)}, read from the first of the key's nearest nodes
+    that answers (this node's own storage when it is that node), not from every node of a walk: one copy of the
+    key's records where a walk (`DHT.get`) merges the whole value from each of the ~3 nodes holding it.
+
+    What that one node holds may be less than what a walk finds (a writer whose routing table was still filling
+    stored on other nodes), so a reader must check the answer before trusting it (`census.Census.members`)."""
+    return await dht.run_coroutine(_Read(key), return_future=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """`_read_near`'s argument, picklable, for `DHT.run_coroutine`."""
+
+    key: str
+
+    async def __call__(self, dht: hivemind.DHT, node) -> dict:
+        return await _read_near(node, self.key)

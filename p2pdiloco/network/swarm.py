@@ -30,7 +30,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig, fingerprint_diff
-from p2pdiloco.network.dht_store import DHT_BUCKET_SIZE, DHT_REPLICAS, store_near
+from p2pdiloco.network.dht_store import DHT_BUCKET_SIZE, DHT_REPLICAS, read_near, store_near
 from p2pdiloco.network.identity import (
     IdentityError,
     PeerIdentity,
@@ -243,6 +243,18 @@ async def read_subkeys(dht: hivemind.DHT, key: str, timeout: float = 5.0) -> dic
         if isinstance(subkey, str) and isinstance(value, dict) and getattr(item, "expiration_time", 0) > now:
             out[subkey] = value
     return out
+
+
+async def read_near_subkeys(dht: hivemind.DHT, key: str, timeout: float = 5.0) -> dict[str, dict]:
+    """As `read_subkeys`, from the key's nearest node only (`dht_store.read_near`); {} if none or on timeout."""
+    try:
+        found = await asyncio.wait_for(read_near(dht, key), timeout)
+    except TimeoutError:
+        logger.debug("DHT read of %s timed out", key)
+        return {}
+    now = get_dht_time()
+    return {k: v for k, (v, expiration) in found.items()
+            if isinstance(k, str) and isinstance(v, dict) and expiration > now}
 
 
 async def write_subkey(
