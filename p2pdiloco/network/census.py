@@ -1,8 +1,9 @@
 """Who takes part in matchmaking in an epoch: one small owner-signed DHT record per peer and epoch.
 
 A peer registers for the current epoch and the next one (so that at an epoch's start its census already holds
-everyone who was around during the last), reads an epoch's census once, and reads it again only when a peer
-it has not seen announces itself (rate-limited). Matchmaking's groups of an epoch are dealt from its census
+everyone who was around during the last), reads an epoch's census once (from its key's nearest node when that
+copy looks whole, see `Census.members`), and reads it again, by a walk, only when a peer it has not seen announces
+itself (rate-limited). Matchmaking's groups of an epoch are dealt from its census
 (`my_group`), and readiness travels peer to peer within a group: a peer's DHT work per epoch is a store and a
 read or two, whatever the swarm's size, where it used to read every peer's records every 0.25 s while looking
 for a group (issue 17: 211 kB/s of DHT traffic sent and received per peer at 8 peers, 64 kB/s with the census).
