@@ -136,13 +136,15 @@ def test_a_peer_merging_with_int4_does_not_import_bitsandbytes():
     assert out.stdout.strip() == "[]"
 
 
-def test_deflated_int8_is_int8_exactly_smaller_on_sparse_vectors_and_refuses_bombs():
-    """The codec of members' differences from an anchor (p2p_merger.STATE_DIFF_CODEC)."""
+@pytest.mark.parametrize("inner", ["int8", "int8-linear"])
+def test_deflated_int8_is_int8_exactly_smaller_on_sparse_vectors_and_refuses_bombs(inner):
+    """The codec of members' differences from an anchor (p2p_merger.STATE_DIFF_CODEC: linear int8, deflated)."""
     import zlib
 
-    from p2pdiloco.algorithm.codecs import DeflatedCodec
+    from p2pdiloco.algorithm.codecs import BlockwiseCodec, DeflatedCodec, LinearInt8Codec
 
-    codec, n = DeflatedCodec(), 100_000
+    codec = DeflatedCodec(inner=BlockwiseCodec("int8") if inner == "int8" else LinearInt8Codec())
+    n = 100_000
     x = torch.zeros(n)
     x[::50] = torch.randn(n // 50, generator=torch.Generator().manual_seed(0))  # 2 % non-zero, as after sparse merges
     data = codec.encode(x)
@@ -158,3 +160,25 @@ def test_deflated_int8_is_int8_exactly_smaller_on_sparse_vectors_and_refuses_bom
         codec.decode(b"not deflate", n)
     with pytest.raises(CodecError):
         codec.decode(data + b"trailing", n)
+
+
+def test_linear_int8_is_within_its_bound_deterministic_and_refuses_what_it_cannot_hold():
+    """The codec of agreements' states (p2p_merger.STATE_CODEC): per 256 values one fp32 scale and round(x ÷ scale)."""
+    from p2pdiloco.algorithm.codecs import LinearInt8Codec, NonFiniteError
+
+    codec, gen = LinearInt8Codec(), torch.Generator().manual_seed(3)
+    for n in (0, 1, 255, 256, 257, 10_000):
+        x = torch.randn(n, generator=gen) * torch.logspace(-3, 1, n) if n else torch.empty(0)
+        data = codec.encode(x)
+        assert len(data) == codec.encoded_size(n) == 4 * -(-n // 256) + n  # 1 byte a value and a scale a block
+        y = codec.decode(data, n)
+        assert (y - x).abs().le(codec.error_bound(x)).all()  # off by at most absmax/254 of its block
+        assert codec.encode(x) == data and torch.equal(codec.decode(data, n), y)
+    block = torch.tensor([1.27, -0.635, 0.0, 0.004] + [0.0] * 252)  # scale 0.01: codes 127, -64 (half to even), 0, 0
+    assert codec.decode(codec.encode(block), 256)[:4].tolist() == pytest.approx([1.27, -0.64, 0.0, 0.0])
+    assert torch.equal(codec.decode(codec.encode(torch.zeros(300)), 300), torch.zeros(300))
+    with pytest.raises(CodecError):
+        codec.decode(data[:-1], 10_000)
+    bad = torch.tensor([float("inf")], dtype=torch.float32).numpy().tobytes() + bytes(10)
+    with pytest.raises(NonFiniteError):
+        codec.decode(bad, 10)

@@ -123,7 +123,7 @@ def test_config_fields_checks_and_fingerprint() -> None:
     # it changed with guard.trust_decay (issue 18), on purpose: peers from before it cut slices by another owner
     # rule (allreduce.owned_slice) and must not merge with these; and with the int8 agreement (p2p_merger._agree),
     # on purpose too: peers from before it send fp32 states in an agreement, which these refuse
-    assert fingerprint_digest(load_config(None, []).fingerprint()) == "c67583abdd4d0872"
+    assert fingerprint_digest(load_config(None, []).fingerprint()) == "45993cf5cd33777b"
     llama = load_config(None, [{"model": {"arch": "llama"}}])
     assert llama.fingerprint()["model"]["arch"] == "llama"
     untied = load_config(None, [{"model": {"arch": "llama", "tie_embeddings": "false"}}])

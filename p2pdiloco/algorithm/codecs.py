@@ -200,6 +200,52 @@ class BlockwiseCodec(Codec):
         return (absmax * (half_gap * (1 + 1e-5)) + 1e-30).repeat_interleave(self.blocksize)[: x.numel()]
 
 
+@dataclass(frozen=True)
+class LinearInt8Codec(Codec):
+    """int8 on a linear grid: per block of 256 values one fp32 scale (absmax ÷ 127) and round(x ÷ scale); every
+    value is off by at most absmax ÷ 254 of its block. For (θg, momentum) and their differences in agreements
+    (p2p_merger.py), where no error feedback follows and each member encodes and decodes every part of its slice:
+    ~30× less CPU to encode than the dynamic map's nearest code (a bucketize over 256 codes, 0.86 ms for 30,000
+    values on this 2-core machine), whose CPU made bench scale's 32-peer agreements twice as slow (44796c4), and a
+    smaller worst error (1/254 of a 256-value block against 0.007 of a 4096-value one); the dynamic map's finer
+    steps near zero are what a pseudo-gradient's few large values need, not a state."""
+
+    name: str = "int8-linear"
+    BLOCK = 256
+
+    @property
+    def lossy(self) -> bool:
+        return True
+
+    def encoded_size(self, n: int) -> int:
+        return 4 * math.ceil(n / self.BLOCK) + n
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        x = x.detach().float().contiguous().cpu().reshape(-1)
+        n = x.numel()
+        blocks = math.ceil(n / self.BLOCK)
+        padded = torch.nn.functional.pad(x, (0, blocks * self.BLOCK - n)).reshape(blocks, self.BLOCK)
+        scale = padded.abs().amax(dim=1) / 127
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block codes as zeros
+        codes = torch.round(padded / safe[:, None]).clamp(-127, 127).to(torch.int8).reshape(-1)[:n]
+        return scale.numpy().tobytes() + codes.numpy().tobytes()
+
+    def decode(self, data: bytes | memoryview, n: int) -> torch.Tensor:
+        self._check(data, n)
+        blocks = math.ceil(n / self.BLOCK)
+        scale = _from_bytes(memoryview(data)[: 4 * blocks], torch.float32, blocks)
+        if not torch.isfinite(scale).all():
+            raise NonFiniteError(f"{self.name}: non-finite block scale")
+        codes = _from_bytes(memoryview(data)[4 * blocks:], torch.int8, n)
+        return codes.float() * scale.repeat_interleave(self.BLOCK)[:n]
+
+    def error_bound(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().float().reshape(-1)
+        pad = math.ceil(x.numel() / self.BLOCK) * self.BLOCK - x.numel()
+        absmax = torch.nn.functional.pad(x.abs(), (0, pad)).reshape(-1, self.BLOCK).amax(dim=1)
+        return (absmax / 254 * (1 + 1e-5) + 1e-30).repeat_interleave(self.BLOCK)[: x.numel()]
+
+
 def _dynamic_map(max_exponent_bits: int = 7, total_bits: int = 8) -> torch.Tensor:
     """bitsandbytes' signed 8-bit dynamic map (`create_dynamic_map`, Dettmers 2016): for each exponent 10^-6 … 10^0
     the midpoints of a linear grid over [0.1, 1], both signs, then 0 and 1; 256 values, sorted."""

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 import hivemind
 import torch
 
-from p2pdiloco.algorithm.codecs import DeflatedCodec, ErrorFeedback, get_codec
+from p2pdiloco.algorithm.codecs import DeflatedCodec, ErrorFeedback, LinearInt8Codec, get_codec
 from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.config import GuardConfig, SwarmConfig
 from p2pdiloco.network.admission import Request
@@ -45,8 +45,10 @@ from p2pdiloco.network.wire import ByteCounter, WireError
 
 __all__ = ["MergeFailed", "P2PMerger"]
 
-STATE_DIFF_CODEC = DeflatedCodec()
-"""How members' differences from an anchor travel: int8, deflated (after sparse updates they are mostly zero)."""
+STATE_CODEC = LinearInt8Codec()
+"""How members' states travel when they hold no common anchor (tag 's', the first of two exchanges): linear int8."""
+STATE_DIFF_CODEC = DeflatedCodec(name="int8-linear+deflate", inner=LinearInt8Codec())
+"""How members' differences from an anchor travel: linear int8, deflated (after sparse updates mostly zero)."""
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ class P2PMerger:
         self.codec = get_codec(cfg.codec, cfg.sparse_keep)
         """Codec of pseudo-gradient slices and their averages. (θg, momentum) travel as int8 differences from a
         state all members hold (tag 'a'): quantizing the model itself would have no error feedback to undo it, a
-        difference of a few outer steps loses ~1/250 of itself (deflated: after sparse updates most of it is zero).
+        difference of a few outer steps loses ~1/254 of itself (deflated: after sparse updates most of it is zero).
         Where the members hold no common anchor, the int8 average of their states themselves (tag 's') is made
         one first (`_agree`)."""
         self.feedback = ErrorFeedback(cfg.error_feedback and self.codec.lossy, cfg.error_feedback_decay)
@@ -87,7 +89,7 @@ class P2PMerger:
         self.matchmaker = Matchmaker(dht, cfg, self.rpc, self.book, self.guard, fingerprint,
                                      {"d": n_params, "s": 2 * n_params, "a": 2 * n_params})
         self.allreduce = AllReduce(
-            self.rpc, self.matchmaker.expected_group, {"d": self.codec, "s": STATE_DIFF_CODEC, "a": STATE_DIFF_CODEC},
+            self.rpc, self.matchmaker.expected_group, {"d": self.codec, "s": STATE_CODEC, "a": STATE_DIFF_CODEC},
             SliceGuard(self.guard, self.book) if self.guard.enabled else PlainReducer(),
             merge_timeout_s=cfg.merge_timeout_s, faults=faults,
         )
@@ -191,7 +193,7 @@ class P2PMerger:
         several merges ago: 371 of 460 agreements in `bench scale` at 32 peers), the members first average their
         states themselves, int8-coded (tag 's', with the guards and robust rule of an agreement), and that average,
         the same bits on every member, is the anchor: about 2 bytes a value in all where fp32 took 4 (8 for θg and
-        momentum together), and the second exchange takes back what the first one's coding lost, up to ~1/250
+        momentum together), and the second exchange takes back what the first one's coding lost, up to ~1/254
         of the members' distance from it.
         """
         state = torch.cat([c.global_params, c.momentum])
