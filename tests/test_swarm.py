@@ -115,9 +115,11 @@ def test_disagreeing_global_models_are_averaged_by_absorbed_tokens(three_mergers
     results = [f.result(timeout=60) for f in [m.submit(c) for m, c in zip(three_mergers, contribs, strict=True)]]
     for r in results:
         assert r.failure == "" and r.global_state is not None
-        # θg = 10·vec, momentum = 100·vec; averaged 1:1 over the two peers with weight -> 15 and 150
-        torch.testing.assert_close(r.global_state[:1001], torch.full((1001,), 15.0))
-        torch.testing.assert_close(r.global_state[1001:], torch.full((1001,), 150.0))
+        # θg = 10·vec, momentum = 100·vec; averaged 1:1 over the two peers with weight -> 15 and 150 (counting the
+        # joiner: 10 and 100). Without a common anchor the states travel int8 in two steps (p2p_merger._agree):
+        # off by up to 1/254 of the members' largest distance from the first step's average (~50 here)
+        torch.testing.assert_close(r.global_state[:1001], torch.full((1001,), 15.0), atol=0.25, rtol=0)
+        torch.testing.assert_close(r.global_state[1001:], torch.full((1001,), 150.0), atol=0.25, rtol=0)
         assert torch.equal(r.global_state, results[0].global_state)
     # what each member's θg weighed in that agreement (goodput counts rounds merged alone by it): the joiner's
     # nothing, the others' 500 ÷ 1000; every member's Δ counted in full
