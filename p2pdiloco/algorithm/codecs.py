@@ -49,6 +49,11 @@ def _from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype, count:
     return torch.frombuffer(bytearray(data), dtype=dtype, count=count)
 
 
+def _in_blocks(x: torch.Tensor, size: int) -> torch.Tensor:
+    """A flat tensor as rows of `size` values, the last row padded with zeros (blockwise codecs' layout)."""
+    return torch.nn.functional.pad(x, (0, math.ceil(x.numel() / size) * size - x.numel())).reshape(-1, size)
+
+
 @dataclass(frozen=True)
 class Codec:
     """Lossless fp32: the bytes of the tensor as they are."""
@@ -163,8 +168,7 @@ class BlockwiseCodec(Codec):
         n = x.numel()
         if n == 0:
             return b""
-        blocks = self._blocks(n)
-        padded = torch.nn.functional.pad(x, (0, blocks * self.blocksize - n)).reshape(blocks, self.blocksize)
+        padded = _in_blocks(x, self.blocksize)
         absmax = padded.abs().amax(dim=1)
         scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))  # an all-zero block codes as zeros
         code = self.code
@@ -193,8 +197,7 @@ class BlockwiseCodec(Codec):
         x = x.detach().float().reshape(-1)
         if x.numel() == 0:
             return x.clone()
-        pad = self._blocks(x.numel()) * self.blocksize - x.numel()
-        absmax = torch.nn.functional.pad(x.abs(), (0, pad)).reshape(-1, self.blocksize).amax(dim=1)
+        absmax = _in_blocks(x.abs(), self.blocksize).amax(dim=1)
         half_gap = torch.diff(self.code).max() / 2
         # the nearest code is picked; the slack covers fp32 rounding of x ÷ absmax and of code × absmax
         return (absmax * (half_gap * (1 + 1e-5)) + 1e-30).repeat_interleave(self.blocksize)[: x.numel()]
@@ -223,8 +226,7 @@ class LinearInt8Codec(Codec):
     def encode(self, x: torch.Tensor) -> bytes:
         x = x.detach().float().contiguous().cpu().reshape(-1)
         n = x.numel()
-        blocks = math.ceil(n / self.BLOCK)
-        padded = torch.nn.functional.pad(x, (0, blocks * self.BLOCK - n)).reshape(blocks, self.BLOCK)
+        padded = _in_blocks(x, self.BLOCK)
         scale = padded.abs().amax(dim=1) / 127
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block codes as zeros
         codes = torch.round(padded / safe[:, None]).clamp(-127, 127).to(torch.int8).reshape(-1)[:n]
@@ -241,8 +243,7 @@ class LinearInt8Codec(Codec):
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         x = x.detach().float().reshape(-1)
-        pad = math.ceil(x.numel() / self.BLOCK) * self.BLOCK - x.numel()
-        absmax = torch.nn.functional.pad(x.abs(), (0, pad)).reshape(-1, self.BLOCK).amax(dim=1)
+        absmax = _in_blocks(x.abs(), self.BLOCK).amax(dim=1)
         return (absmax / 254 * (1 + 1e-5) + 1e-30).repeat_interleave(self.BLOCK)[: x.numel()]
 
 

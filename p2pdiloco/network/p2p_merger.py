@@ -41,7 +41,7 @@ from p2pdiloco.network.slice_guard import SliceGuard
 from p2pdiloco.network.sparse_exchange import SparseExchange
 from p2pdiloco.network.swarm import BackgroundLoop
 from p2pdiloco.network.swarm_key import SwarmAuth
-from p2pdiloco.network.wire import ByteCounter, WireError
+from p2pdiloco.network.wire import ByteCounter, WireError, phase_sent
 
 __all__ = ["MergeFailed", "P2PMerger"]
 
@@ -156,7 +156,6 @@ class P2PMerger:
             if not self.codec.sliced:
                 shares = [shares[me]] * len(group.members)  # one part, counted whole or not at all
             sent = _rejected_as_dropped(sent, c.pseudo_grad, shares)
-            phase_sent = {tag: group.slots[("bytes", tag)].sent for tag in "dsa" if ("bytes", tag) in group.slots}
             # only now: a failed merge sent nothing that counts. A failed merge falls back to merging alone with
             # the uncompensated Δ, so the residual is neither applied there nor lost: it goes out once, with the
             # next merge. In a slice the group left out, this round's Δ is dropped and the residual carried into
@@ -169,8 +168,8 @@ class P2PMerger:
                     state_weight=group.agreed_state_weight() if state is not None else 0.0, final=group.final,
                     own_kept=by_values([float(s > 0) for s in shares], group.lengths["d"]),
                     state_share=by_values(state_shares, group.lengths["s"]) if state is not None else 0.0,
-                    pseudo_grad_bytes_sent=phase_sent.get("d", 0),
-                    state_bytes_sent=phase_sent.get("s", 0) + phase_sent.get("a", 0),
+                    pseudo_grad_bytes_sent=phase_sent(group.slots, "d"),
+                    state_bytes_sent=phase_sent(group.slots, "s") + phase_sent(group.slots, "a"),
                     state_anchored=state is not None and group.anchor in c.anchors,
                 )
             )

@@ -47,11 +47,15 @@ counter: a merge's phases (its Δ, its agreement) run at once, so the peer's cou
 apart. Set only in the task of one phase (`phase_bytes`) or in a handler serving one."""
 
 
-def phase_bytes(group_slots: dict, tag: str) -> ByteCounter:
-    """Count the current task's frames in the counter of phase `tag` of a group (kept in its `slots`); returns it."""
-    counter = group_slots.setdefault(("bytes", tag), ByteCounter())
-    PHASE_BYTES.set(counter)
-    return counter
+def phase_bytes(group_slots: dict, tag: str) -> None:
+    """Count the current task's frames in the counter of phase `tag` of a group (kept in its `slots`)."""
+    PHASE_BYTES.set(group_slots.setdefault(("bytes", tag), ByteCounter()))
+
+
+def phase_sent(group_slots: dict, tag: str) -> int:
+    """Bytes this peer sent in phase `tag` of a group (see `phase_bytes`); 0 if it had no such phase."""
+    counter = group_slots.get(("bytes", tag))
+    return counter.sent if counter is not None else 0
 
 
 def _count(counter: ByteCounter | None, sent: int = 0, received: int = 0) -> None:
