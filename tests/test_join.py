@@ -116,6 +116,37 @@ def test_joiner_refuses_a_state_no_other_live_peer_holds(bootstrap_dht, net_loop
             d.shutdown()
 
 
+def test_joiner_reads_the_records_again_when_rounds_outpace_heartbeats(bootstrap_dht, net_loop):
+    """Where rounds are shorter than a heartbeat, a donor serves a state that no record names yet: the joiner
+    reads the records again (up to `passes`), keeping what every read named, and takes the state once a live
+    peer's record has named it; a state only its donor's record ever names stays refused through every pass."""
+    maddrs = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
+    dhts = [start_local_dht(maddrs) for _ in range(3)]
+    try:
+        fresh = _state(2, 9)
+        digest = state_digest(fresh.global_params, fresh.momentum)
+        _, _, joiner = _started(dhts, net_loop, [fresh, None, None])
+        ids = [d.peer_id.to_base58() for d in dhts]
+        lagging = {ids[0]: {"round": 8, "global_digest": "older"}, ids[1]: {"round": 8, "global_digest": "older"}}
+        reads = []
+
+        async def refresh(named_by_b: str):
+            reads.append(named_by_b)
+            return {ids[0]: {"round": 9, "global_digest": "newer"}, ids[1]: {"round": 9, "global_digest": named_by_b}}
+
+        assert net_loop.run(joiner.fetch(lagging, ids[2], timeout=10, refresh=lambda: refresh(digest), passes=1), 30) is None
+        assert reads == []  # one pass: the records are not read again
+        # B's record named the donor's state in between (then moved on): enough
+        state, source = net_loop.run(joiner.fetch(lagging, ids[2], timeout=10, refresh=lambda: refresh(digest), passes=3), 30)
+        assert source == ids[0] and torch.equal(state.global_params, fresh.global_params) and reads == [digest]
+        reads.clear()
+        refused = net_loop.run(joiner.fetch(lagging, ids[2], timeout=10, refresh=lambda: refresh("other"), passes=3), 30)
+        assert refused is None and reads == ["other", "other"]  # no other peer ever held it: refused after every pass
+    finally:
+        for d in dhts:
+            d.shutdown()
+
+
 def test_peer_joining_mid_run_takes_the_swarm_state_and_merges(tmp_path):
     local = subprocess.Popen([*CLI, "local", "--peers", "2", "--steps", "100000", "--run-dir", str(tmp_path / "swarm"),
                               *PACED], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
@@ -124,16 +155,22 @@ def test_peer_joining_mid_run_takes_the_swarm_state_and_merges(tmp_path):
         wait_for(lambda: len(merges(tmp_path / "swarm", "peer0")) >= 3, 90, what="the swarm's first merges")
         maddr = (tmp_path / "swarm" / "bootstrap.maddr").read_text().strip()
         jdir = tmp_path / "joiner"
-        joiner = subprocess.Popen([*CLI, "peer", "--initial-peers", maddr, "--host", "127.0.0.1", "--run-dir", str(jdir),
-                                   "--steps", "100000", *PACED], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  stdin=subprocess.DEVNULL)
+        log = tmp_path / "joiner.log"
+        with open(log, "wb") as out:
+            joiner = subprocess.Popen([*CLI, "peer", "--initial-peers", maddr, "--host", "127.0.0.1", "--run-dir",
+                                       str(jdir), "--steps", "100000", *PACED], stdout=out, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL)
 
         def joined_and_merged():
             path = jdir / "metrics.jsonl"
             rows = [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")] if path.exists() else []
             return [r for r in rows if r["kind"] == "join"] and [r for r in rows if r["kind"] == "merge" and r["group_size"] > 1]
 
-        wait_for(joined_and_merged, 90, what="the joiner to download the state and merge")
+        try:
+            wait_for(joined_and_merged, 90, what="the joiner to download the state and merge")
+        except pytest.fail.Exception:
+            print("the joiner's output, last 60 lines:", *log.read_text(errors="replace").splitlines()[-60:], sep="\n")
+            raise
         rows = [json.loads(x) for x in (jdir / "metrics.jsonl").read_text().splitlines() if x.endswith("}")]
         (join,) = [r for r in rows if r["kind"] == "join"]
         assert join["round"] >= 3 and join["step"] > 0

@@ -164,8 +164,9 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
         return live_records(await read_peers(dht, cfg.swarm.run_id))
 
     # every live record counts in checking a donor's state, not only those claiming to be ahead
-    got = loop.run(sync.fetch(records, peer_id, timeout=cfg.swarm.merge_timeout_s, refresh=refresh),
-                   timeout=(cfg.swarm.merge_timeout_s + cfg.swarm.heartbeat_s + 5) * (len(records) + 1) + 10)
+    passes = 3
+    got = loop.run(sync.fetch(records, peer_id, timeout=cfg.swarm.merge_timeout_s, refresh=refresh, passes=passes),
+                   timeout=(cfg.swarm.merge_timeout_s + cfg.swarm.heartbeat_s + 5) * (len(records) + 1) * passes + 10)
     if got is None:
         logger.warning("[%s] no live peer could give its state; the first merge will bring this peer in line",
                        peer_id[-6:])

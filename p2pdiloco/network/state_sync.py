@@ -210,45 +210,62 @@ class StateSync:
         return unpack_state(header, payload, self.n_params)
 
     async def fetch(self, records: dict[str, dict], me: str, timeout: float,
-                    refresh: Callable[[], Awaitable[dict[str, dict]]] | None = None) -> tuple[GlobalState, str] | None:
+                    refresh: Callable[[], Awaitable[dict[str, dict]]] | None = None,
+                    passes: int = 3) -> tuple[GlobalState, str] | None:
         """Try donors in `donor_order` until a state is held by enough live peers: those that served it to us
-        (bit for bit, as its digest shows) and those whose record names its digest, together at least two (one
-        if only one live peer has a model).
+        (bit for bit, as its digest shows) and those whose record named its digest in any read of the records
+        during this fetch, together at least two (one if only one live peer has a model).
 
         Args:
             records: live peers' heartbeat records, {peer id: record}.
             me: this peer's id.
             timeout: bound on one download.
-            refresh: re-reads the live records, once, if no state qualified: a record can lag its peer's last
-                merge by a heartbeat, and donors that merged in between serve a state their records do not name yet.
+            refresh: re-reads the live records (after a heartbeat). A record lags its peer's last merge by up
+                to a heartbeat, and where rounds are shorter than a heartbeat every donor may serve a state no
+                record names yet: so after each pass over the donors without a qualifying state the records are
+                read again, and what every read named is kept.
+            passes: passes over the donors, at most (each but the first after a refresh).
 
         Returns:
-            (the state, with counters bounded by the records; the donor), or None if no state qualified.
+            (the state, with counters bounded by the latest records; the donor), or None if no state qualified.
         """
         got: dict[str, tuple[GlobalState, str]] = {}
         served: dict[str, set[str]] = {}
+        named: dict[str, set[str]] = {}
+
+        def note(records: dict[str, dict]) -> dict[str, dict]:
+            for p, r in records.items():
+                if p != me and isinstance(d := r.get("global_digest"), str) and d:
+                    named.setdefault(d, set()).add(p)
+            return records
 
         def agreed(records: dict[str, dict]) -> tuple[GlobalState, str] | None:
             for digest, (state, donor) in got.items():
-                named = {p for p, r in records.items() if p != me and r.get("global_digest") == digest}
-                if len(served[digest] | named) >= state_support(records, me, digest)[1]:
+                if len(served[digest] | named.get(digest, set())) >= state_support(records, me, digest)[1]:
                     return bounded_counters(state, records, me), donor
             return None
 
-        for donor in donor_order(records, me):
-            try:
-                state = await asyncio.wait_for(self.fetch_from(donor, timeout), timeout)
-            except (StateError, WireError, TimeoutError, ConnectionError, OSError, Exception) as e:
-                logger.warning("state download from %s failed (%s); trying the next donor", donor[-6:], e)
-                continue
-            digest = state_digest(state.global_params, state.momentum)
-            got.setdefault(digest, (state, donor))
-            served.setdefault(digest, set()).add(donor)
+        note(records)
+        for attempt in range(1, passes + 1):
+            for donor in donor_order(records, me):
+                try:
+                    state = await asyncio.wait_for(self.fetch_from(donor, timeout), timeout)
+                except (StateError, WireError, TimeoutError, ConnectionError, OSError, Exception) as e:
+                    logger.warning("state download from %s failed (%s); trying the next donor", donor[-6:], e)
+                    continue
+                digest = state_digest(state.global_params, state.momentum)
+                got.setdefault(digest, (state, donor))
+                served.setdefault(digest, set()).add(donor)
+                if (found := agreed(records)) is not None:
+                    return found
+                logger.info("the state from %s is held by no other live peer yet; trying the next donor", donor[-6:])
+            if refresh is None or attempt == passes:
+                break
+            records = note(await refresh())
             if (found := agreed(records)) is not None:
                 return found
-            logger.info("the state from %s is held by no other live peer yet; trying the next donor", donor[-6:])
-        if got and refresh is not None and (found := agreed(await refresh())) is not None:
-            return found
+            logger.info("no state held by enough live peers after pass %d of %d; reading the records again",
+                        attempt, passes)
         if got:
             logger.warning("no state offered by %d donor(s) was held by enough live peers: not taken", len(got))
         return None
