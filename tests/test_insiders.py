@@ -11,12 +11,15 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from p2pdiloco.algorithm.guards import bounded_weights
+from p2pdiloco.algorithm.guards import FAR, GuardBook, bounded_weights
 from p2pdiloco.algorithm.outer import STATE_REACH, outer_step, state_within_reach
+from p2pdiloco.algorithm.robust import aggregate
 from p2pdiloco.config import GuardConfig, OuterOptConfig, SwarmConfig
 from p2pdiloco.network import census
 from p2pdiloco.network.census import epoch_of, leader_rank
+from p2pdiloco.network.matchmaking import Group
 from p2pdiloco.network.merger import Contribution, MergeResult
+from p2pdiloco.network.slice_guard import SliceGuard
 from p2pdiloco.testing.hostile import CLAIM, silent_leader
 from p2pdiloco.training.global_model import GlobalModel
 from tests.test_learner import _cfg, _learner
@@ -97,6 +100,32 @@ def test_a_member_claiming_huge_weights_and_offering_minus_theta_takes_over_noth
     assert results[0].total_weight == pytest.approx(500.0)
     # the counters members adopt: the median claim, not the largest
     assert results[0].state_weight == honest_state_weight
+
+
+@pytest.mark.parametrize("tag", ["a", "s"])
+def test_minus_theta_does_not_pull_an_agreement_of_honest_models_a_few_rounds_apart(tag):
+    """Attack 2 where the honest models differ (one merged alone a few rounds): CenteredClip's radius is then their
+    spread, not 0, and two parts offering −θg pulled the result 0.7–1.8× that spread along −θg at every such
+    agreement (bench byzantine, decoupled takeover: 11–13 % worse in half its runs). Now they count nothing and the
+    result is the honest parts' own robust combination."""
+    gen = torch.Generator().manual_seed(2)
+    n = 20_000
+    theta = torch.randn(n, generator=gen)
+    step = 0.01 * torch.randn(n, generator=gen)
+    honest = [theta + step, theta + step, theta + step + 0.03 * torch.randn(n, generator=gen)]
+    base = theta if tag == "a" else torch.zeros(n)  # 'a': differences from an anchor they hold; 's': the models
+    parts = [x - base for x in [*honest, -theta, -theta]]
+    members = ["h0", "h1", "h2", "bad0", "bad1"]
+    group = Group("g", members, [1.0] * 5, [1.0, 1.0, 1.0, 2.0, 2.0], True, {"d": n, "s": 2 * n})
+    book = GuardBook()
+    avg, shares = SliceGuard(GuardConfig(), book).reduce(group, tag, 0, parts, [1.0, 1.0, 1.0, 2.0, 2.0], {})
+    assert shares[3:] == [0.0, 0.0] and all(s > 0 for s in shares[:3])
+    assert book.rejected[FAR] == 2 and not any(book.strikes.values())  # honest models can drift as far: no strike
+    assert torch.equal(avg, aggregate("centered_clip", parts[:3], [1.0] * 3))  # what the honest members alone give
+    mean = torch.stack(parts[:3]).mean(dim=0)
+    spread = max(float((p - mean).norm()) for p in parts[:3])
+    toward_minus_theta = float((avg - mean) @ (-theta / theta.norm()))
+    assert abs(toward_minus_theta) < 0.05 * spread  # before: 0.7-1.8 x spread
 
 
 # ---- attack 3: "final" ends everyone's run ----

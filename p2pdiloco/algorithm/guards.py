@@ -22,8 +22,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-NONFINITE, NORM, DIRECTION, STALE, BANNED, SHAPE, TRUST = (
-    "nonfinite", "norm", "direction", "stale", "banned", "shape", "trust")
+NONFINITE, NORM, DIRECTION, STALE, BANNED, SHAPE, TRUST, FAR = (
+    "nonfinite", "norm", "direction", "stale", "banned", "shape", "trust", "far")
 """Rejection reasons, as counted in metrics."""
 
 

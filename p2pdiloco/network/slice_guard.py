@@ -13,6 +13,7 @@ import torch
 from p2pdiloco.algorithm.codecs import CodecError, NonFiniteError
 from p2pdiloco.algorithm.guards import (
     BANNED,
+    FAR,
     NONFINITE,
     SHAPE,
     TRUST,
@@ -23,7 +24,7 @@ from p2pdiloco.algorithm.guards import (
     trust_factors,
 )
 from p2pdiloco.algorithm.outer import weight_shares
-from p2pdiloco.algorithm.robust import aggregate
+from p2pdiloco.algorithm.robust import ROBUST, aggregate, far_from_majority
 from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.allreduce import group_slice
 from p2pdiloco.network.matchmaking import Group
@@ -77,6 +78,15 @@ class SliceGuard:
                 reasons[i] = TRUST
                 self.book.reject(group.members[i], TRUST, group.group_id, f"(slice {tag})", strike=False)
         keep = [i for i, r in enumerate(reasons) if not r]
+        if tag != "d" and g.aggregate in ROBUST and len(keep) >= max(g.robust_min_group, 3):
+            # a global model far from the majority's is left out, not clipped: clipped, it still pulls the
+            # agreement its way at every merge (robust.far_from_majority). No strike: an honest member that merged
+            # alone for long can be as far
+            for i, far in zip(list(keep), far_from_majority([parts[i] for i in keep]), strict=True):
+                if far:
+                    reasons[i] = FAR
+                    self.book.reject(group.members[i], FAR, group.group_id, f"(slice {tag})", strike=False)
+            keep = [i for i, r in enumerate(reasons) if not r]
         for i in keep:
             self.book.accept(group.members[i], group.group_id)
         if not keep:
