@@ -13,7 +13,7 @@ import torch
 
 from p2pdiloco.algorithm.guards import FAR, GuardBook, bounded_weights
 from p2pdiloco.algorithm.outer import STATE_REACH, outer_step, state_within_reach
-from p2pdiloco.algorithm.robust import aggregate
+from p2pdiloco.algorithm.robust import aggregate, far_from_majority
 from p2pdiloco.config import GuardConfig, OuterOptConfig, SwarmConfig
 from p2pdiloco.network import census
 from p2pdiloco.network.census import epoch_of, leader_rank
@@ -126,6 +126,16 @@ def test_minus_theta_does_not_pull_an_agreement_of_honest_models_a_few_rounds_ap
     spread = max(float((p - mean).norm()) for p in parts[:3])
     toward_minus_theta = float((avg - mean) @ (-theta / theta.norm()))
     assert abs(toward_minus_theta) < 0.05 * spread  # before: 0.7-1.8 x spread
+
+
+def test_far_parts_are_left_out_only_by_a_majority():
+    gen = torch.Generator().manual_seed(3)
+    theta = torch.rand(1000, generator=gen)  # all positive: the lower middle of a 2-2 split is the hostile pair
+    near = 0.01 * torch.randn(1000, generator=gen)
+    assert far_from_majority([near, near + 0.001, -2 * theta, -2 * theta, near - 0.001]) == [False, False, True, True, False]
+    # 2 of 4: no majority, and τ is the nearer pair's distance; nothing is left out (else that pair would decide)
+    split = [near, near, -2 * theta + 0.01 * near, -2 * theta]
+    assert far_from_majority(split) == [False] * 4
 
 
 # ---- attack 3: "final" ends everyone's run ----

@@ -87,6 +87,7 @@ def far_from_majority(parts: Sequence[torch.Tensor], factor: float = FAR) -> lis
     of 5 members offering −θg, the result moved 0.7–1.8× the honest spread along −θg (cosine 0.998) at every
     such agreement, and `bench byzantine` ended 11–13 % worse in half of its decoupled takeover runs. Left out,
     such a part pulls nothing; an honest model that far from the rest is one the robust rule would clip anyway.
+    Parts are left out only where those kept are a strict majority.
     """
     if len(parts) < 3:
         return [False] * len(parts)
@@ -94,7 +95,10 @@ def far_from_majority(parts: Sequence[torch.Tensor], factor: float = FAR) -> lis
     v = coordinate_median_low(xs)
     dist = [float(torch.linalg.vector_norm(x - v)) for x in xs]
     tau = float(torch.tensor(dist).median())
-    return [tau > 0 and d > factor * tau for d in dist]
+    far = [tau > 0 and d > factor * tau for d in dist]
+    # only a majority outvotes: with 2 of 4 far (torch's median of an even count is the lower middle, so τ can be
+    # the nearer pair's distance) leaving a pair out would let the other pair decide
+    return far if 2 * far.count(False) > len(far) else [False] * len(far)
 
 
 def trimmed_mean(parts: Sequence[torch.Tensor], trim: float = 0.2) -> torch.Tensor:
