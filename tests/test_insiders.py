@@ -10,6 +10,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+from torch.testing import assert_close
 
 from p2pdiloco.algorithm.guards import FAR, GuardBook, bounded_weights
 from p2pdiloco.algorithm.outer import STATE_REACH, outer_step, state_within_reach
@@ -126,6 +127,25 @@ def test_minus_theta_does_not_pull_an_agreement_of_honest_models_a_few_rounds_ap
     spread = max(float((p - mean).norm()) for p in parts[:3])
     toward_minus_theta = float((avg - mean) @ (-theta / theta.norm()))
     assert abs(toward_minus_theta) < 0.05 * spread  # before: 0.7-1.8 x spread
+
+
+def test_a_two_two_split_of_an_anchored_agreement_is_decided_by_the_anchor():
+    """Attack 2 in a group of 4 with 2 hostile (a 5-peer swarm whose third honest peer merged alone): no majority,
+    and the lower middle of the even count gave the hostile pair's −θg wherever it was the lower value. The anchor,
+    which every member holds, now casts the deciding vote: the honest pair, at the anchor, keeps it exactly;
+    without hostiles, a 2–2 split of honest models still meets in the middle."""
+    gen = torch.Generator().manual_seed(4)
+    n = 8000
+    theta = torch.randn(n, generator=gen)
+    group = Group("g", ["h0", "h1", "bad0", "bad1"], [1.0] * 4, [1.0, 1.0, 2.0, 2.0], True, {"d": n, "s": 2 * n})
+    zero = torch.zeros(n)
+    avg, _ = SliceGuard(GuardConfig(), GuardBook()).reduce(group, "a", 0, [zero, zero, -2 * theta, -2 * theta],
+                                                          [1.0, 1.0, 2.0, 2.0], {})
+    assert torch.equal(avg, zero)  # before: the hostile value on about half the coordinates (norm ~0.58 |2θ|)
+    a, b = 0.01 * torch.randn(n, generator=gen), 0.01 * torch.randn(n, generator=gen)
+    honest = Group("g", ["h0", "h1", "h2", "h3"], [1.0] * 4, [1.0] * 4, True, {"d": n, "s": 2 * n})
+    avg, _ = SliceGuard(GuardConfig(), GuardBook()).reduce(honest, "a", 0, [a, a, b, b], [1.0] * 4, {})
+    assert_close(avg, (a + b) / 2)
 
 
 def test_far_parts_are_left_out_only_by_a_majority():

@@ -43,7 +43,7 @@ def coordinate_median_low(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], tau: float | None = None,
-                  iters: int = 5) -> torch.Tensor:
+                  iters: int = 5, tie_vote: torch.Tensor | None = None) -> torch.Tensor:
     """CenteredClip: v ← v + Σ wᵢ·(xᵢ − v)·min(1, τ/‖xᵢ − v‖), starting from the coordinate-wise median.
 
     Args:
@@ -52,14 +52,17 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], tau: 
         tau: clipping radius (L2); None takes the median of the members' distances to the start, so the
             radius scales with the contributions and an outlier moves the result by at most ~τ·its weight.
         iters: fixed-point iterations.
+        tie_vote: with an even count of parts, one more vote in the median start and the radius (not in the
+            iterations), so that a 2–2 split is decided by it, not by the lower middle (see `aggregate`).
     """
     if not parts:
         raise ValueError("need at least one tensor")
     w = _normalized(weights, len(parts))
     xs = [p.float() for p in parts]
-    v = coordinate_median_low(xs)
+    votes = [*xs, tie_vote.float()] if tie_vote is not None and len(xs) % 2 == 0 else xs
+    v = coordinate_median_low(votes)
     if tau is None:
-        tau = float(torch.tensor([torch.linalg.vector_norm(x - v).item() for x in xs]).median())
+        tau = float(torch.tensor([torch.linalg.vector_norm(x - v).item() for x in votes]).median())
     if tau <= 0:
         return v  # a majority agree exactly: that is the answer
     for _ in range(iters):
@@ -140,11 +143,16 @@ def radial_directional_average(parts: Sequence[torch.Tensor], weights: Sequence[
 
 
 def aggregate(name: str, parts: Sequence[torch.Tensor], weights: Sequence[float], min_group: int = 3,
-              trim: float = 0.2) -> torch.Tensor:
+              trim: float = 0.2, tie_vote: torch.Tensor | None = None) -> torch.Tensor:
     """Combine members' contributions by rule `name` (one of `AGGREGATORS`).
 
     The robust rules (centered_clip, trimmed_mean) apply only from `min_group` members on: with fewer, no
     majority exists to be robust with, and the weighted mean is used.
+
+    `tie_vote` (centered_clip only): the vote that decides an even count's median start. An agreement passes the
+    zero difference, its anchor, the state every member holds: 2 members at the anchor and 2 offering −θg
+    (a 5-peer swarm with 2 hostile, one honest peer merging alone) got the hostile pair's value wherever it was
+    the lower one, and adopted it; with the anchor's vote the result is the anchor there.
     """
     if name not in AGGREGATORS:
         raise ValueError(f"unknown aggregator {name!r}")
@@ -154,4 +162,4 @@ def aggregate(name: str, parts: Sequence[torch.Tensor], weights: Sequence[float]
         return weighted_average(parts, weights)
     if name == "trimmed_mean":
         return trimmed_mean(parts, trim)
-    return centered_clip(parts, weights)
+    return centered_clip(parts, weights, tie_vote=tie_vote)
