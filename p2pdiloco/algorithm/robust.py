@@ -42,6 +42,13 @@ def coordinate_median_low(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([p.float() for p in parts]).median(dim=0).values
 
 
+def _start_and_radius(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[float], float]:
+    """CenteredClip's start (the coordinate-wise median), each part's distance to it, and their median (τ)."""
+    v = coordinate_median_low(xs)
+    dist = [float(torch.linalg.vector_norm(x.float() - v)) for x in xs]
+    return v, dist, float(torch.tensor(dist).median())
+
+
 def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], tau: float | None = None,
                   iters: int = 5, tie_vote: torch.Tensor | None = None) -> torch.Tensor:
     """CenteredClip: v ← v + Σ wᵢ·(xᵢ − v)·min(1, τ/‖xᵢ − v‖), starting from the coordinate-wise median.
@@ -60,9 +67,8 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], tau: 
     w = _normalized(weights, len(parts))
     xs = [p.float() for p in parts]
     votes = [*xs, tie_vote.float()] if tie_vote is not None and len(xs) % 2 == 0 else xs
-    v = coordinate_median_low(votes)
-    if tau is None:
-        tau = float(torch.tensor([torch.linalg.vector_norm(x - v).item() for x in votes]).median())
+    v, _, median_distance = _start_and_radius(votes)
+    tau = median_distance if tau is None else tau
     if tau <= 0:
         return v  # a majority agree exactly: that is the answer
     for _ in range(iters):
@@ -75,12 +81,12 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], tau: 
     return v
 
 
-FAR = 4.0
+FAR_FACTOR = 4.0
 """`far_from_majority`: a part farther than this many times the median distance from the coordinate-wise median
 is left out of a global-model agreement."""
 
 
-def far_from_majority(parts: Sequence[torch.Tensor], factor: float = FAR) -> list[bool]:
+def far_from_majority(parts: Sequence[torch.Tensor], factor: float = FAR_FACTOR) -> list[bool]:
     """Which parts lie farther than `factor` × τ from the coordinate-wise median, τ being the median of all the
     parts' distances to it (CenteredClip's start and radius). None is far where τ is 0: a majority agree
     exactly, and CenteredClip already returns their bits.
@@ -94,10 +100,7 @@ def far_from_majority(parts: Sequence[torch.Tensor], factor: float = FAR) -> lis
     """
     if len(parts) < 3:
         return [False] * len(parts)
-    xs = [p.float() for p in parts]
-    v = coordinate_median_low(xs)
-    dist = [float(torch.linalg.vector_norm(x - v)) for x in xs]
-    tau = float(torch.tensor(dist).median())
+    _, dist, tau = _start_and_radius([p.float() for p in parts])
     far = [tau > 0 and d > factor * tau for d in dist]
     # only a majority outvotes: with 2 of 4 far (torch's median of an even count is the lower middle, so τ can be
     # the nearer pair's distance) leaving a pair out would let the other pair decide

@@ -82,7 +82,7 @@ class SliceGuard:
             # a global model far from the majority's is left out, not clipped: clipped, it still pulls the
             # agreement its way at every merge (robust.far_from_majority). No strike: an honest member that merged
             # alone for long can be as far
-            for i, far in zip(list(keep), far_from_majority([parts[i] for i in keep]), strict=True):
+            for i, far in zip(keep, far_from_majority([parts[i] for i in keep]), strict=True):
                 if far:
                     reasons[i] = FAR
                     self.book.reject(group.members[i], FAR, group.group_id, f"(slice {tag})", strike=False)
