@@ -107,7 +107,7 @@ def test_an_epochs_first_census_read_takes_one_nodes_copy_only_when_it_looks_who
     monkeypatch.setattr(census_module, "read_near_subkeys", reader("near"))
     monkeypatch.setattr(census_module, "read_subkeys", reader("walk"))
     census = census_module.Census(None, "run", "me")
-    census._registered = {e: 0.0 for e in range(1, 6)}  # registered for these epochs
+    census._registered = {e: {0: 0.0} for e in range(1, 6)}  # registered for these epochs (at level 0)
 
     def members(epoch: int) -> set[str]:
         return set(asyncio.run(census.members(epoch)))
@@ -126,3 +126,159 @@ def test_an_epochs_first_census_read_takes_one_nodes_copy_only_when_it_looks_who
     copies["walk"] = {"me", "a", "b", "c", "d", "e"}
     assert members(4) == copies["walk"] and calls[-1] == "walk"
     assert (census.reads, census.walks) == (5, 4)
+
+
+class _MemoryDHT:
+    """The census's three DHT calls on a dict, counting the records each read returns (unit tests of the pools'
+    logic; the real DHT's behaviour is in the integration tests)."""
+
+    def __init__(self):
+        self.keys: dict[str, dict[str, dict]] = {}
+        self.records_read: dict[str, int] = Counter()
+        self.reader = ""
+
+    def install(self, monkeypatch, census_module):
+        async def read(dht, key, timeout=5.0):
+            found = dict(self.keys.get(key, {}))
+            self.records_read[self.reader] += len(found)
+            return found
+
+        async def write(dht, key, subkey, value, expiration, timeout=5.0):
+            self.keys.setdefault(key, {})[subkey] = value
+            return True
+
+        monkeypatch.setattr(census_module, "read_subkeys", read)
+        monkeypatch.setattr(census_module, "read_near_subkeys", read)
+        monkeypatch.setattr(census_module, "write_subkey", write)
+
+
+def _run_epochs(monkeypatch, n: int, group_size: int, epochs: range):
+    """n peers' censuses through `epochs`: each epoch, every peer registers, then reads its view and deals its
+    group. Returns the censuses, {epoch: {peer: its group}} and the memory DHT."""
+    from p2pdiloco.network import census as census_module
+
+    mem = _MemoryDHT()
+    mem.install(monkeypatch, census_module)
+    peers = [f"peer{i:03d}" for i in range(n)]
+    censuses = {p: census_module.Census(None, "run", p, group_size) for p in peers}
+    groups = {}
+    for epoch in epochs:
+        for p in peers:
+            asyncio.run(censuses[p].register(epoch))
+        groups[epoch] = {}
+        for p in peers:
+            mem.reader = p
+            view = asyncio.run(censuses[p].members(epoch))
+            groups[epoch][p] = tuple(my_group("run", p, list(view), epoch, group_size))
+    return censuses, groups, mem
+
+
+def test_pool_levels_split_the_swarm_in_two_per_level():
+    from p2pdiloco.network.census import census_key, level_for, pool_of
+
+    assert [level_for(n, 8) for n in (1, 4, 15, 16, 31, 32, 64, 1000)] == [0, 0, 0, 1, 1, 2, 3, 6]
+    peers = [f"p{i}" for i in range(400)]
+    for level in range(1, 6):
+        pools = Counter(pool_of("run", p, 7, level) for p in peers)
+        assert set(pools) == set(range(2 ** level))  # every pool of the level is drawn
+        assert all(pool_of("run", p, 7, level + 1) >> 1 == pool_of("run", p, 7, level) for p in peers)  # halves
+    assert pool_of("run", "p1", 7, 3) != pool_of("run", "p1", 8, 3) or pool_of("run", "p2", 7, 3) != pool_of(
+        "run", "p2", 8, 3)  # drawn anew every epoch
+    assert census_key("run", 7) == "run_census_7" and census_key("run", 7, 2, 3) == "run_census_7_2_3"
+
+
+@pytest.mark.parametrize("n", [64, 256])
+def test_in_a_large_swarm_a_peer_reads_only_its_pool_and_the_pools_groups_partition_the_swarm(monkeypatch, n):
+    """Issue 17: a census read moved every peer's record, so a peer's DHT bytes grew with the swarm. After its first
+    read (the whole census, once) a peer reads only its pool: at 64 and at 256 peers about as many records an epoch,
+    and the groups dealt from the pools still put every peer in exactly one group of at most `group_size`."""
+    censuses, groups, mem = _run_epochs(monkeypatch, n, 8, range(100, 106))
+    assert all(c.level == (3 if n == 64 else 5) for c in censuses.values())  # pools of 8 on average
+    first = sum(mem.records_read.values())
+    assert first >= n * n  # the first epoch: everyone read the whole census once
+    for epoch in range(101, 106):
+        split = groups[epoch]
+        members = [p for g in set(split.values()) for p in g]
+        assert sorted(members) == sorted(split)  # a partition: each peer in one group, its mates agreeing
+        assert all(split[m] == g for g in set(split.values()) for m in g)
+        assert max(len(g) for g in split.values()) <= 8
+        assert sum(len(g) == 1 for g in split.values()) <= n // 64  # a peer alone in its pool is rare
+    mem.records_read.clear()
+    for c in censuses.values():
+        mem.reader = c.peer_id
+        asyncio.run(c.register(106))
+        asyncio.run(c.members(106))
+    per_peer = sum(mem.records_read.values()) / n
+    assert per_peer <= 3 * 8, per_peer  # a pool (and rarely the pool above it), not the swarm
+
+
+def test_a_small_swarm_reads_the_whole_census_as_before(monkeypatch):
+    censuses, groups, mem = _run_epochs(monkeypatch, 12, 8, range(100, 103))
+    assert all(c.level == 0 for c in censuses.values())
+    assert all(len(set(g.values())) == 2 for g in groups.values())  # 12 peers in two groups of 6, every epoch
+    assert all(len(mem.keys[k]) == 12 for k in mem.keys)  # registered at level 0 only: one key an epoch
+
+
+def test_a_joiner_reads_the_whole_census_once_then_its_pool_where_its_mates_count_it(monkeypatch):
+    """A joiner has no estimate of the swarm's size: its first read is of the whole census (every peer registers at
+    level 0 too), it moves to the swarm's level at once and registers there for the next epoch, so that in that
+    epoch its pool's mates deal it into their groups."""
+    from p2pdiloco.network import census as census_module
+
+    censuses, groups, mem = _run_epochs(monkeypatch, 64, 8, range(100, 103))
+    joiner = census_module.Census(None, "run", "joiner", 8)
+    asyncio.run(joiner.register(103))
+    assert joiner.fresh and joiner.level == 0
+    assert len(asyncio.run(joiner.members(103))) == 65  # the whole census: everyone is registered at level 0
+    assert joiner.level == 3 and not joiner.fresh
+    for c in [*censuses.values(), joiner]:
+        asyncio.run(c.register(104))
+    split = {c.peer_id: tuple(my_group("run", c.peer_id, list(asyncio.run(c.members(104))), 104, 8))
+             for c in [*censuses.values(), joiner]}
+    assert all(split[m] == split["joiner"] for m in split["joiner"])  # its mates deal the same group, it in it
+    assert len(split["joiner"]) >= 2
+
+
+@pytest.mark.integration
+def test_real_dht_nodes_find_their_pools_after_one_read_of_the_whole_census(bootstrap_dht, net_loop):
+    """12 real DHT nodes with groups of 2: the first read (the whole census) puts every node at level 2, four pools
+    of about three; the next epoch each node reads its pool's key alone and finds exactly its pool's mates."""
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from p2pdiloco.network.census import Census, census_key, epoch_of, pool_of
+    from p2pdiloco.network.swarm import read_subkeys
+    from tests.conftest import start_local_dht, wait_for
+
+    maddrs = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
+    dhts = [start_local_dht(maddrs) for _ in range(12)]
+    try:
+        censuses = [Census(d, "pools", d.peer_id.to_base58(), group_size=2) for d in dhts]
+        epoch = epoch_of(get_dht_time()) + 1  # epochs ahead of the clock: their records outlive the test
+
+        async def everyone(step, e):
+            return await asyncio.gather(*(getattr(c, step)(e) for c in censuses))
+
+        net_loop.run(everyone("register", epoch), 30)
+        assert all(len(view) == 12 for view in net_loop.run(everyone("members", epoch), 30))
+        assert all(c.level == 2 for c in censuses)
+        net_loop.run(everyone("register", epoch + 1), 30)
+        pools = {c.peer_id: pool_of("pools", c.peer_id, epoch + 1, 2) for c in censuses}
+        expected = {c.peer_id: {p for p, pool in pools.items() if pool == pools[c.peer_id]} for c in censuses}
+
+        def stored() -> bool:  # the stores have reached the nodes a walk finds (routing tables fill at the start)
+            keys = {census_key("pools", epoch + 1, 2, pool) for pool in set(pools.values())}
+            found = set()
+            for key in keys:
+                found |= set(net_loop.run(read_subkeys(dhts[0], key), 10))
+            return found == set(pools)
+
+        wait_for(stored, 30, interval=0.5, what="every pool registration readable")
+        views = net_loop.run(everyone("members", epoch + 1), 30)
+        for c, view in zip(censuses, views, strict=True):
+            if len(expected[c.peer_id]) >= 2:
+                assert set(view) == expected[c.peer_id], (c.peer_id, sorted(view), sorted(expected[c.peer_id]))
+            else:  # alone in its pool: read again a second later (then its share of the pool above)
+                assert set(view) == {c.peer_id}
+    finally:
+        for d in dhts:
+            d.shutdown()

@@ -129,7 +129,7 @@ class Matchmaker:
         self._tasks: set[asyncio.Task] = set()
         self._passed_over: dict[str, int] = {}
         """Leaders that never invited us: peer id -> searches left in which they are not followed."""
-        self.census = Census(dht, cfg.run_id, self.peer_id)
+        self.census = Census(dht, cfg.run_id, self.peer_id, cfg.group_size)
         self._ready: dict[str, float] = {}
         """Mates that told us they are looking for a group: peer id -> until when (DHT time)."""
         self._liars: set[str] = set()
