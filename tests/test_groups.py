@@ -282,3 +282,25 @@ def test_real_dht_nodes_find_their_pools_after_one_read_of_the_whole_census(boot
     finally:
         for d in dhts:
             d.shutdown()
+
+
+def test_peers_that_started_at_different_times_meet_at_one_level_after_a_sync_epoch(monkeypatch):
+    """Forty peers read a census of forty (level 2), twenty-four more join and read one of sixty-four (level 3):
+    levels differ until the next epoch every peer reads the whole census (`SYNC_EPOCHS`), and from then on all
+    read pools of one level and the groups dealt from them partition the swarm."""
+    from p2pdiloco.network import census as census_module
+
+    sync = 13 * census_module.SYNC_EPOCHS
+    early, _, mem = _run_epochs(monkeypatch, 40, 8, range(sync - 3, sync - 2))
+    late = {f"late{i:02d}": census_module.Census(None, "run", f"late{i:02d}", 8) for i in range(24)}
+    everyone = {**early, **late}
+    for epoch in range(sync - 2, sync + 2):
+        for c in everyone.values():
+            asyncio.run(c.register(epoch))
+        views = {p: asyncio.run(c.members(epoch)) for p, c in everyone.items()}
+        if epoch == sync - 1:
+            assert {c.level for c in early.values()} == {2} and {c.level for c in late.values()} == {3}
+    assert {c.level for c in everyone.values()} == {3}
+    split = {p: tuple(my_group("run", p, list(views[p]), sync + 1, 8)) for p in everyone}
+    assert sorted(p for g in set(split.values()) for p in g) == sorted(everyone)
+    assert all(split[m] == g for g in set(split.values()) for m in g)

@@ -13,13 +13,16 @@ the swarm (issue 17: census reads were most of a peer's 2.2 kB/s at 32 peers, 3.
 twice `group_size` peers, a peer reads only its *pool*: the peers whose `leader_rank` in the epoch begins with the
 same `level` bits (`pool_of`), 2^level pools of `group_size` to twice that on average (`level_for`), each under a
 key of its own, and its groups are dealt from its pool alone. Pools are drawn anew every epoch, as groups are, so
-what a pool learned reaches the others within a few epochs. A peer learns the swarm's size from its first read,
-of the whole census (every peer also registers at level 0, which a joiner and `registered_now` read), and
-afterwards from its pools' sizes: the median of the last five, × 2^level. It moves one level at a time, with a
-margin (`UP_MARGIN`, `DOWN_MARGIN`), and stays registered at the level it left for one epoch, so that mates still
-there meet it. Peers at different levels may expect different groups for an epoch; as with any two views that
-differ, that costs at most a smaller group (an invite from any leader is accepted). A peer alone in its pool (a
-rare draw, or a read that found nothing) reads again a second later, and if still alone deals from its
+what a pool learned reaches the others within a few epochs. Every peer also registers at level 0, and reads the
+whole census at its first search and in every `SYNC_EPOCHS`-th epoch (the same epochs for all): groups of those
+epochs are dealt from the whole census, and its size sets the level up to the next such epoch, the same for every
+peer that read the same census. A level decided by each peer from its own pools' sizes left peers that started at
+different times at different levels for good, each level's peers unseen by the others' pools: 13 % of a 32-peer
+run's merges were alone, against 7 % without pools (docs/benchmarks.md, Scale). A peer that moved stays registered
+at the level it left for one epoch, so that mates whose read of the census differed still meet it. A joiner, whose
+first read is of the whole census, may expect other groups than its pool's mates until the next epoch; as with any
+two views that differ, that costs at most a smaller group (an invite from any leader is accepted). A peer alone
+in its pool (a rare draw, or a read that found nothing) reads again a second later, and if still alone deals from its
 share of the pool above it (read from the whole census). A run's last merge takes the whole pool, not the whole swarm.
 
 How a census record is kept honest: its subkey is the peer's id, so only that peer can write it
@@ -32,7 +35,6 @@ import asyncio
 import hashlib
 import math
 import random
-import statistics
 import time
 from collections.abc import Callable
 
@@ -51,13 +53,9 @@ seems to be alone: see `settled`)."""
 
 MAX_LEVEL = 20
 """Pools are at most 2^20 (a million peers in pools of eight)."""
-UP_MARGIN = 1.5
-DOWN_MARGIN = 0.5
-"""A peer that has read a pool moves one level up only once the swarm's estimated size is this much past the next
-level's threshold, and down once it is this much below its own level's: a pool's size varies (a pool of eight by
-about a third), and a peer that moved on a chance draw would expect other groups than its mates do."""
-ESTIMATES_KEPT = 5
-"""The swarm's size is the median of the estimates from this many of the last pools read."""
+SYNC_EPOCHS = 8
+"""Every this many epochs (epochs whose number it divides) every peer reads the whole census: its groups of that
+epoch are dealt from it, and its size sets the level of the epochs up to the next such epoch, the same for all."""
 
 
 def epoch_of(now: float) -> int:
@@ -163,10 +161,12 @@ class Census:
         """The level whose pools this peer reads from the next epoch on (0: the whole census)."""
         self._moved_from: int | None = None
         """The level this peer left at its last move: it stays registered there one epoch more."""
-        self._estimates: list[float] = []
-        """The swarm's size as the last pools read suggest (pool size × 2^level), newest last."""
         self.fresh = True
         """No census read yet: the first read is of the whole census (level 0), which tells the swarm's size."""
+
+    def counts(self) -> dict[str, int]:
+        """DHT requests made and the level reached, for a peer's summary."""
+        return {"reads": self.reads, "walks": self.walks, "writes": self.writes, "level": self.level}
 
     def levels(self) -> set[int]:
         """The levels this peer registers at for the next epoch: 0 (read by a joiner and by `registered_now`), its
@@ -202,7 +202,7 @@ class Census:
         view = self._views.get(epoch)
         # a view of this peer alone may be a read that timed out: it is never trusted for long
         if view is None or ((epoch in self._stale or len(view[1]) == 1) and time.monotonic() - view[0] >= REREAD_S):
-            level = self._view_level.setdefault(epoch, 0 if self.fresh else self.level)
+            level = self._view_level.setdefault(epoch, 0 if self.fresh or epoch % SYNC_EPOCHS == 0 else self.level)
             records = await self._read(epoch, level, first=view is None)
             if level > 0 and len(records) < 2 and view is not None:
                 # alone in its pool a second time (a rare draw): its share of the pool above, from the whole census
@@ -236,22 +236,14 @@ class Census:
         return records
 
     async def _choose_level(self, epoch: int, level: int, size: int) -> None:
-        """After an epoch's first read: the swarm's size it suggests, and the level to read from the next epoch on
+        """After an epoch's first read: if it was of the whole census, the level to read from the next epoch on
         (registered at at once, so that the next epoch's pool holds this peer when its mates read it)."""
-        self._estimates = [*self._estimates[-(ESTIMATES_KEPT - 1):], size * 2.0 ** level]
-        estimate = statistics.median(self._estimates)
-        target = level_for(estimate, self.group_size)
-        if self.fresh:  # the whole census, counted: go straight to the level it calls for
-            self.fresh, new = False, target
-        elif target > self.level and estimate >= UP_MARGIN * self.group_size * 2 ** (self.level + 1):
-            new = self.level + 1
-        elif target < self.level and estimate < DOWN_MARGIN * self.group_size * 2 ** self.level:
-            new = self.level - 1
-        else:
-            new = self.level
-        self._moved_from = self.level if new != self.level else None
+        self._moved_from = None
+        if level > 0:
+            return
+        self.fresh, new = False, level_for(size, self.group_size)
         if new != self.level:
-            self.level, self._estimates = new, [estimate]
+            self._moved_from, self.level = self.level, new
             await self._register_for(epoch + 1)
 
     def _whole(self, near: set[str], epoch: int, level: int) -> bool:
@@ -270,8 +262,7 @@ class Census:
             return False
         if level == 0:
             return len(near | {self.peer_id}) >= self._last_size
-        expected = statistics.median(self._estimates) / 2 ** level if self._estimates else 2.0
-        return len(near | {self.peer_id}) >= max(2.0, expected / 2)
+        return len(near | {self.peer_id}) >= max(2.0, self._last_size / 2 ** level / 2)
 
     def settled(self, epoch: int) -> bool:
         """Whether this peer's view of `epoch` was read at least `REREAD_S` after it registered for it (at the
