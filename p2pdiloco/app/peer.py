@@ -338,7 +338,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         summary = learner.run()
         loop.run(learner.report.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's
         summary.update(name=cfg.run.name, n_params=n_params, **learner.report.bandwidth(), guard=merger.book.report(),
-                       hostile=cfg.emulate.hostile, census=merger.matchmaker.census.counts())
+                       hostile=cfg.emulate.hostile)
         epochs = range(epoch_of(static["started"]) - 1, epoch_of(get_dht_time()) + 3)  # every census key it used
         summary["dht_by_kind"] = dht_bytes_by_kind(learner.report.traffic.dht_by_key, cfg.swarm.run_id, epochs)
         write_json_atomic(run_dir / "peer_summary.json", summary)

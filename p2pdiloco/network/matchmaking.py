@@ -1,8 +1,8 @@
 """Forming a merge group with whichever of this epoch's group mates are ready now.
 
 1. **Mates.** Every epoch (`census.EPOCH_S`) the peers in the epoch's census (census.py: one DHT record per
-   peer; in a large swarm, this peer's pool) are dealt into groups of at most `swarm.group_size` by a hash
-   of their ids with the epoch (`my_group`, `leader_rank`): groups change every epoch, no id leads every group.
+   peer) are dealt into groups of at most `swarm.group_size` by the hash of their ids with the epoch
+   (`my_group`, `leader_rank`): groups change every epoch, and no peer id leads every group.
 2. **Ready.** A peer looking for a group tells its mates so, peer to peer, with its deadline; nothing is polled
    from the DHT (issue 17: a peer's DHT work does not grow with the swarm).
 3. **Group.** The first ready mate in the epoch's order leads: it invites the ready mates as soon as every
@@ -129,7 +129,7 @@ class Matchmaker:
         self._tasks: set[asyncio.Task] = set()
         self._passed_over: dict[str, int] = {}
         """Leaders that never invited us: peer id -> searches left in which they are not followed."""
-        self.census = Census(dht, cfg.run_id, self.peer_id, cfg.group_size)
+        self.census = Census(dht, cfg.run_id, self.peer_id)
         self._ready: dict[str, float] = {}
         """Mates that told us they are looking for a group: peer id -> until when (DHT time)."""
         self._liars: set[str] = set()

@@ -37,8 +37,6 @@ for k keys gives each a k-th of its bytes."""
 _installed = False
 
 
-LEVELS_COUNTED = 6
-"""`dht_bytes_by_kind` knows census pools' keys up to this level (2^6 pools: 512 peers or more in pools of 8)."""
 _KEYED_REQUESTS = {"find": dht_pb2.FindRequest, "store": dht_pb2.StoreRequest}
 """The DHT requests that name keys, by rpc name: their bytes are also counted by key."""
 
@@ -105,7 +103,7 @@ async def _dht_counts(dht: hivemind.DHT, node) -> tuple[int, int, dict[str, list
 
 def dht_bytes_by_kind(by_key: dict[str, int], run_id: str, epochs: range) -> dict[str, int]:
     """A DHT process's bytes by key (`Traffic.dht_by_key`) by what the key holds: "peer records" (the heartbeat
-    shards), "census" (the census keys of `epochs`, and their pools' up to `LEVELS_COUNTED`), "config", and "other" (hivemind's routing-table refreshes,
+    shards), "census" (the census keys of `epochs`), "config", and "other" (hivemind's routing-table refreshes,
     which look up random ids, and keys of other runs or of epochs outside `epochs`)."""
     from hivemind.dht.routing import DHTID
 
@@ -123,9 +121,7 @@ def dht_bytes_by_kind(by_key: dict[str, int], run_id: str, epochs: range) -> dic
         add(peers_key(run_id, shard), "peer records")
     add(config_key(run_id), "config")
     for epoch in epochs:
-        for level in range(LEVELS_COUNTED + 1):
-            for pool in range(2 ** level):
-                add(census_key(run_id, epoch, level, pool), "census")
+        add(census_key(run_id, epoch), "census")
     out = dict.fromkeys(("peer records", "census", "config", "other"), 0)
     for key, moved in by_key.items():
         out[kinds.get(key, "other")] += moved
