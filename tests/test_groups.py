@@ -96,12 +96,12 @@ def test_an_epochs_first_census_read_takes_one_nodes_copy_only_when_it_looks_who
     every re-read walk (a copy from one node once hid the others for 22 s: docs/benchmarks.md, Scale)."""
     from p2pdiloco.network import census as census_module
 
-    calls, copies = [], {}
+    calls, copies, reading = [], {}, {}
 
     def reader(kind):
         async def read(dht, key, timeout=5.0):
             calls.append(kind)
-            return {p: {"t": 0.0} for p in copies[kind]}
+            return {p: {"t": 0.0, "epoch": reading["epoch"]} for p in copies[kind]}
         return read
 
     monkeypatch.setattr(census_module, "read_near_subkeys", reader("near"))
@@ -110,6 +110,7 @@ def test_an_epochs_first_census_read_takes_one_nodes_copy_only_when_it_looks_who
     census._registered = {e: 0.0 for e in range(1, 6)}  # registered for these epochs
 
     def members(epoch: int) -> set[str]:
+        reading["epoch"] = epoch
         return set(asyncio.run(census.members(epoch)))
 
     copies["walk"] = {"me", "a", "b"}
@@ -126,3 +127,35 @@ def test_an_epochs_first_census_read_takes_one_nodes_copy_only_when_it_looks_who
     copies["walk"] = {"me", "a", "b", "c", "d", "e"}
     assert members(4) == copies["walk"] and calls[-1] == "walk"
     assert (census.reads, census.walks) == (5, 4)
+
+
+def test_a_census_record_counts_for_the_epoch_it_was_written_for_and_the_one_before():
+    """One census key for every epoch: a peer's record names the epoch it registered for (the next one, written in
+    the current one), and a reader of an epoch counts the records for it and the two after it (a clock a little
+    ahead), not a record for an earlier epoch (a peer that stopped registering) nor one without a number."""
+    from p2pdiloco.network.census import census_key, census_of, in_epoch
+
+    records = {"now": {"epoch": 7}, "next": {"epoch": 8}, "ahead": {"epoch": 9}, "far": {"epoch": 10},
+               "gone": {"epoch": 6}, "text": {"epoch": "7"}, "bare": {"t": 1.0}, "list": [7]}
+    assert census_of(records, 7) == {"now", "next", "ahead"}
+    assert census_of(records, 8) == {"next", "ahead", "far"}
+    assert not in_epoch(None, 7) and in_epoch({"epoch": 7}, 7)
+    assert census_key("run") == "run_census"  # the same key every epoch: its nearest nodes are looked up once a minute
+
+
+def test_a_peer_registers_with_one_store_an_epoch(monkeypatch):
+    from p2pdiloco.network import census as census_module
+
+    stored = []
+
+    async def write(dht, key, subkey, value, expiration, timeout=5.0):
+        stored.append((key, subkey, value["epoch"], expiration))
+        return True
+
+    monkeypatch.setattr(census_module, "write_subkey", write)
+    census = census_module.Census(None, "run", "me")
+    for epoch in (10, 10, 11, 12):
+        asyncio.run(census.register(epoch))
+    assert [(k, e) for k, _, e, _ in stored] == [("run_census", 11), ("run_census", 12), ("run_census", 13)]
+    assert all(a[3] < b[3] for a, b in zip(stored, stored[1:], strict=False))  # each expires later: replaces the last
+    assert set(census._registered) == {12, 13}

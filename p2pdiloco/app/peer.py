@@ -14,7 +14,6 @@ from pathlib import Path
 import psutil
 import torch
 from hivemind import DHT
-from hivemind.utils.timed_storage import get_dht_time
 from safetensors.torch import save_file
 
 from p2pdiloco import __version__
@@ -22,7 +21,7 @@ from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.app.heartbeat import Heartbeat, swarm_finished
 from p2pdiloco.app.startup import StartupClock, say
 from p2pdiloco.config import Config, fingerprint_digest
-from p2pdiloco.network.census import epoch_of, registered_now
+from p2pdiloco.network.census import registered_now
 from p2pdiloco.network.p2p_merger import P2PMerger
 from p2pdiloco.network.state_sync import StateSync
 from p2pdiloco.network.swarm import (
@@ -338,9 +337,8 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         summary = learner.run()
         loop.run(learner.report.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's
         summary.update(name=cfg.run.name, n_params=n_params, **learner.report.bandwidth(), guard=merger.book.report(),
-                       hostile=cfg.emulate.hostile)
-        epochs = range(epoch_of(static["started"]) - 1, epoch_of(get_dht_time()) + 3)  # every census key it used
-        summary["dht_by_kind"] = dht_bytes_by_kind(learner.report.traffic.dht_by_key, cfg.swarm.run_id, epochs)
+                       hostile=cfg.emulate.hostile, census=merger.matchmaker.census.counts())
+        summary["dht_by_kind"] = dht_bytes_by_kind(learner.report.traffic.dht_by_key, cfg.swarm.run_id)
         write_json_atomic(run_dir / "peer_summary.json", summary)
         if not stop():  # a peer told to stop mid-round still has its last merged state in the checkpoints
             learner.checkpoint()

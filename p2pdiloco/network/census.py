@@ -1,11 +1,14 @@
-"""Who takes part in matchmaking in an epoch: one small owner-signed DHT record per peer and epoch.
+"""Who takes part in matchmaking in an epoch: one small owner-signed DHT record per peer, renewed every epoch.
 
 A peer registers for the current epoch and the next one (so that at an epoch's start its census already holds
-everyone who was around during the last), reads an epoch's census once (from its key's nearest node when that
+everyone who was around during the last) with one record under the swarm's census key, which names the next epoch
+and stands for both (`in_epoch`); every epoch it writes it again for the epoch after. One key for every epoch
+(it was a key per epoch) lets a registration find the key's nearest nodes in `dht_store`'s cache instead of by a
+lookup walk: at 32 peers those walks, one a new key, were most of a peer's census bytes. It reads an epoch's census once (from its key's nearest node when that
 copy looks whole, see `Census.members`), and reads it again, by a walk, only when a peer it has not seen announces
 itself (rate-limited). Matchmaking's groups of an epoch are dealt from its census
 (`my_group`), and readiness travels peer to peer within a group: a peer's DHT work per epoch is a store and a
-read or two, whatever the swarm's size, where it used to read every peer's records every 0.25 s while looking
+read or two, whatever the swarm's size (a read's bytes do grow with it), where it used to read every peer's records every 0.25 s while looking
 for a group (issue 17: 211 kB/s of DHT traffic sent and received per peer at 8 peers, 64 kB/s with the census).
 
 How a census record is kept honest: its subkey is the peer's id, so only that peer can write it
@@ -77,8 +80,24 @@ def registration_expiry(epoch: int, now: float) -> float:
     return (epoch + 2) * EPOCH_S + max(0.0, now - (epoch - 1) * EPOCH_S) * 1e-3
 
 
-def census_key(run_id: str, epoch: int) -> str:
-    return f"{run_id}_census_{epoch}"
+def census_key(run_id: str) -> str:
+    """The swarm's census: one key for every epoch, so that a registration finds the key's nearest nodes in
+    `dht_store`'s cache instead of by a lookup walk (the walk to a new key each epoch was most of a peer's census
+    bytes at 32 peers: docs/benchmarks.md, Scale)."""
+    return f"{run_id}_census"
+
+
+def in_epoch(value: object, epoch: int) -> bool:
+    """Whether a census record says its peer takes part in `epoch`: it registered for that epoch or one of the next
+    two (a peer whose clock is a little ahead may be an epoch on). A record for an earlier epoch is a peer that
+    stopped registering: it left or was killed."""
+    registered = value.get("epoch") if isinstance(value, dict) else None
+    return isinstance(registered, int) and epoch <= registered <= epoch + 2
+
+
+def census_of(records: dict[str, object], epoch: int) -> set[str]:
+    """The peers of `records` (a read of the census key) that take part in `epoch`."""
+    return {peer for peer, value in records.items() if in_epoch(value, epoch)}
 
 
 async def registered_now(dht: hivemind.DHT, run_id: str, timeout: float = 5.0) -> set[str]:
@@ -86,7 +105,7 @@ async def registered_now(dht: hivemind.DHT, run_id: str, timeout: float = 5.0) -
     peer). `wait_for_peers` polls this before training starts, where it used to read every shard of the
     heartbeat records every 0.2 s: in `bench scale` at 16 peers that start-up poll was 44 % of a peer's DHT
     bytes (issue 17)."""
-    return set(await read_subkeys(dht, census_key(run_id, epoch_of(get_dht_time())), timeout))
+    return census_of(await read_subkeys(dht, census_key(run_id), timeout), epoch_of(get_dht_time()))
 
 
 class Census:
@@ -111,14 +130,21 @@ class Census:
         """Peers in the last view read (this one included); 0 before the first."""
 
     async def register(self, epoch: int) -> None:
-        """Be in the census of `epoch` and of the next one (a DHT store for each epoch not yet registered)."""
-        for e in (epoch, epoch + 1):
-            if e not in self._registered:
-                self.writes += 1
-                if await write_subkey(self.dht, census_key(self.run_id, e), self.peer_id, {"t": get_dht_time()},
-                                      registration_expiry(e, get_dht_time())):
-                    self._registered[e] = time.monotonic()
+        """Be in the census of `epoch` and of the next one: one DHT store, of a record for the next epoch (which
+        stands for this one too: `in_epoch`), unless this peer already registered for it."""
+        if epoch + 1 not in self._registered:
+            self.writes += 1
+            now = get_dht_time()
+            if await write_subkey(self.dht, census_key(self.run_id), self.peer_id, {"t": now, "epoch": epoch + 1},
+                                  registration_expiry(epoch + 1, now)):
+                t = time.monotonic()
+                self._registered.setdefault(epoch, t)
+                self._registered[epoch + 1] = t
         self._registered = {e: t for e, t in self._registered.items() if e >= epoch}
+
+    def counts(self) -> dict[str, int]:
+        """DHT requests made, for a peer's summary."""
+        return {"reads": self.reads, "walks": self.walks, "writes": self.writes}
 
     async def keep_registered(self, closed: Callable[[], bool]) -> None:
         """Register for every epoch while this peer runs, searching or not: a peer whose round is longer than an
@@ -134,14 +160,14 @@ class Census:
         # a view of this peer alone may be a read that timed out: it is never trusted for long
         if view is None or ((epoch in self._stale or len(view[1]) == 1) and time.monotonic() - view[0] >= REREAD_S):
             self.reads += 1
-            key, records = census_key(self.run_id, epoch), None
+            key, records = census_key(self.run_id), None
             if view is None and self._last_size > 1:
-                near = set(await read_near_subkeys(self.dht, key))
+                near = census_of(await read_near_subkeys(self.dht, key), epoch)
                 if self._whole(near, epoch):
                     records = near | {self.peer_id}
             if records is None:
                 self.walks += 1
-                records = set(await read_subkeys(self.dht, key)) | {self.peer_id}
+                records = census_of(await read_subkeys(self.dht, key), epoch) | {self.peer_id}
             self._last_size = len(records)
             self._views = {e: v for e, v in self._views.items() if e >= epoch - 1}
             self._views[epoch] = (time.monotonic(), frozenset(records))

@@ -101,10 +101,10 @@ async def _dht_counts(dht: hivemind.DHT, node) -> tuple[int, int, dict[str, list
     return _DHT_COUNTER.sent, _DHT_COUNTER.received, {k: list(v) for k, v in _DHT_BY_RPC.items()}, dict(_DHT_BY_KEY)
 
 
-def dht_bytes_by_kind(by_key: dict[str, int], run_id: str, epochs: range) -> dict[str, int]:
+def dht_bytes_by_kind(by_key: dict[str, int], run_id: str) -> dict[str, int]:
     """A DHT process's bytes by key (`Traffic.dht_by_key`) by what the key holds: "peer records" (the heartbeat
-    shards), "census" (the census keys of `epochs`), "config", and "other" (hivemind's routing-table refreshes,
-    which look up random ids, and keys of other runs or of epochs outside `epochs`)."""
+    shards), "census", "config", and "other" (hivemind's routing-table refreshes, which look up random ids, and
+    keys of other runs)."""
     from hivemind.dht.routing import DHTID
 
     from p2pdiloco.network.census import census_key
@@ -120,8 +120,7 @@ def dht_bytes_by_kind(by_key: dict[str, int], run_id: str, epochs: range) -> dic
     for shard in range(PEER_SHARDS):
         add(peers_key(run_id, shard), "peer records")
     add(config_key(run_id), "config")
-    for epoch in epochs:
-        add(census_key(run_id, epoch), "census")
+    add(census_key(run_id), "census")
     out = dict.fromkeys(("peer records", "census", "config", "other"), 0)
     for key, moved in by_key.items():
         out[kinds.get(key, "other")] += moved
