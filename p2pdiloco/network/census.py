@@ -2,14 +2,14 @@
 
 A peer registers for the current epoch and the next one (so that at an epoch's start its census already holds
 everyone who was around during the last) with one record under the swarm's census key, which names the next epoch
-and stands for both (`in_epoch`); every epoch it writes it again for the epoch after. One key for every epoch
-(it was a key per epoch) lets a registration find the key's nearest nodes in `dht_store`'s cache instead of by a
-lookup walk: at 32 peers those walks, one a new key, were most of a peer's census bytes. It reads an epoch's census once (from its key's nearest node when that
-copy looks whole, see `Census.members`), and reads it again, by a walk, only when a peer it has not seen announces
-itself (rate-limited). Matchmaking's groups of an epoch are dealt from its census
-(`my_group`), and readiness travels peer to peer within a group: a peer's DHT work per epoch is a store and a
-read or two, whatever the swarm's size (a read's bytes do grow with it), where it used to read every peer's records every 0.25 s while looking
-for a group (issue 17: 211 kB/s of DHT traffic sent and received per peer at 8 peers, 64 kB/s with the census).
+and stands for both (`in_epoch`); every epoch it writes it again for the epoch after: one store an epoch, to a
+key whose nearest nodes `dht_store` keeps in its cache (a key per epoch took two stores an epoch, each to a new
+key). It reads an epoch's census once (from its key's nearest node when that copy looks whole, see
+`Census.members`), and reads it again, by a walk, only when a peer it has not seen announces itself
+(rate-limited). Matchmaking's groups of an epoch are dealt from its census (`my_group`), and readiness travels
+peer to peer within a group: a peer's DHT work per epoch is a store and a read or two, whatever the swarm's size
+(a read's bytes do grow with it), where it used to read every peer's records every 0.25 s while looking for a
+group (issue 17: 211 kB/s of DHT traffic sent and received per peer at 8 peers, 64 kB/s with the census).
 
 How a census record is kept honest: its subkey is the peer's id, so only that peer can write it
 (`PeerRecordValidator`); it carries nothing a reader trusts but its existence.
@@ -81,16 +81,18 @@ def registration_expiry(epoch: int, now: float) -> float:
 
 
 def census_key(run_id: str) -> str:
-    """The swarm's census: one key for every epoch, so that a registration finds the key's nearest nodes in
-    `dht_store`'s cache instead of by a lookup walk (the walk to a new key each epoch was most of a peer's census
-    bytes at 32 peers: docs/benchmarks.md, Scale)."""
+    """The swarm's census: one key for every epoch, so that a registration usually finds the key's nearest nodes
+    in `dht_store`'s cache instead of by a lookup walk. In `bench scale` at 32 peers this halved a peer's census
+    stores and left its census bytes where they were (docs/benchmarks.md, Scale): those are mostly what the key's
+    holders serve."""
     return f"{run_id}_census"
 
 
 def in_epoch(value: object, epoch: int) -> bool:
     """Whether a census record says its peer takes part in `epoch`: it registered for that epoch or one of the next
     two (a peer whose clock is a little ahead may be an epoch on). A record for an earlier epoch is a peer that
-    stopped registering: it left or was killed."""
+    stopped registering: it left or was killed. The number is the writer's own claim, bounded so: a record claiming
+    a later epoch keeps a peer that left in the census two epochs longer at most, as its expiration does anyway."""
     registered = value.get("epoch") if isinstance(value, dict) else None
     return isinstance(registered, int) and epoch <= registered <= epoch + 2
 
