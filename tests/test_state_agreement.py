@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pdiloco.algorithm.outer import weighted_average
+from p2pdiloco.algorithm.outer import state_digest, weighted_average
 from p2pdiloco.config import GuardConfig, OuterOptConfig, SwarmConfig
 from p2pdiloco.network.merger import Contribution, MergeResult
 from p2pdiloco.training.global_model import GlobalModel
@@ -30,6 +30,22 @@ def test_a_global_model_keeps_its_recent_states_by_digest_newest_first():
     g.adopt(torch.ones(N), torch.zeros(N))  # a donor's state is an anchor too
     assert list(g.anchors())[0] == g.digest() and len(g.anchors()) == 2
     assert GlobalModel(torch.zeros(N), OuterOptConfig(), anchors=0).anchors() == {}
+
+
+def test_a_global_models_digest_is_hashed_once_a_state_and_follows_every_change(monkeypatch):
+    import p2pdiloco.training.global_model as gm
+
+    hashed = []
+    monkeypatch.setattr(gm, "state_digest", lambda *t: hashed.append(1) or state_digest(*t))
+    g = GlobalModel(torch.zeros(N), OuterOptConfig())
+    assert [g.digest() for _ in range(3)] == [state_digest(g.params, g.momentum)] * 3 and len(hashed) == 1
+    g.merge(MergeResult(group=["me"], pseudo_grad=torch.full((N,), 1e-3), total_weight=1.0))  # new tensors
+    assert g.digest() == state_digest(g.params, g.momentum) and len(hashed) == 2
+    before = g.digest()
+    g.momentum[7] += 1.0  # changed in place, as no caller should, is still seen (the tensor's version)
+    assert g.digest() != before and g.digest() == state_digest(g.params, g.momentum)
+    g.params = g.params.clone()  # replaced by equal values: hashed again, same digest
+    assert g.digest() == state_digest(g.params, g.momentum) and len(hashed) == 4
 
 
 def _states(n_members: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -136,5 +136,5 @@ def state_digest(*tensors: torch.Tensor) -> str:
     """A short hash of tensors' exact bytes: equal digests mean bit-identical global state."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+        h.update(t.detach().contiguous().cpu().numpy())  # the array's buffer, not a copy of it
     return h.hexdigest()[:16]

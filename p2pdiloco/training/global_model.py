@@ -26,6 +26,8 @@ class GlobalModel:
         self.momentum = torch.zeros_like(params)
         self.outer = outer
         self.keep_anchors = anchors
+        self._digest: tuple[torch.Tensor, int, torch.Tensor, int, str] | None = None
+        """The digest of the (params, momentum) tensors at their versions (see `digest`)."""
         self._anchors: dict[str, torch.Tensor] = {}
         """The last `anchors` states this peer held, (θg, momentum) concatenated, by digest, oldest first: a merge
         group whose members' global models differ exchanges only their differences from one they all hold."""
@@ -85,5 +87,13 @@ class GlobalModel:
         self._remember()
 
     def digest(self) -> str:
-        """Hash of (θg, momentum): members compare digests to see whether their global models agree."""
-        return state_digest(self.params, self.momentum)
+        """Hash of (θg, momentum): members compare digests to see whether their global models agree.
+
+        Hashed once per state, not once per caller: a merge asked for it three times (anchors, the counters, the
+        next contribution), each a pass over 8 bytes per parameter in the training thread. The cache holds
+        the tensors themselves (so no new tensor can take an old one's id) and their in-place versions."""
+        p, m, cached = self.params, self.momentum, self._digest
+        if cached is None or cached[0] is not p or cached[2] is not m or cached[1] != p._version \
+                or cached[3] != m._version:
+            cached = self._digest = (p, p._version, m, m._version, state_digest(p, m))
+        return cached[4]
