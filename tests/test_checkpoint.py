@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
+import pytest
 import torch
 
-from p2pdiloco.training.checkpoint import load_latest, save_checkpoint
+from p2pdiloco.training import checkpoint
+from p2pdiloco.training.checkpoint import CheckpointWriter, load_latest, save_checkpoint
 from tests.test_cli import TINY
 
 
@@ -22,6 +25,35 @@ def test_newest_good_checkpoint_wins_and_old_ones_are_pruned(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000002.safetensors", "ckpt-00000003.safetensors"]
     tensors, meta, path = load_latest(tmp_path)
     assert meta == {"round": 3} and torch.equal(tensors["global_params"], torch.full((10,), 3.0))
+
+
+def test_the_background_writer_writes_in_order_one_at_a_time_and_raises_a_failed_write(tmp_path, monkeypatch):
+    gate, writing, real_save = threading.Event(), [], checkpoint.save_checkpoint
+
+    def slow_save(folder, round_, *args, **kwargs):
+        writing.append(round_)
+        assert gate.wait(timeout=10)
+        return real_save(folder, round_, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", slow_save)
+    writer = CheckpointWriter()
+    try:
+        writer.submit(tmp_path, 1, _tensors(1.0), {"round": 1})  # returns while round 1 is still being written
+        assert writing == [1] and load_latest(tmp_path) is None
+        second = threading.Thread(target=writer.submit, args=(tmp_path, 2, _tensors(2.0), {"round": 2}))
+        second.start()
+        second.join(timeout=0.5)
+        assert second.is_alive() and writing == [1]  # the next one waits for the first to be on disk
+        gate.set()
+        second.join(timeout=10)
+        assert writer.wait().name == "ckpt-00000002.safetensors" and writing == [1, 2]
+        assert load_latest(tmp_path)[1] == {"round": 2}
+        writer.submit(tmp_path / "ckpt-00000002.safetensors", 3, _tensors(3.0), {"round": 3})  # a file, not a folder
+        with pytest.raises(OSError):
+            writer.wait()
+    finally:
+        gate.set()
+        writer.close()
 
 
 def test_truncated_or_corrupted_checkpoint_is_skipped(tmp_path):

@@ -230,3 +230,32 @@ def test_compute_cpu_s_counts_the_steps_cpu_and_not_their_padding(tmp_path):
     summary = _learner(cfg, InMemoryMerger("solo", {"group_size": 1}), tmp_path, 0).run()
     assert summary["compute_s"] >= 10 * 0.05
     assert 0 < summary["compute_cpu_s"] < summary["compute_s"] / 2
+
+
+def test_an_eval_taken_ahead_is_the_first_eval_only_while_the_global_model_is_the_one_it_measured(tmp_path):
+    """peer.py takes the first eval while it waits for other peers: the run's start line must still be θg's."""
+
+    def learner_counting_evals(name):
+        learner = _learner(_cfg(**{"run.total_steps": 5, "run.eval_every_rounds": 0}), InMemoryMerger(name, {"group_size": 1}), tmp_path, 0)
+        measure, learner.evals = learner.evaluate_global, []
+        learner.evaluate_global = lambda: learner.evals.append(learner.g.digest()) or measure()
+        return learner
+
+    def first_eval(learner):
+        rows = [json.loads(line) for line in (tmp_path / f"{learner.merger.peer_id}.jsonl").read_text().splitlines()]
+        return next(r["eval_loss"] for r in rows if r["kind"] == "eval")
+
+    kept = learner_counting_evals("kept")
+    kept.evaluate_ahead()
+    taken, ahead = kept.g.digest(), kept.eval_ahead[1]
+    kept.run()
+    assert kept.evals[0] == taken and len(kept.evals) == 2  # the one ahead and the final one: none at the start
+    assert first_eval(kept) == ahead
+    moved = learner_counting_evals("moved")
+    moved.evaluate_ahead()
+    stale = moved.eval_ahead[1]
+    moved.g.adopt(moved.g.params + 0.05, torch.zeros_like(moved.g.params))  # e.g. a joiner's download came after it
+    at_start = moved.g.digest()
+    moved.run()
+    assert len(moved.evals) == 3 and moved.evals[1] == at_start != moved.evals[0]  # measured again at the start
+    assert first_eval(moved) != stale

@@ -193,7 +193,7 @@ def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, peer_id: str, stop: S
         live = len(loop.run(registered_now(dht, cfg.swarm.run_id), timeout=30) | {peer_id})
         if live >= want or stop() or time.monotonic() > deadline:
             return live
-        time.sleep(1.0)  # polling the DHT (a read of the census grows with the swarm), with a deadline
+        time.sleep(0.25)  # polling the census (one DHT key), with a deadline: every peer waits for the last
 
 
 def join_address(maddrs: list[str]) -> str:
@@ -331,6 +331,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
                                            cfg.run.metrics_port)
             announce(f"Prometheus metrics at {loop.run(metrics_server.start(), timeout=10)}")
         if cfg.swarm.wait_for_peers > 1 and not cfg.run.resume:  # a restarted peer joins a running swarm
+            learner.evaluate_ahead()  # the first eval, while the others start: only the last to start waits for it
             say("waiting for %d peers to be live", cfg.swarm.wait_for_peers, tag=peer_id[-6:])
             live = wait_for_peers(loop, dht, cfg, peer_id, stop)
             logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)
@@ -341,7 +342,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         summary["dht_by_kind"] = dht_bytes_by_kind(learner.report.traffic.dht_by_key, cfg.swarm.run_id)
         write_json_atomic(run_dir / "peer_summary.json", summary)
         if not stop():  # a peer told to stop mid-round still has its last merged state in the checkpoints
-            learner.checkpoint()
+            learner.checkpoint(wait=True)
         save_model(run_dir / "model.safetensors", learner)
         finished = not stop()
         return summary
@@ -356,6 +357,11 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
                 loop.run(metrics_server.stop(), timeout=5)
             except Exception as e:  # shutting down: log, never raise
                 logger.debug("stopping the metrics server: %r", e)
+        if learner is not None:
+            try:  # a peer told to stop: the checkpoint being written is finished, not cut off at exit
+                learner.checkpoints.close()
+            except Exception as e:  # shutting down: log, never raise
+                logger.error("writing the last checkpoint failed: %r", e)
         if merger is not None:
             merger.close()
         if metrics is not None:

@@ -25,7 +25,12 @@ from p2pdiloco.config import Config
 from p2pdiloco.network.merger import Contribution, Merger, MergeResult
 from p2pdiloco.network.state_sync import GlobalState
 from p2pdiloco.training.accel import autocast_for, compile_for_training
-from p2pdiloco.training.checkpoint import learner_state, load_optimizer_state, save_learner_checkpoint
+from p2pdiloco.training.checkpoint import (
+    CheckpointWriter,
+    learner_checkpoint,
+    learner_state,
+    load_optimizer_state,
+)
 from p2pdiloco.training.evaluation import evaluate_flat
 from p2pdiloco.training.flat import flat_params, load_flat_
 from p2pdiloco.training.global_model import GlobalModel
@@ -44,11 +49,9 @@ class InFlight:
     local_at_submit: torch.Tensor
     contribution: Contribution
     submitted_at: float
-    compute_s: float
-    """Inner-step time that produced this contribution (what is lost if it never reaches a global model)."""
+    compute_s: float  # inner-step time that produced this contribution (lost if it never reaches a global model)
     peer_id: str
-    bound_s: float
-    """No merge can legitimately take longer (see `Learner.merge_bound`): past it, the merger is taken for hung."""
+    bound_s: float  # no merge can legitimately take longer (`Learner.merge_bound`): past it the merger is hung
 
     def result(self) -> MergeResult | None:
         """The merge's result if it has finished, a merge alone if it hung, else None; never waits."""
@@ -97,20 +100,10 @@ class Learner:
         t_process_start: time.monotonic() when the peer process started (for join_s); default now.
     """
 
-    def __init__(
-        self,
-        cfg: Config,
-        model: torch.nn.Module,
-        next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-        val_batches: list[tuple[torch.Tensor, torch.Tensor]],
-        merger: Merger,
-        device: torch.device,
-        metrics: MetricsLog,
-        should_stop: Callable[[], bool] = lambda: False,
-        checkpoint_dir: Path | None = None,
-        faults: dict | None = None,
-        t_process_start: float | None = None,
-    ):
+    def __init__(self, cfg: Config, model: torch.nn.Module, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                 val_batches: list[tuple[torch.Tensor, torch.Tensor]], merger: Merger, device: torch.device,
+                 metrics: MetricsLog, should_stop: Callable[[], bool] = lambda: False, checkpoint_dir: Path | None = None,
+                 faults: dict | None = None, t_process_start: float | None = None):
         self.cfg, self.model, self.next_batch, self.val_batches = cfg, model, next_batch, val_batches
         self.merger, self.device, self.metrics, self.should_stop = merger, device, metrics, should_stop
         self.opt = build_inner_optimizer(model.parameters(), cfg.inner, device)
@@ -118,8 +111,7 @@ class Learner:
         self.train_model: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = model
         """What inner steps run forward through: `model`, its torch.compile'd form (`run.compile`), or its DDP
         wrapper in a multi-process unit."""
-        self.unit = None
-        """A multi-process learner unit's hook (distributed.py): `lead` before each inner step, `release` at the end."""
+        self.unit = None  # a multi-process unit's hook (distributed.py): `lead` before each step, `release` at the end
         self.model_moved = 0
         """Moves of the local model outside a merge (eager updates): a unit's other ranks follow them too."""
         self.g = GlobalModel(self._local_params(), cfg.outer, cfg.swarm.state_anchors)
@@ -128,6 +120,7 @@ class Learner:
         """Metrics lines, the heartbeat record, the summary and the bandwidth report (reporting.py)."""
         self.checkpoint_dir, self.faults = checkpoint_dir, faults or {}
         self.checkpoint_meta: Callable[[], dict] = dict  # more for its checkpoints (peer.py: its guards' trust)
+        self.checkpoints = CheckpointWriter()  # written in the background; `checkpoint(wait=True)` waits
         self.shared = self.snapshot()
         self.tag = merger.peer_id[-6:]
         if cfg.run.compile:
@@ -137,6 +130,7 @@ class Learner:
         self.train_s = 0.0
         self.ended_with_swarm = False
         """A group merge included another peer's last contribution: the run is over (see `MergeResult.final`)."""
+        self.eval_ahead: tuple[str, float] | None = None  # (digest of θg, its eval loss): see `evaluate_ahead`
         self.last_round_steps, self.last_round_s = 0, 0.0  # of the last round submitted (what `near_end` counts in)
 
     # ---- the loop ----
@@ -145,7 +139,8 @@ class Learner:
         """Train until `run.total_steps`, the time limit, a stop request, or a group merge with a peer that
         finished; returns this peer's summary."""
         self.log_start()
-        self.report.training_starts(eval_loss=self.evaluate_global())
+        ahead, self.eval_ahead = self.eval_ahead, None
+        self.report.training_starts(eval_loss=ahead[1] if ahead and ahead[0] == self.g.digest() else self.evaluate_global())
         self.clock.start_training()
         self.start_round()
         while not self.at_end() and not self.should_stop():
@@ -159,6 +154,7 @@ class Learner:
                     self.wait_merge()
         self.train_s = time.monotonic() - self.clock.t_train
         self.finish()
+        self.checkpoints.wait()  # the run's checkpoints are on disk when it returns
         if self.unit is not None:
             self.unit.release(self)
         self.report.training_ends(eval_loss=self.evaluate_global())
@@ -349,12 +345,13 @@ class Learner:
         every = self.cfg.run.checkpoint_every
         return self.checkpoint_dir is not None and bool(every) and self.c.round % every == 0
 
-    def checkpoint(self) -> Path:
-        """Save θg, outer momentum, inner optimizer state and counters (see checkpoint.py)."""
+    def checkpoint(self, wait: bool = False) -> Path | None:
+        """θg, momentum, optimizer state and counters (checkpoint.py), written in the background; `wait`: on disk."""
         kill = self.faults.get(("checkpoint", self.c.round)) == "kill"
-        return save_learner_checkpoint(self.checkpoint_dir, self.snapshot(), self.c.tokens, self.opt,
-                                       list(self.model.parameters()), self.cfg.to_dict(), kill_midway=kill,
-                                       extra=self.checkpoint_meta())
+        tensors, meta = learner_checkpoint(self.snapshot(), self.c.tokens, self.opt, list(self.model.parameters()),
+                                           self.cfg.to_dict(), extra=self.checkpoint_meta())
+        self.checkpoints.submit(self.checkpoint_dir, self.c.round, tensors, meta, kill_midway=kill)
+        return self.checkpoints.wait() if wait else None
 
     def restore(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Continue from a checkpoint: the local model restarts from its global model."""
@@ -377,6 +374,10 @@ class Learner:
         """`evaluate_global` every `run.eval_every_rounds` rounds, else None."""
         every = self.cfg.run.eval_every_rounds
         return self.evaluate_global() if every and self.c.round % every == 0 else None
+
+    def evaluate_ahead(self) -> None:
+        """`run`'s first eval of θg, taken now (peer.py: while it waits for peers); used if θg has not changed."""
+        self.eval_ahead = (self.g.digest(), self.evaluate_global())
 
     # ---- reporting (reporting.py) ----
 
