@@ -87,6 +87,7 @@ def test_gate_bounds_streams_per_requester_in_all_and_before_authentication():
     gate.release("a", authenticated=True)
     assert gate.admit("d")
     assert gate.refused == 3 and gate.open == 4 and gate.unauthenticated == {"a": 1, "c": 1, "d": 1}
+    assert gate.peak == {"a": 2, "b": 1, "c": 1, "d": 1}
     for requester, done in [("a", False), ("b", True), ("c", False), ("d", False)]:
         gate.release(requester, done)
     assert gate.open == 0 and not gate.unauthenticated
@@ -167,7 +168,7 @@ try:
         elif line.strip() == "gate":
             g = merger.rpc.gate
             print(json.dumps({"open": g.open, "unauthenticated": g.unauthenticated.total(), "refused": g.refused,
-                              "unauthorized": g.unauthorized, "dropped": g.dropped}), flush=True)
+                              "unauthorized": g.unauthorized, "dropped": g.dropped, "peak": dict(g.peak)}), flush=True)
 finally:
     merger.close()
     dht.shutdown()
@@ -303,7 +304,11 @@ def test_a_thousand_stranger_streams_cost_little_memory_and_merges_go_on(keyed, 
         reached = gate["refused"] + gate["unauthorized"] + gate["dropped"]
         assert STREAMS // 2 <= reached <= STREAMS, gate
         assert gate["unauthorized"] + gate["dropped"] <= reached - gate["refused"]
-        assert gate["refused"] >= reached - 3 * STRANGERS * MAX_UNAUTHENTICATED_PER_PEER, gate
+        # no stranger ever held more than its share of streams at once (how many it got in one after another
+        # depends on how fast the daemon hands them over: 28-65 of 1000 here)
+        assert [gate["peak"].get(s.peer_id.to_base58()) for s in strangers] == [MAX_UNAUTHENTICATED_PER_PEER] * STRANGERS
+        assert max(gate["peak"].values()) == MAX_UNAUTHENTICATED_PER_PEER, gate  # the honest peer's streams too
+        assert gate["refused"] >= reached - 10 * STRANGERS * MAX_UNAUTHENTICATED_PER_PEER, gate
         assert gate["open"] == 0 and gate["unauthenticated"] == 0
         # the victim's process holds next to nothing for them: no payload is read, no stream held past its header
         assert peak_rss["main"] - rss0["main"] < 10, (rss0, peak_rss)

@@ -70,6 +70,8 @@ class StreamGate:
         """Requests closed after their header: no valid swarm-key tag."""
         self.dropped = 0
         """Streams closed before their header was whole: malformed, too large, or not sent in time."""
+        self.peak: Counter[str] = Counter()
+        """The most streams each requester held at once before their header was checked (at most `max_per_peer`)."""
         self._warned = -WARN_EVERY_S
 
     def admit(self, requester: str) -> bool:
@@ -86,6 +88,7 @@ class StreamGate:
             return False
         self.open += 1
         self.unauthenticated[requester] += 1
+        self.peak[requester] = max(self.peak[requester], self.unauthenticated[requester])
         return True
 
     def authenticated(self, requester: str) -> None:

@@ -72,6 +72,12 @@ def check_maddrs(addrs: list[str], what: str) -> None:
             raise SwarmError(f"initial peer {addr!r} lacks the /p2p/<peer id> part (copy the full address printed by the node)")
 
 
+P2PD_GOGC = "25"
+"""Go's GC target for p2pd, the libp2p daemon: collect when the heap has grown 25 % past what is live, not 100 %.
+1000 concurrent streams from strangers (tests/test_stranger_streams.py) grew a peer by up to 57 MB at Go's
+default and 48 MB at 25 (docs/security.md), nearly all of it p2pd. Its CPU cost on large merges is not measured."""
+
+
 def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: bool = False) -> hivemind.DHT:
     """Start this process's DHT node and join the swarm through `cfg.initial_peers` (if any).
 
@@ -103,6 +109,7 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
     temporary = write_temporary_identity(identity) if identity_path is None else None
     t0 = time.monotonic()
     install_dht_counter()  # before the DHT process forks, so that it counts its own traffic
+    os.environ.setdefault("GOGC", P2PD_GOGC)  # p2pd inherits this process's environment (a user's GOGC wins)
     # The DHT process is a fork of this one: the pages of everything made so far (torch, hivemind, the data) stay
     # shared with it until either process writes to them, and a full garbage collection writes to every object it
     # visits. Frozen objects are never visited (CPython's advice for a fork without exec, see `gc.freeze`); they
