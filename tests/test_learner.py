@@ -9,6 +9,7 @@ from p2pdiloco.algorithm.outer import outer_step
 from p2pdiloco.config import load_config, parse_set
 from p2pdiloco.network.merger import MergeResult
 from p2pdiloco.testing.inmemory import InMemoryMerger
+from p2pdiloco.training.evaluation import evaluate_model
 from p2pdiloco.training.flat import load_flat_
 from p2pdiloco.training.learner import Learner
 from p2pdiloco.training.model import build_model
@@ -259,3 +260,20 @@ def test_an_eval_taken_ahead_is_the_first_eval_only_while_the_global_model_is_th
     moved.run()
     assert len(moved.evals) == 3 and moved.evals[1] == at_start != moved.evals[0]  # measured again at the start
     assert first_eval(moved) != stale
+
+
+def test_the_model_evaluated_while_the_dht_starts_is_the_global_models_first_eval(tmp_path):
+    """peer.py evaluates the built model while its DHT starts and hands the loss on: that loss is θg's, it spares
+    the eval before the first step and the one before the wait, and a θg changed after it is measured again."""
+    cfg = _cfg(**{"run.total_steps": 5, "run.eval_every_rounds": 0})
+    learner = _learner(cfg, InMemoryMerger("early", {"group_size": 1}), tmp_path, 0)
+    early = evaluate_model(learner.model, learner.val_batches, torch.device("cpu"))
+    measure, evals = learner.evaluate_global, []
+    learner.evaluate_global = lambda: evals.append(learner.g.digest()) or measure()
+    assert early == measure()  # the built model's weights are θg's
+    learner.evaluate_ahead(early)
+    learner.evaluate_ahead()  # peer.py, before it waits for the others: the loss held is still θg's
+    assert evals == [] and learner.eval_ahead == (learner.g.digest(), early)
+    learner.g.adopt(learner.g.params + 0.05, torch.zeros_like(learner.g.params))  # a joiner's download, say
+    learner.evaluate_ahead()
+    assert evals == [learner.g.digest()] and learner.eval_ahead[1] != early

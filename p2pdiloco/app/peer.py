@@ -51,6 +51,7 @@ from p2pdiloco.training.distributed import (
     rank_shard,
     run_follower,
 )
+from p2pdiloco.training.evaluation import evaluate_model
 from p2pdiloco.training.flat import load_flat_
 from p2pdiloco.training.learner import Learner
 from p2pdiloco.training.model import build_model, count_params, named_weights
@@ -252,7 +253,11 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
     say("loading data and building the model while the DHT starts (%.1f s of interpreter and imports)",
         startup.laps["interpreter_and_imports"])
 
-    def data_and_model() -> tuple[TextData, BatchSampler, list, torch.nn.Module]:
+    # a swarm's first peers all evaluate the initial model before their first step; on a busy machine that is
+    # seconds, so it is taken while the DHT starts (a restarted peer's model is replaced by its checkpoint)
+    eval_early = cfg.swarm.wait_for_peers > 1 and not cfg.run.resume
+
+    def data_and_model() -> tuple[TextData, BatchSampler, list, torch.nn.Module, float | None]:
         t0 = time.monotonic()
         data = load_corpus(cfg.data, tokenizer, min_tokens=2 * (cfg.model.seq_len + 1))
         sampler = BatchSampler(data.train, cfg.model.seq_len, cfg.data.batch_size, cfg.run.seed,
@@ -261,7 +266,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         model = build_model(cfg.model).to(device)
         say("loaded data and model in %.1f s: %d parameters on %s; %d files, %d bytes (%s)", time.monotonic() - t0,
             count_params(model), device, data.n_files, data.n_bytes, data.source)
-        return data, sampler, val, model
+        return data, sampler, val, model, evaluate_model(model, val, device, cfg.run.precision) if eval_early else None
 
     def dht_up() -> DHT:
         t0 = time.monotonic()
@@ -272,7 +277,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
     # the DHT's start is mostly waiting (its process, the p2p daemon, the join): load and build meanwhile
     dht, built = startup.side_by_side("dht_with_data_and_model", ("dht", dht_up), {"data_and_model": data_and_model},
                                       undo=DHT.shutdown)
-    data, sampler, val, model = built["data_and_model"]
+    data, sampler, val, model, first_eval = built["data_and_model"]
     n_params = count_params(model)
     reaper = Reaper(dht)
     loop = BackgroundLoop()
@@ -300,6 +305,8 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
                           should_stop=stop, checkpoint_dir=run_dir / "checkpoints", faults=hooks.faults,
                           t_process_start=t_process_start)
         learner.checkpoint_meta = lambda: {"guard_trust": dict(merger.book.trust)}
+        if first_eval is not None:  # θg is the model's weights, as evaluated
+            learner.evaluate_ahead(first_eval)
         startup.lap("learner")  # the model on its device, the optimizers, the initial global model
         learner.log_start(startup.laps)  # before any state download: a restart's start-up is its own, in the metrics
         learner.report.traffic = Traffic(merge=merger.counter)

@@ -126,8 +126,7 @@ class Learner:
         if cfg.run.compile:
             self.train_model = compile_for_training(model, self.tag)
         self.in_flight: InFlight | None = None
-        self.clock = RoundClock(cfg.swarm, cfg.run.time_limit_s)
-        self.train_s = 0.0
+        self.clock, self.train_s = RoundClock(cfg.swarm, cfg.run.time_limit_s), 0.0
         self.ended_with_swarm = False
         """A group merge included another peer's last contribution: the run is over (see `MergeResult.final`)."""
         self.eval_ahead: tuple[str, float] | None = None  # (digest of θg, its eval loss): see `evaluate_ahead`
@@ -375,9 +374,10 @@ class Learner:
         every = self.cfg.run.eval_every_rounds
         return self.evaluate_global() if every and self.c.round % every == 0 else None
 
-    def evaluate_ahead(self) -> None:
-        """`run`'s first eval of θg, taken now (peer.py: while it waits for peers); used if θg has not changed."""
-        self.eval_ahead = (self.g.digest(), self.evaluate_global())
+    def evaluate_ahead(self, loss: float | None = None) -> None:
+        """`run`'s first eval of θg, used while θg is unchanged: `loss` if given (θg's), else the one held or a new one."""
+        if loss is not None or not self.eval_ahead or self.eval_ahead[0] != self.g.digest():
+            self.eval_ahead = (self.g.digest(), self.evaluate_global() if loss is None else loss)
 
     # ---- reporting (reporting.py) ----
 
