@@ -3,12 +3,15 @@
 import json
 import threading
 
+import pytest
 import torch
 
 from p2pdiloco.algorithm.outer import outer_step
 from p2pdiloco.config import load_config, parse_set
 from p2pdiloco.network.merger import MergeResult
 from p2pdiloco.testing.inmemory import InMemoryMerger
+from p2pdiloco.training import learner as learner_module
+from p2pdiloco.training.checkpoint import load_latest
 from p2pdiloco.training.evaluation import evaluate_model
 from p2pdiloco.training.flat import load_flat_
 from p2pdiloco.training.learner import Learner
@@ -233,47 +236,37 @@ def test_compute_cpu_s_counts_the_steps_cpu_and_not_their_padding(tmp_path):
     assert 0 < summary["compute_cpu_s"] < summary["compute_s"] / 2
 
 
-def test_an_eval_taken_ahead_is_the_first_eval_only_while_the_global_model_is_the_one_it_measured(tmp_path):
-    """peer.py takes the first eval while it waits for other peers: the run's start line must still be θg's."""
-
-    def learner_counting_evals(name):
-        learner = _learner(_cfg(**{"run.total_steps": 5, "run.eval_every_rounds": 0}), InMemoryMerger(name, {"group_size": 1}), tmp_path, 0)
-        measure, learner.evals = learner.evaluate_global, []
-        learner.evaluate_global = lambda: learner.evals.append(learner.g.digest()) or measure()
-        return learner
-
-    def first_eval(learner):
-        rows = [json.loads(line) for line in (tmp_path / f"{learner.merger.peer_id}.jsonl").read_text().splitlines()]
-        return next(r["eval_loss"] for r in rows if r["kind"] == "eval")
-
-    kept = learner_counting_evals("kept")
-    kept.evaluate_ahead()
-    taken, ahead = kept.g.digest(), kept.eval_ahead[1]
-    kept.run()
-    assert kept.evals[0] == taken and len(kept.evals) == 2  # the one ahead and the final one: none at the start
-    assert first_eval(kept) == ahead
-    moved = learner_counting_evals("moved")
-    moved.evaluate_ahead()
-    stale = moved.eval_ahead[1]
-    moved.g.adopt(moved.g.params + 0.05, torch.zeros_like(moved.g.params))  # e.g. a joiner's download came after it
-    at_start = moved.g.digest()
-    moved.run()
-    assert len(moved.evals) == 3 and moved.evals[1] == at_start != moved.evals[0]  # measured again at the start
-    assert first_eval(moved) != stale
-
-
-def test_the_model_evaluated_while_the_dht_starts_is_the_global_models_first_eval(tmp_path):
-    """peer.py evaluates the built model while its DHT starts and hands the loss on: that loss is θg's, it spares
-    the eval before the first step and the one before the wait, and a θg changed after it is measured again."""
+def test_the_global_model_is_evaluated_once_a_state_and_a_loss_handed_on_is_used_only_for_its_state(
+        tmp_path, monkeypatch):
+    """peer.py evaluates the built model while its DHT starts, and again (held) before it waits for the others; the
+    last merge's eval is the final one's; a checkpoint keeps its θg's loss for a restart. Each only while θg is
+    the state measured: a θg changed since (a joiner's download, a merge) is measured again."""
+    measured = []
+    real = learner_module.evaluate_flat
+    monkeypatch.setattr(learner_module, "evaluate_flat", lambda *a: measured.append(1) or real(*a))
     cfg = _cfg(**{"run.total_steps": 5, "run.eval_every_rounds": 0})
     learner = _learner(cfg, InMemoryMerger("early", {"group_size": 1}), tmp_path, 0)
     early = evaluate_model(learner.model, learner.val_batches, torch.device("cpu"))
-    measure, evals = learner.evaluate_global, []
-    learner.evaluate_global = lambda: evals.append(learner.g.digest()) or measure()
-    assert early == measure()  # the built model's weights are θg's
-    learner.evaluate_ahead(early)
-    learner.evaluate_ahead()  # peer.py, before it waits for the others: the loss held is still θg's
-    assert evals == [] and learner.eval_ahead == (learner.g.digest(), early)
+    assert early == real(learner.model, learner.g.params, learner.val_batches, torch.device("cpu"), "auto")
+    learner.last_eval = (learner.g.digest(), early)  # as peer.py hands it on
+    assert learner.evaluate_global() == early and measured == []
+    learner.run()
+    rows = [json.loads(line) for line in (tmp_path / "early.jsonl").read_text().splitlines()]
+    evals = [r["eval_loss"] for r in rows if r["kind"] == "eval"]
+    assert evals[0] == early and len(measured) == 1  # the start's was the one handed on; the end's was measured
+    assert learner.evaluate_global() == evals[-1] and len(measured) == 1
+
+    stale = learner.evaluate_global()
     learner.g.adopt(learner.g.params + 0.05, torch.zeros_like(learner.g.params))  # a joiner's download, say
-    learner.evaluate_ahead()
-    assert evals == [learner.g.digest()] and learner.eval_ahead[1] != early
+    moved = learner.evaluate_global()
+    assert len(measured) == 2 and moved != stale
+
+    learner.checkpoint_dir = tmp_path / "ckpt"
+    learner.checkpoint(wait=True)
+    tensors, meta, _ = load_latest(tmp_path / "ckpt")
+    restarted = _learner(cfg, InMemoryMerger("restarted", {"group_size": 1}), tmp_path, 1)
+    restarted.restore(tensors, meta)
+    assert restarted.evaluate_global() == moved and len(measured) == 2  # the checkpoint's loss, for its θg
+    meta.pop("eval")  # a checkpoint written before losses were kept
+    restarted.restore(tensors, meta)
+    assert restarted.evaluate_global() == pytest.approx(moved) and len(measured) == 3

@@ -306,7 +306,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
                           t_process_start=t_process_start)
         learner.checkpoint_meta = lambda: {"guard_trust": dict(merger.book.trust)}
         if first_eval is not None:  # θg is the model's weights, as evaluated
-            learner.evaluate_ahead(first_eval)
+            learner.last_eval = (learner.g.digest(), first_eval)
         startup.lap("learner")  # the model on its device, the optimizers, the initial global model
         learner.log_start(startup.laps)  # before any state download: a restart's start-up is its own, in the metrics
         learner.report.traffic = Traffic(merge=merger.counter)
@@ -338,7 +338,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
                                            cfg.run.metrics_port)
             announce(f"Prometheus metrics at {loop.run(metrics_server.start(), timeout=10)}")
         if cfg.swarm.wait_for_peers > 1 and not cfg.run.resume:  # a restarted peer joins a running swarm
-            learner.evaluate_ahead()  # the first eval, while the others start: only the last to start waits for it
+            learner.evaluate_global()  # the first eval, while the others start: only the last to start waits for it
             say("waiting for %d peers to be live", cfg.swarm.wait_for_peers, tag=peer_id[-6:])
             live = wait_for_peers(loop, dht, cfg, peer_id, stop)
             logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)

@@ -129,7 +129,7 @@ class Learner:
         self.clock, self.train_s = RoundClock(cfg.swarm, cfg.run.time_limit_s), 0.0
         self.ended_with_swarm = False
         """A group merge included another peer's last contribution: the run is over (see `MergeResult.final`)."""
-        self.eval_ahead: tuple[str, float] | None = None  # (digest of θg, its eval loss): see `evaluate_ahead`
+        self.last_eval: tuple[str, float] | None = None  # (digest of θg, its eval loss): see `evaluate_global`
         self.last_round_steps, self.last_round_s = 0, 0.0  # of the last round submitted (what `near_end` counts in)
 
     # ---- the loop ----
@@ -138,8 +138,7 @@ class Learner:
         """Train until `run.total_steps`, the time limit, a stop request, or a group merge with a peer that
         finished; returns this peer's summary."""
         self.log_start()
-        ahead, self.eval_ahead = self.eval_ahead, None
-        self.report.training_starts(eval_loss=ahead[1] if ahead and ahead[0] == self.g.digest() else self.evaluate_global())
+        self.report.training_starts(eval_loss=self.evaluate_global())
         self.clock.start_training()
         self.start_round()
         while not self.at_end() and not self.should_stop():
@@ -348,7 +347,7 @@ class Learner:
         """θg, momentum, optimizer state and counters (checkpoint.py), written in the background; `wait`: on disk."""
         kill = self.faults.get(("checkpoint", self.c.round)) == "kill"
         tensors, meta = learner_checkpoint(self.snapshot(), self.c.tokens, self.opt, list(self.model.parameters()),
-                                           self.cfg.to_dict(), extra=self.checkpoint_meta())
+                                           self.cfg.to_dict(), extra={**self.checkpoint_meta(), "eval": self.last_eval})
         self.checkpoints.submit(self.checkpoint_dir, self.c.round, tensors, meta, kill_midway=kill)
         return self.checkpoints.wait() if wait else None
 
@@ -356,7 +355,7 @@ class Learner:
         """Continue from a checkpoint: the local model restarts from its global model."""
         state, tokens = learner_state(tensors, meta)
         self.adopt_state(state)
-        self.c.tokens = tokens
+        self.c.tokens, self.last_eval = tokens, tuple(meta["eval"]) if meta.get("eval") else None  # θg's, if measured
         if load_optimizer_state(self.opt, list(self.model.parameters()), tensors):
             self.schedule.moments_restored()
 
@@ -366,18 +365,17 @@ class Learner:
     # ---- evaluation ----
 
     def evaluate_global(self) -> float:
-        """Validation loss of the global model θg (the local model may have moved on since the last merge)."""
-        return evaluate_flat(self.model, self.g.params, self.val_batches, self.device, self.cfg.run.precision)
+        """Validation loss of the global model θg (the local model may have moved on since the last merge), measured
+        once a state of θg: `last_eval` holds the last one (peer.py sets it to the built model's, which is θg)."""
+        if self.last_eval is None or self.last_eval[0] != self.g.digest():
+            loss = evaluate_flat(self.model, self.g.params, self.val_batches, self.device, self.cfg.run.precision)
+            self.last_eval = (self.g.digest(), loss)
+        return self.last_eval[1]
 
     def scheduled_eval(self) -> float | None:
         """`evaluate_global` every `run.eval_every_rounds` rounds, else None."""
         every = self.cfg.run.eval_every_rounds
         return self.evaluate_global() if every and self.c.round % every == 0 else None
-
-    def evaluate_ahead(self, loss: float | None = None) -> None:
-        """`run`'s first eval of θg, used while θg is unchanged: `loss` if given (θg's), else the one held or a new one."""
-        if loss is not None or not self.eval_ahead or self.eval_ahead[0] != self.g.digest():
-            self.eval_ahead = (self.g.digest(), self.evaluate_global() if loss is None else loss)
 
     # ---- reporting (reporting.py) ----
 
