@@ -338,7 +338,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
                                            cfg.run.metrics_port)
             announce(f"Prometheus metrics at {loop.run(metrics_server.start(), timeout=10)}")
         if cfg.swarm.wait_for_peers > 1 and not cfg.run.resume:  # a restarted peer joins a running swarm
-            learner.evaluate_global()  # the first eval, while the others start: only the last to start waits for it
+            learner.evaluate_global()  # the first eval (held if taken beside the DHT's start), before the wait
             say("waiting for %d peers to be live", cfg.swarm.wait_for_peers, tag=peer_id[-6:])
             live = wait_for_peers(loop, dht, cfg, peer_id, stop)
             logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)
