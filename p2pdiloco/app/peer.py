@@ -253,9 +253,9 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
     say("loading data and building the model while the DHT starts (%.1f s of interpreter and imports)",
         startup.laps["interpreter_and_imports"])
 
-    # a swarm's first peers all evaluate the initial model before their first step; on a busy machine that is
-    # seconds, so it is taken while the DHT starts (a restarted peer's model is replaced by its checkpoint)
-    eval_early = cfg.swarm.wait_for_peers > 1 and not cfg.run.resume
+    # peers started together wait for each other (a restarted peer joins a running swarm), and all evaluate the
+    # initial model before their first step: on a busy machine that is seconds, so it is taken while the DHT starts
+    together = cfg.swarm.wait_for_peers > 1 and not cfg.run.resume
 
     def data_and_model() -> tuple[TextData, BatchSampler, list, torch.nn.Module, float | None]:
         t0 = time.monotonic()
@@ -266,7 +266,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         model = build_model(cfg.model).to(device)
         say("loaded data and model in %.1f s: %d parameters on %s; %d files, %d bytes (%s)", time.monotonic() - t0,
             count_params(model), device, data.n_files, data.n_bytes, data.source)
-        return data, sampler, val, model, evaluate_model(model, val, device, cfg.run.precision) if eval_early else None
+        return data, sampler, val, model, evaluate_model(model, val, device, cfg.run.precision) if together else None
 
     def dht_up() -> DHT:
         t0 = time.monotonic()
@@ -337,7 +337,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
             metrics_server = MetricsServer(lambda: telemetry_snapshot(learner, ids), cfg.run.metrics_host,
                                            cfg.run.metrics_port)
             announce(f"Prometheus metrics at {loop.run(metrics_server.start(), timeout=10)}")
-        if cfg.swarm.wait_for_peers > 1 and not cfg.run.resume:  # a restarted peer joins a running swarm
+        if together:
             learner.evaluate_global()  # the first eval (held if taken beside the DHT's start), before the wait
             say("waiting for %d peers to be live", cfg.swarm.wait_for_peers, tag=peer_id[-6:])
             live = wait_for_peers(loop, dht, cfg, peer_id, stop)
