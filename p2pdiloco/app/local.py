@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from p2pdiloco.app.prefork import ForkedPeer, Prefork, enabled
 from p2pdiloco.app.startup import STAGES, stage_of
 from p2pdiloco.app.summary import summarize
 from p2pdiloco.config import Config, SwarmConfig
@@ -36,7 +37,7 @@ class PeerProc:
 
     name: str
     run_dir: Path
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedPeer
     log: object
     offset: int = 0
     last: dict = field(default_factory=dict)
@@ -50,12 +51,18 @@ class PeerProc:
     stage: str = "starting"
     """How far its start-up has come, as its log's progress lines say (app/startup.STAGES); "training" after."""
     log_offset: int = 0
+    prefork: Prefork | None = None
+    """Where it is forked from, None: started as a fresh interpreter (`cmd`)."""
 
-    def start(self, resume: bool = False) -> None:
+    def start(self, resume: bool = False, asked_at: float | None = None) -> None:
+        """Start it (`asked_at`: when `local` began to start it, Unix time; default now)."""
         cmd = self.cmd + (["--resume"] if resume else [])
         self.stage = "starting"
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=self.env)
+        if self.prefork is not None:  # cmd is `python -m p2pdiloco ARGS`
+            self.proc = self.prefork.start(cmd[3:], self.run_dir / "peer.log", self.env, asked_at)
+        else:
+            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self.env)
 
     def kill_tree(self) -> None:
         """SIGKILL the peer and everything it started, as a machine that loses power would vanish."""
@@ -272,7 +279,13 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
     console = console or Console()
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    dht = start_dht(SwarmConfig(host="127.0.0.1", port=0, swarm_key=cfg.swarm.swarm_key))
+    prefork = Prefork() if enabled() else None  # its imports run beside the bootstrap node's start
+    try:
+        dht = start_dht(SwarmConfig(host="127.0.0.1", port=0, swarm_key=cfg.swarm.swarm_key))
+    except BaseException:
+        if prefork is not None:
+            prefork.close()
+        raise
     reaper = Reaper(dht)
     peers: list[PeerProc] = []
     interrupted = False
@@ -286,6 +299,7 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
 
             dashboard = BackgroundDashboard(dht, cfg.swarm.run_id, "127.0.0.1", dashboard_port)
             console.print(f"dashboard at {dashboard.url}")
+        launched = time.time()  # the first fork waits on the fork server's imports, and the others on it
         for i in range(n_peers):
             pdir = run_dir / "peers" / f"peer{i}"
             pdir.mkdir(parents=True, exist_ok=True)
@@ -296,8 +310,9 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
             log = (pdir / "peer.log").open("w")
             cmd = peer_command(i, n_peers, cfg, maddr, pdir, config_path, sets + (peer_sets or {}).get(i, []),
                                (slow or {}).get(i, 1.0))
-            peer = PeerProc(f"peer{i}", pdir, None, log, cmd=cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            peer.start()
+            peer = PeerProc(f"peer{i}", pdir, None, log, cmd=cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            prefork=prefork)
+            peer.start(asked_at=launched)
             peers.append(peer)
         console.print(f"{n_peers} peers started; logs in {run_dir}/peers/*/peer.log")
         startup = StartupLines()
@@ -327,6 +342,8 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
             dashboard.close()
         dht.shutdown()
         reaper.close()
+        if prefork is not None:  # after the DHT: its process, forked from this one, holds the server's alive pipe
+            prefork.close()
     if interrupted and reraise_interrupt:
         raise KeyboardInterrupt
     for p in peers:

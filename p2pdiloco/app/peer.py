@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from p2pdiloco import __version__
 from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.app.heartbeat import Heartbeat, swarm_finished
-from p2pdiloco.app.startup import StartupClock, say
+from p2pdiloco.app.startup import StartupClock, process_started_monotonic, say
 from p2pdiloco.config import Config, fingerprint_digest
 from p2pdiloco.network.census import registered_now
 from p2pdiloco.network.p2p_merger import P2PMerger
@@ -221,8 +221,8 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         stop: polled between steps.
         announce: where to print the lines a user needs (addresses); `print` for the CLI.
     """
-    # from the real start of this process (interpreter and imports included), as a monotonic time
-    t_process_start = time.monotonic() - max(0.0, time.time() - psutil.Process().create_time())
+    # from the real start of this process (interpreter and imports included)
+    t_process_start = process_started_monotonic(psutil.Process().create_time())
     startup = StartupClock(t_process_start)
     if cfg.run.cpu_affinity:  # before anything starts, so the DHT and p2p daemon inherit it too
         os.sched_setaffinity(0, {int(c) for c in cfg.run.cpu_affinity.split(",")})

@@ -99,6 +99,19 @@ def defer_unused_imports() -> None:
     sys.modules["scipy"].optimize = stand_in  # as the import system does for a submodule
 
 
+REQUESTED_AT = "P2PDILOCO_REQUESTED_AT"
+"""Set by `p2pdiloco local` for a peer it forks (app/prefork.py): when it asked for it, in Unix seconds."""
+
+
+def process_started_monotonic(created: float) -> float:
+    """time.monotonic() at this process's real start: `created` (its Unix create time), or the moment `local`
+    asked for it if that was earlier (a forked peer's fork can wait on the fork server's own imports, which are
+    this peer's start-up all the same)."""
+    with contextlib.suppress(KeyError, ValueError):
+        created = min(created, float(os.environ[REQUESTED_AT]))
+    return time.monotonic() - max(0.0, time.time() - created)
+
+
 class StartupClock:
     """Seconds per start-up phase, from the real start of the process (the `startup` field of the `start` line).
 
