@@ -97,18 +97,24 @@ class ForkedPeer:
 
 
 class Prefork:
-    """The fork server of one `local` run: started (and importing) on construction, stopped by `close`."""
+    """The fork server of one `local` run (or of `bench churn`'s data-parallel baseline, whose restarted ranks
+    get the same head start): started (and importing) on construction, stopped by `close`.
+
+    Args:
+        preload: the modules it imports before forking anything.
+    """
 
     def __init__(self, preload: tuple[str, ...] = PRELOAD):
-        self._ctx = multiprocessing.get_context("forkserver")
-        self._ctx.set_forkserver_preload(list(preload))
+        self.context = multiprocessing.get_context("forkserver")
+        """Its multiprocessing context: `context.Process` is forked from the server."""
+        self.context.set_forkserver_preload(list(preload))
         forkserver.ensure_running()  # it imports now, beside whatever the caller does next
 
     def start(self, argv: list[str], log: Path, env: dict[str, str], asked_at: float | None = None) -> ForkedPeer:
         """Fork `p2pdiloco ARGV` (waits for the server's imports on the first call); its start-up counts from
         `asked_at` (Unix time; default now), not from the fork."""
         env = {**env, REQUESTED_AT: repr(time.time() if asked_at is None else asked_at)}
-        process = self._ctx.Process(target=_peer_main, args=(list(argv), str(log), env), name="p2pdiloco-peer")
+        process = self.context.Process(target=_peer_main, args=(list(argv), str(log), env), name="p2pdiloco-peer")
         process.start()
         return ForkedPeer(process)
 

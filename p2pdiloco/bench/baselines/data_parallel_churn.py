@@ -8,7 +8,9 @@ lost rank to come back, and restarts every rank from the last checkpoint. The su
 wait counts as spent; the killed rank's does not (`bench churn` counts the peers the same way).
 
 Goodput is computed from what the ranks and the supervisor recorded, not estimated:
-- spent: each rank process's wall time from spawn to exit or kill, plus the survivors' wait for a restart;
+- spent: each rank process's wall time from its start (a fork from a server that imported torch once, as
+  `local` forks the peers; the first ranks' wait on those imports included) to exit or kill, plus the survivors'
+  wait for a restart;
 - reached: the inner-step compute of the steps in the final model's history; the steps after an
   incarnation's last checkpoint that the next incarnation resumed from are lost.
 """
@@ -30,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from p2pdiloco.app.prefork import Prefork
+from p2pdiloco.app.prefork import enabled as prefork_enabled
 from p2pdiloco.bench.baselines.data_parallel import loopback_interface, rank_optimizer, rank_step, stop_ranks
 from p2pdiloco.config import load_config, parse_set
 from p2pdiloco.training.batches import BatchSampler, eval_batches
@@ -149,7 +153,19 @@ def run_data_parallel_churn(sets: list[str], ranks: int, out: Path, kill_every: 
     for stale in [*out.glob("rank*.jsonl"), *out.glob("rank*.log"), out / "checkpoint.pt", out / "rendezvous.0"]:
         stale.unlink(missing_ok=True)
     rng = random.Random(seed)
-    ctx = mp.get_context("spawn")
+    # every incarnation's ranks are forked from a server that imported torch once, as `local` forks the peers:
+    # restarts on both sides of the comparison pay no imports (app/prefork.py)
+    prefork = Prefork(("p2pdiloco.bench.baselines.data_parallel_churn",)) if prefork_enabled() else None
+    try:
+        return _run(out, ranks, sets, kill_every, restart_delay, checkpoint_every, rng, max_kills, timeout_s,
+                    cfg, prefork.context if prefork is not None else mp.get_context("spawn"))
+    finally:
+        if prefork is not None:
+            prefork.close()
+
+
+def _run(out: Path, ranks: int, sets: list[str], kill_every: float, restart_delay: float, checkpoint_every: int,
+         rng: random.Random, max_kills: int | None, timeout_s: float, cfg, ctx) -> dict:
     t_run = time.monotonic()
     deadline = t_run + timeout_s
     next_kill = t_run + kill_every if kill_every > 0 else float("inf")
@@ -164,8 +180,9 @@ def run_data_parallel_churn(sets: list[str], ranks: int, out: Path, kill_every: 
         started = [0.0] * ranks
         victim, fail_by = None, float("inf")
         try:
+            launched = time.monotonic()  # a fork can wait on the server's imports, and the next ranks on it
             for r, p in enumerate(procs):
-                started[r] = time.monotonic()
+                started[r] = launched
                 p.start()
             while any(p.is_alive() for p in procs):
                 now = time.monotonic()
