@@ -52,9 +52,11 @@ def start_local(run_dir: Path, n: int, steps: int, extra=(), env=None) -> subpro
 
 
 def peer_tree(local: subprocess.Popen, name: str) -> list[psutil.Process]:
-    """The peer process `name` started by `local`, and everything it started (DHT process, p2pd)."""
-    for child in psutil.Process(local.pid).children():
-        if f"--name {name} " in " ".join(child.cmdline()) + " ":
+    """The peer process `name` started by `local` (forked by its fork server), and everything it started (DHT
+    process, p2pd): the topmost process whose command line names it, as the DHT process forked from it does too."""
+    for child in psutil.Process(local.pid).children(recursive=True):
+        if f"--name {name} " in " ".join(child.cmdline()) + " " and \
+                f"--name {name} " not in " ".join(child.parent().cmdline()) + " ":
             return [child, *child.children(recursive=True)]
     raise AssertionError(f"no process for {name}")
 

@@ -115,6 +115,7 @@ def test_local_chaos_kills_and_restarts_forked_peers_and_leaves_nothing_running(
             proc.wait()
         kill_quietly([p for p, _ in seen.values()])
     assert any("forkserver" in cmdline for _, cmdline in seen.values())  # the peers were forked from it
+    assert any("-m p2pdiloco peer " in c and "--name peer0 " in c for _, c in seen.values())  # and say which peer
     events = [json.loads(line) for line in (tmp_path / "chaos.jsonl").read_text().splitlines()]
     restarts = [e for e in events if e["event"] == "restart"]
     assert restarts and any(e["event"] == "kill" for e in events)

@@ -53,6 +53,12 @@ def _peer_main(argv: list[str], log_path: str, env: dict[str, str]) -> None:
         stream.reconfigure(line_buffering=True, write_through=True)
     os.environ.clear()
     os.environ.update(env)
+    try:  # ps and top show `python -m p2pdiloco peer ...`, as for a fresh interpreter, not the server's command
+        from setproctitle import setproctitle
+
+        setproctitle(" ".join([sys.executable, "-m", "p2pdiloco", *argv]))
+    except ImportError:
+        pass
     root = logging.getLogger()  # what an import in the server added, so that `setup_logging` applies as in a fresh process
     for handler in root.handlers[:]:
         root.removeHandler(handler)
