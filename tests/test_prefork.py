@@ -50,6 +50,7 @@ def test_a_forked_command_has_its_log_exit_code_and_signals_and_the_server_stops
         started.append(node)
         wait_for(lambda: log.exists() and "running; Ctrl+C to stop" in log.read_text(), 60, what="the bootstrap node up")
         assert "/ip4/127.0.0.1/tcp/" in log.read_text()
+        assert "-m p2pdiloco bootstrap --host 127.0.0.1" in " ".join(psutil.Process(node.pid).cmdline())  # for ps
         with pytest.raises(subprocess.TimeoutExpired):
             node.wait(timeout=0.1)
         children = psutil.Process(node.pid).children(recursive=True)

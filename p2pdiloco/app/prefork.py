@@ -51,14 +51,14 @@ def _peer_main(argv: list[str], log_path: str, env: dict[str, str]) -> None:
     os.close(devnull)
     for stream in (sys.stdout, sys.stderr):  # the server's streams, now on the log: line by line, as a pipe's would not be
         stream.reconfigure(line_buffering=True, write_through=True)
-    os.environ.clear()
-    os.environ.update(env)
     try:  # ps and top show `python -m p2pdiloco peer ...`, as for a fresh interpreter, not the server's command
         from setproctitle import setproctitle
 
-        setproctitle(" ".join([sys.executable, "-m", "p2pdiloco", *argv]))
-    except ImportError:
+        setproctitle(" ".join([sys.executable, "-m", "p2pdiloco", *argv]))  # before the environment changes: it
+    except ImportError:  # finds the room for the title from the C environment's place in memory
         pass
+    os.environ.clear()
+    os.environ.update(env)
     root = logging.getLogger()  # what an import in the server added, so that `setup_logging` applies as in a fresh process
     for handler in root.handlers[:]:
         root.removeHandler(handler)
