@@ -64,6 +64,13 @@ def bench_churn(out: Path, minutes: float = 5.0, peers: int = 4, kill_every: flo
     dp = run_data_parallel_churn(base, peers, out / "data_parallel_churn", kill_every, restart_delay,
                                  checkpoint_every=DP_CHECKPOINT_STEPS, seed=1)
     results["runs"]["data_parallel_churn"] = {**dp, "peers_finished": peers}
+    # the same with every restart forked from a server that imported torch once, as `local` forks the peers: how
+    # much of data-parallel's loss is its ranks' imports at each restart of the job
+    console.print("[bold]data_parallel_churn_forked[/bold]: the same, its ranks forked from a server that imported "
+                  "torch once ...")
+    dp = run_data_parallel_churn(base, peers, out / "data_parallel_churn_forked", kill_every, restart_delay,
+                                 checkpoint_every=DP_CHECKPOINT_STEPS, seed=1, forked=True)
+    results["runs"]["data_parallel_churn_forked"] = {**dp, "peers_finished": peers}
     r = results["runs"]
     base_loss = r["decoupled_no_churn"]["eval_loss"]
     for name in ("decoupled_churn", "sync_churn"):
@@ -71,21 +78,24 @@ def bench_churn(out: Path, minutes: float = 5.0, peers: int = 4, kill_every: flo
     results["goodput_ratio_vs_sync"] = r["decoupled_churn"]["goodput"] / max(r["sync_churn"]["goodput"], 1e-9)
     results["goodput_ratio_vs_data_parallel"] = (r["decoupled_churn"]["goodput"]
                                                  / max(r["data_parallel_churn"]["goodput"], 1e-9))
+    results["goodput_ratio_vs_data_parallel_forked"] = (r["decoupled_churn"]["goodput"]
+                                                        / max(r["data_parallel_churn_forked"]["goodput"], 1e-9))
     path = write_results(out, "churn", results)
     console.print(f"machine: {results['machine']}")
     console.print("goodput = inner-step time that reached another peer's model or the final one ÷ peer wall time "
                   "(start-up, rejoin, waiting count; a killed peer up to its kill; bench/goodput.py):")
     for name, v in r.items():
         extra = f", eval loss ÷ no-churn {v['eval_loss_vs_no_churn']:.4f}" if "eval_loss_vs_no_churn" in v else ""
-        console.print(f"  {name:19s}: goodput {v['goodput']:.3f} ({v['reached_s']:.0f} s ÷ {v['spent_s']:.0f} s), "
+        console.print(f"  {name:26s}: goodput {v['goodput']:.3f} ({v['reached_s']:.0f} s ÷ {v['spent_s']:.0f} s), "
                       f"kills survived {v['kills']}, eval loss {v['eval_loss']:.4f}{extra}")
     for name, v in r.items():
         for kind, seconds in v.get("startup_s", {}).items():
             if seconds:
-                console.print(f"  {name:19s}: {len(seconds)} {kind} start(s), process start to first inner step "
+                console.print(f"  {name:26s}: {len(seconds)} {kind} start(s), process start to first inner step "
                               f"median {statistics.median(seconds):.1f} s, max {max(seconds):.1f} s")
     console.print(f"decoupled ÷ sync goodput under churn: {results['goodput_ratio_vs_sync']:.2f}; "
-                  f"÷ data-parallel: {results['goodput_ratio_vs_data_parallel']:.2f}")
+                  f"÷ data-parallel: {results['goodput_ratio_vs_data_parallel']:.2f} (restarted as fresh "
+                  f"interpreters, as torchrun does), {results['goodput_ratio_vs_data_parallel_forked']:.2f} (forked)")
     console.print(f"wrote {path}")
     return results
 

@@ -7,10 +7,13 @@ then stops the whole job (the survivors' collectives fail or hang), waits `resta
 lost rank to come back, and restarts every rank from the last checkpoint. The survivors' idle time in that
 wait counts as spent; the killed rank's does not (`bench churn` counts the peers the same way).
 
+Its ranks start as fresh interpreters (multiprocessing's spawn), as torchrun restarts its workers, so every
+restart of the job pays torch's import on every rank. With `forked=True` they are forked from a server that
+imported torch once (app/prefork.py, Linux), as `p2pdiloco local` forks its peers: the same restart without the
+imports. `bench churn` runs both.
+
 Goodput is computed from what the ranks and the supervisor recorded, not estimated:
-- spent: each rank process's wall time from its start (a fork from a server that imported torch once, as
-  `local` forks the peers; the first ranks' wait on those imports included) to exit or kill, plus the survivors'
-  wait for a restart;
+- spent: each rank process's wall time from its start to exit or kill, plus the survivors' wait for a restart;
 - reached: the inner-step compute of the steps in the final model's history; the steps after an
   incarnation's last checkpoint that the next incarnation resumed from are lost.
 """
@@ -131,7 +134,7 @@ def goodput_from_progress(progress: list[dict], spent_s: float) -> dict:
 
 def run_data_parallel_churn(sets: list[str], ranks: int, out: Path, kill_every: float, restart_delay: float = 5.0,
                             checkpoint_every: int = 100, seed: int = 1, max_kills: int | None = None,
-                            timeout_s: float = 3600.0) -> dict:
+                            timeout_s: float = 3600.0, forked: bool = False) -> dict:
     """Run the baseline under churn and return its goodput, kills and final eval loss.
 
     Args:
@@ -144,6 +147,7 @@ def run_data_parallel_churn(sets: list[str], ranks: int, out: Path, kill_every: 
         seed: seed of the choice of victims.
         max_kills: stop killing after this many (None: no limit).
         timeout_s: the whole run's limit.
+        forked: fork the ranks from a server that imported torch once (Linux; elsewhere spawned all the same).
 
     Raises:
         RuntimeError: the run did not finish in time, or an incarnation failed with no kill to explain it.
@@ -153,9 +157,7 @@ def run_data_parallel_churn(sets: list[str], ranks: int, out: Path, kill_every: 
     for stale in [*out.glob("rank*.jsonl"), *out.glob("rank*.log"), out / "checkpoint.pt", out / "rendezvous.0"]:
         stale.unlink(missing_ok=True)
     rng = random.Random(seed)
-    # every incarnation's ranks are forked from a server that imported torch once, as `local` forks the peers:
-    # restarts on both sides of the comparison pay no imports (app/prefork.py)
-    prefork = Prefork(("p2pdiloco.bench.baselines.data_parallel_churn",)) if prefork_enabled() else None
+    prefork = Prefork(("p2pdiloco.bench.baselines.data_parallel_churn",)) if forked and prefork_enabled() else None
     try:
         return _run(out, ranks, sets, kill_every, restart_delay, checkpoint_every, rng, max_kills, timeout_s,
                     cfg, prefork.context if prefork is not None else mp.get_context("spawn"))
