@@ -117,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     lo = sub.add_parser("local", help="run a whole swarm on this machine", epilog=EPILOG,
                         description="Start a bootstrap node and N peers on 127.0.0.1, show their progress, "
-                        "and write summary.json and loss.png to the run folder.")
+                        "and write summary.json and loss.png to the run folder. On Linux the peers are forked from "
+                        "one process that has imported torch and hivemind (P2PDILOCO_PREFORK=0: each a fresh "
+                        "interpreter).")
     lo.add_argument("--peers", type=int, default=4, help="number of peers (default 4)")
     lo.add_argument("--steps", type=int, help="inner steps per peer (default: run.total_steps of the config)")
     lo.add_argument("--chaos", action="store_true",

@@ -22,7 +22,7 @@ from tests.test_startup import UNWANTED
 
 
 def test_the_fork_servers_imports_start_no_python_thread_touch_no_accelerator_and_skip_what_a_peer_avoids():
-    script = ("import json, sys, threading; import p2pdiloco.app.forkbase; import torch; "
+    script = ("import json, sys, threading; import p2pdiloco.app.forkbase, p2pdiloco.cli; import torch; "
               f"print(json.dumps([threading.active_count(), torch.cuda.is_initialized(), "
               f"[m for m in {UNWANTED!r} if m in sys.modules], 'p2pdiloco.app.peer' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,

@@ -1,6 +1,7 @@
 """What `p2pdiloco local`'s fork server imports before it forks a peer (app/prefork.py): what a peer of the default
 config has imported by its first inner step, less what only some configs use (bitsandbytes, aiohttp, HF
-tokenizers, plots). Importing this module is the server's whole preparation.
+tokenizers, plots). The server imports this module, then `p2pdiloco.cli` (named in `prefork.PRELOAD`: the
+command line sits above every layer, so no module of `app/` imports it).
 
 No thread is started by these imports but OpenBLAS's pools (numpy's and scipy's), which stop and restart
 themselves across a fork (pthread_atfork), as they already do when a peer forks its DHT process; no accelerator
@@ -19,4 +20,3 @@ import hivemind.utils.multiaddr.codecs.uint16be  # noqa: E402, F401
 
 import p2pdiloco.algorithm.codecs  # noqa: E402, F401
 import p2pdiloco.app.peer  # noqa: E402, F401
-import p2pdiloco.cli  # noqa: E402, F401

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -31,8 +32,8 @@ from p2pdiloco.app.startup import REQUESTED_AT
 
 logger = logging.getLogger(__name__)
 
-PRELOAD = ("p2pdiloco.app.forkbase",)
-"""What the fork server imports before it forks anything (see that module)."""
+PRELOAD = ("p2pdiloco.app.forkbase", "p2pdiloco.cli")
+"""What the fork server imports, in order, before it forks anything (see app/forkbase.py)."""
 
 
 def enabled() -> bool:
@@ -41,7 +42,7 @@ def enabled() -> bool:
 
 
 def _peer_main(argv: list[str], log_path: str, env: dict[str, str]) -> None:
-    """The forked child: `p2pdiloco ARGV` with its output in `log_path` (appended to)."""
+    """The forked child: `python -m p2pdiloco ARGV` with its output in `log_path` (appended to)."""
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -62,13 +63,11 @@ def _peer_main(argv: list[str], log_path: str, env: dict[str, str]) -> None:
     root = logging.getLogger()  # what an import in the server added, so that `setup_logging` applies as in a fresh process
     for handler in root.handlers[:]:
         root.removeHandler(handler)
-    from p2pdiloco.cli import main
-
-    try:
-        code = main(argv)
+    sys.argv = ["p2pdiloco", *argv]
+    try:  # `python -m p2pdiloco ARGV` (the program by its name, as a fresh interpreter runs it): ends in SystemExit
+        runpy.run_module("p2pdiloco", run_name="__main__", alter_sys=True)
     finally:
         atexit._run_exitfuncs()  # multiprocessing ends a child with os._exit: flush the logs, as an interpreter's exit does
-    sys.exit(code)
 
 
 class ForkedPeer:
