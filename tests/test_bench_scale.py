@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from p2pdiloco.bench.proctree import (
@@ -121,6 +122,24 @@ def test_process_tree_memory_and_cpu_of_a_child_that_holds_50_mb():
         child.stdin.close()
         child.wait(timeout=10)
     assert process_memory(child.pid) == {"pss": 0, "uss": 0} and process_cpu_s(child.pid) is None  # gone
+
+
+FORKED = ("import os, sys, time; from setproctitle import setproctitle; "
+          "setproctitle('python -m p2pdiloco peer --in-local --name peer8 --steps 5'); "
+          "pid = os.fork()\nif pid == 0:\n    time.sleep(60); os._exit(0)\n"
+          "print(pid, flush=True); sys.stdin.read(); os.kill(pid, 9); os.waitpid(pid, 0)")
+
+
+def test_a_forked_peer_is_found_by_its_title_and_its_forked_dht_process_is_not_a_peer():
+    # a peer forked by `local`'s fork server (title: its command line, one string) -> the DHT process it forks
+    peer = subprocess.Popen([sys.executable, "-c", FORKED], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        dht = int(peer.stdout.readline())
+        assert psutil.Process(dht).parent().pid == peer.pid
+        assert local_peers(os.getpid()) == {"peer8": peer.pid}
+    finally:
+        peer.stdin.close()
+        peer.wait(timeout=10)
 
 
 @pytest.mark.integration

@@ -63,15 +63,17 @@ def process_cpu_s(pid: int) -> float | None:
 
 
 def local_peers(root_pid: int) -> dict[str, int]:
-    """{peer name: pid} of the peer processes `run_local` started as children of `root_pid` (their command
-    lines carry `--in-local` and `--name NAME`; the bootstrap node's forked DHT process carries neither)."""
+    """{peer name: pid} of the peer processes `run_local` started under `root_pid`: their command lines carry
+    `--in-local` and `--name NAME` (a forked peer's is its process title, one string); a peer's own forked DHT
+    process carries the same command line and is left out, as is the bootstrap node's (it carries neither).
+    Forked peers are the fork server's children, so the whole tree is searched."""
     peers = {}
     with contextlib.suppress(psutil.Error):
-        for child in psutil.Process(root_pid).children():
+        for proc in psutil.Process(root_pid).children(recursive=True):
             with contextlib.suppress(psutil.Error, ValueError, IndexError):
-                cmd = child.cmdline()
-                if "--in-local" in cmd:
-                    peers[cmd[cmd.index("--name") + 1]] = child.pid
+                cmd = " ".join(proc.cmdline()).split()
+                if "--in-local" in cmd and "--in-local" not in " ".join(proc.parent().cmdline()).split():
+                    peers[cmd[cmd.index("--name") + 1]] = proc.pid
     return peers
 
 
@@ -84,7 +86,7 @@ class PeerSampler:
     taken when the swarm was in full swing.
 
     Args:
-        root_pid: the process whose children are the peers (the one calling `run_local`).
+        root_pid: the process under which the peers run (the one calling `run_local`).
         cpu_every_s: seconds between CPU readings.
         memory_every_s: seconds between memory readings.
     """
