@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from p2pdiloco.bench.proctree import local_peers
 from tests.conftest import interrupt_and_reap, wait_for
 from tests.test_cli import TINY
 
@@ -53,12 +54,12 @@ def start_local(run_dir: Path, n: int, steps: int, extra=(), env=None) -> subpro
 
 def peer_tree(local: subprocess.Popen, name: str) -> list[psutil.Process]:
     """The peer process `name` started by `local` (forked by its fork server), and everything it started (DHT
-    process, p2pd): the topmost process whose command line names it, as the DHT process forked from it does too."""
-    for child in psutil.Process(local.pid).children(recursive=True):
-        if f"--name {name} " in " ".join(child.cmdline()) + " " and \
-                f"--name {name} " not in " ".join(child.parent().cmdline()) + " ":
-            return [child, *child.children(recursive=True)]
-    raise AssertionError(f"no process for {name}")
+    process, p2pd)."""
+    pid = local_peers(local.pid).get(name)
+    if pid is None:
+        raise AssertionError(f"no process for {name}")
+    peer = psutil.Process(pid)
+    return [peer, *peer.children(recursive=True)]
 
 
 def test_frozen_peer_does_not_stall_the_others(tmp_path):

@@ -3,9 +3,9 @@ config has imported by its first inner step, less what only some configs use (bi
 tokenizers, plots). The server imports this module, then `p2pdiloco.cli` (named in `prefork.PRELOAD`: the
 command line sits above every layer, so no module of `app/` imports it).
 
-No thread is started by these imports but OpenBLAS's pools (numpy's and scipy's), which stop and restart
-themselves across a fork (pthread_atfork), as they already do when a peer forks its DHT process; no accelerator
-is initialized. tests/test_prefork.py checks both, and that nothing a headless peer avoids is imported.
+No thread is started by these imports but numpy's OpenBLAS pool (scipy's is never loaded: its optimize
+module is deferred), which stops and restarts itself across a fork (pthread_atfork), as it already does when a
+peer forks its DHT process; no accelerator is initialized. tests/test_prefork.py checks both, and that nothing a headless peer avoids is imported.
 """
 
 from p2pdiloco.app.startup import defer_unused_imports
