@@ -113,6 +113,31 @@ def test_final_models_say_identical_within_tolerance_or_apart():
     assert final_models([]) == ("none", None)
 
 
+def test_a_peer_restarted_after_the_swarm_finished_is_not_the_runs_result(tmp_path):
+    # `local --chaos` restarted a killed peer after the other three had finished: it found the run over, kept the
+    # model it had, and the run's summary said "apart"
+    from safetensors.torch import save_file
+
+    from p2pdiloco.app.summary import summarize
+
+    for name, values, digest, loss, late in (("a", [3.0, 4.0], "d", 1.6, False), ("b", [3.0, 4.0], "d", 1.6, False),
+                                             ("c", [0.0, 4.0], "init", 5.4, True)):
+        (tmp_path / name).mkdir()
+        save_file({"w": torch.tensor(values)}, str(tmp_path / name / "model.safetensors"))
+        (tmp_path / name / "peer_summary.json").write_text(json.dumps(
+            {"global_digest": digest, "eval_loss_initial": 5.4, "eval_loss_final": loss, "arrived_after_end": late}))
+    summary = summarize(tmp_path, [tmp_path / n for n in "abc"], {}, 1.0)
+    assert summary["final_models"] == "identical" and summary["global_models_identical"] is True
+    assert summary["consensus_distance"] == 0.0 and summary["eval_loss_final"] == 1.6
+    assert summary["arrived_after_end"] == 1 and summary["peers_finished"] == 3
+    # without the flag the same three peers are apart: the flag, not the files, makes the difference
+    summary_c = json.loads((tmp_path / "c" / "peer_summary.json").read_text())
+    (tmp_path / "c" / "peer_summary.json").write_text(json.dumps({**summary_c, "arrived_after_end": False}))
+    summary = summarize(tmp_path, [tmp_path / n for n in "abc"], {}, 1.0)
+    assert summary["final_models"] == "apart" and summary["arrived_after_end"] == 0
+    assert summary["consensus_distance"] > 0.5
+
+
 def test_ctrl_c_on_a_benchmark_stops_it_and_writes_no_figures(tmp_path):
     # before: the interrupted swarm was stopped, the bench went on to its next run and then wrote churn.json
     # with the cut-short run's figures in it

@@ -231,6 +231,9 @@ def cmd_local(args: argparse.Namespace) -> int:
         print(f"final global models: {summary['final_models']}" + (
             f" (eval losses {100 * spread:.2f} % apart, consensus distance {summary['consensus_distance']:.4f})"
             if summary["final_models"] != "identical" and spread is not None else ""))
+    if summary.get("arrived_after_end"):
+        print(f"{summary['arrived_after_end']} peer(s) restarted after the swarm had finished: they trained nothing "
+              "and are left out of the final models above")
     return 0 if ok else 1
 
 

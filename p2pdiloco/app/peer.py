@@ -146,7 +146,7 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
     every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
     finished = swarm_finished(every, peer_id, cfg.run.total_steps)
     if finished is not None:  # training on alone would only move this peer's model away from the swarm's result
-        learner.ended_with_swarm = True
+        learner.ended_with_swarm = learner.report.arrived_after_end = True
         metrics.write(kind="swarm_finished", peer=finished[0], step=finished[1])
         logger.warning("[%s] the swarm already finished this run (peer %s left at step %d): nothing left to train; "
                        "keeping this peer's model as it is", peer_id[-6:], finished[0][-6:], finished[1])

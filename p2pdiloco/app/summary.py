@@ -54,26 +54,34 @@ def final_models(peers: list[dict]) -> tuple[str, float | None]:
 
 def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float, extra: dict | None = None) -> dict:
     """Collect the peers' summaries into the run's summary.json."""
-    peers = []
+    peers, at_end = [], []
     for d in peer_dirs:
         path = d / "peer_summary.json"
         if path.exists():
             peers.append(json.loads(path.read_text()))
-    def mean(key: str) -> float | None:  # over the peers that report it (older summaries lack the per-byte ones)
-        values = [p[key] for p in peers if p.get(key) is not None]
+            if not peers[-1].get("arrived_after_end"):
+                at_end.append(d)
+    # a peer (re)started after the swarm finished trained nothing and kept the model it had: the run's result is
+    # the models of the peers that were there at its end (`local --chaos` restarted one after the others had
+    # finished, and the run was reported "apart")
+    ended = [p for p in peers if not p.get("arrived_after_end")]
+
+    def mean(key: str, of: list[dict] = peers) -> float | None:  # over those that report it (older summaries lack
+        values = [p[key] for p in of if p.get(key) is not None]  # the per-byte ones)
         return sum(values) / len(values) if values else None
 
-    which, spread = final_models(peers)
+    which, spread = final_models(ended)
     summary = {
         "n_peers": len(peer_dirs),
         "peers_finished": len(peers),
         "wall_s": wall_s,
         "eval_loss_initial": mean("eval_loss_initial"),
-        "eval_loss_final": mean("eval_loss_final"),
+        "eval_loss_final": mean("eval_loss_final", ended),
         "eval_loss_per_byte_initial": mean("eval_loss_per_byte_initial"),
-        "eval_loss_per_byte_final": mean("eval_loss_per_byte_final"),
+        "eval_loss_per_byte_final": mean("eval_loss_per_byte_final", ended),
         "global_models_identical": which == "identical" if peers else None,
-        "consensus_distance": consensus_distance(peer_dirs),
+        "consensus_distance": consensus_distance(at_end),
+        "arrived_after_end": len(peers) - len(ended),  # not in final_models nor in the consensus distance
         "final_models": which,  # see final_models: identical, within tolerance (1 % of eval loss) or apart
         "eval_loss_final_spread": spread,
         **swarm_bandwidth(peers),

@@ -155,6 +155,9 @@ class Reporter:
         self._started = False
         self.first_step_s: float | None = None
         """Seconds from the process start to the first inner step (None before it)."""
+        self.arrived_after_end = False
+        """This peer started (or restarted) after the swarm had finished its run and trained nothing: its model is
+        not the run's result (`app/peer.join_swarm_state`, `app/summary.summarize`)."""
 
     # ---- metrics lines ----
 
@@ -277,6 +280,7 @@ class Reporter:
         return {
             "peer_id": self.peer_id, "inner_steps": self.c.steps_run, "step": self.c.step, "tokens": self.c.tokens,
             "first_step_s": self.first_step_s, "join_s": self.c.join_s, "ended_with_swarm": ended_with_swarm,
+            "arrived_after_end": self.arrived_after_end,
             "rounds": self.c.round, "merges": self.c.merges, "merge_failures": self.c.merge_failures,
             "bytes_sent": self.bytes_io()[0], "bytes_received": self.bytes_io()[1],
             "pseudo_grad_bytes_sent": self.c.pseudo_grad_bytes_sent, "state_merges": self.c.state_merges,
