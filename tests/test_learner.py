@@ -105,8 +105,12 @@ def test_load_flat_copies():
     assert model.weight.flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
-def test_decoupled_apply_rebases_steps_taken_during_the_merge(tmp_path):
-    cfg = _cfg()
+@pytest.mark.parametrize("keep", [None, 1.0])
+def test_decoupled_apply_rebases_steps_taken_during_the_merge(tmp_path, keep):
+    cfg = _cfg() if keep is None else _cfg(**{"outer.rebase_keep": keep})
+    if keep is None:
+        assert cfg.outer.rebase_keep == 0.5  # the default keeps half of them
+    keep = cfg.outer.rebase_keep
     learner = _learner(cfg, InMemoryMerger("p0", {"group_size": 1}), tmp_path, 0)
     theta_g = learner.global_params.clone()
     at_submit = theta_g - 0.5  # the local model when Δ was taken
@@ -115,14 +119,14 @@ def test_decoupled_apply_rebases_steps_taken_during_the_merge(tmp_path):
     delta = torch.full_like(theta_g, 0.1)
     learner.apply_merge(MergeResult(group=["p0", "p1"], pseudo_grad=delta, total_weight=1.0), at_submit)
     new_g, _ = outer_step(theta_g, torch.zeros_like(theta_g), delta, 0.7, 0.9)
-    # θ ← θg' + (θ − θ_at_submit) = θg' + 0.25
-    torch.testing.assert_close(learner._local_params(), new_g + 0.25)
+    # θ ← θg' + keep·(θ − θ_at_submit) = θg' + keep·0.25
+    torch.testing.assert_close(learner._local_params(), new_g + keep * 0.25)
     assert torch.equal(learner.global_params, new_g)
 
 
 def test_eager_update_moves_to_the_own_outer_step_at_submit_and_the_merge_by_the_difference(tmp_path):
-    """Decoupled: at a submit θ jumps to outer_step(θg, m, Δ_own); the merge's rebase then moves it (and the
-    steps taken meanwhile) by θg_merged − θg_eager. --sync (and outer.eager=false) keep θ where the round ended."""
+    """Decoupled: at a submit θ jumps to outer_step(θg, m, Δ_own); the merge's rebase then moves it to θg_merged,
+    with `outer.rebase_keep` of the steps taken meanwhile. --sync (and outer.eager=false) keep θ where the round ended."""
     cfg = _cfg()
     learner = _learner(cfg, InMemoryMerger("p0", {"group_size": 2}), tmp_path, 0)  # nobody else: stays in flight
     theta_g = learner.global_params.clone()
@@ -140,7 +144,7 @@ def test_eager_update_moves_to_the_own_outer_step_at_submit_and_the_merge_by_the
     flight.future.cancel()
     learner.apply_merge(merged, flight.local_at_submit)
     new_g, _ = outer_step(theta_g, torch.zeros_like(theta_g), merged.pseudo_grad, 0.7, 0.9)
-    torch.testing.assert_close(learner._local_params(), new_g + 0.25)
+    torch.testing.assert_close(learner._local_params(), new_g + 0.25 * cfg.outer.rebase_keep)  # half of them, stale
     for sets in ({"swarm.sync": "true"}, {"outer.eager": "false"}):
         other = _learner(_cfg(**sets), InMemoryMerger("q0", {"group_size": 2}), tmp_path, 0)
         for _ in range(3):
@@ -201,8 +205,11 @@ def test_a_peer_that_merges_with_a_finishing_peer_ends_on_the_same_global_model(
     # reaches B in a group merge, the run is over for B too, instead of B drifting on alone (here it would never
     # find a partner again). Further from its end, B goes on (tests/test_insiders.py: "final" is only a claim).
     hub = {"group_size": 2}
-    a = _learner(_cfg(**{"run.total_steps": 10}), InMemoryMerger("a", hub), tmp_path, 0)
-    b = _learner(_cfg(**{"run.total_steps": 15}), InMemoryMerger("b", hub), tmp_path, 1)
+    # steps padded to 0.05 s: unpadded, B (decoupled) could take its last 5 steps before A's final merge landed,
+    # ending at 15 by its own budget (1 run in 3 failed so)
+    pad = {"emulate.min_step_s": 0.05}
+    a = _learner(_cfg(**{"run.total_steps": 10, **pad}), InMemoryMerger("a", hub), tmp_path, 0)
+    b = _learner(_cfg(**{"run.total_steps": 15, **pad}), InMemoryMerger("b", hub), tmp_path, 1)
     summaries = {}
     threads = [threading.Thread(target=lambda p=p, n=n: summaries.__setitem__(n, p.run())) for p, n in ((a, "a"), (b, "b"))]
     for t in threads:

@@ -71,6 +71,16 @@ def test_rebase_keeps_steps_taken_since_submit():
     assert torch.equal(rebase(new_global, now, at_submit), torch.tensor([10.5, 9.0]))
 
 
+def test_rebase_keeps_a_share_of_stale_steps_and_all_of_steps_taken_from_where_the_merge_landed():
+    new_global = torch.tensor([10.0, 10.0])
+    at_submit = torch.tensor([1.0, 2.0])
+    now = torch.tensor([1.5, 1.0])  # moved by (+0.5, −1) since the submit, from a model the merge did not land on
+    assert torch.equal(rebase(new_global, now, at_submit, keep=0.5), torch.tensor([10.25, 9.5]))
+    assert torch.equal(rebase(new_global, now, at_submit, keep=0.0), new_global)
+    # a merge alone after an eager update lands on θ_at_submit itself: those steps were not stale
+    assert torch.equal(rebase(at_submit, now, at_submit, keep=0.5), now)
+
+
 def test_weight_shares_as_the_average_counts_them():
     assert weight_shares([100, 300]) == [0.25, 0.75]
     # the middle member's part was left out: the others share the whole, 100 / (100 + 300) and 300 / 400

@@ -79,9 +79,19 @@ def state_within_reach(own: torch.Tensor, adopted: torch.Tensor, own_step: torch
     return math.isfinite(distance) and distance <= reach * step
 
 
-def rebase(new_global: torch.Tensor, local_now: torch.Tensor, local_at_submit: torch.Tensor) -> torch.Tensor:
-    """θ ← θg + (θ − θ_at_submit): move onto the new global model, keeping steps taken since the submit."""
-    return new_global + (local_now - local_at_submit)
+def rebase(new_global: torch.Tensor, local_now: torch.Tensor, local_at_submit: torch.Tensor,
+           keep: float = 1.0) -> torch.Tensor:
+    """θ ← θg + keep·(θ − θ_at_submit): move onto the new global model with `keep` of the steps taken since the submit.
+
+    Those steps were taken from θ_at_submit (the eager update), not from the θg the merge produced, and with
+    all of them kept (keep = 1) decoupled peers trained ~1–9 % worse than `--sync` at H = 10 in `bench parity`'s
+    setting; with half of them kept, as Streaming DiLoCo mixes a landed fragment half and half (arXiv 2501.18512),
+    as well as `--sync` (docs/benchmarks.md, "Steps taken while a merge is in flight"). Steps taken from the very
+    model the merge landed on (a merge alone after an eager update) were not stale: they are all kept.
+    """
+    if keep != 1.0 and torch.equal(new_global, local_at_submit):
+        keep = 1.0
+    return new_global + (local_now - local_at_submit) * keep
 
 
 def weighted_average(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:

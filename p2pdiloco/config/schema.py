@@ -160,9 +160,12 @@ class OuterOptConfig(_Section):
     """Decoupled: go on from the outer step on the own Δ while a merge is in flight (arXiv 2502.12996)."""
     alone_lr: float = 0.0
     """Outer lr of steps on the own Δ alone (merges alone, eager updates); 0: `lr` (sparseloco's lr 3 overshoots)."""
+    rebase_keep: float = 0.5
+    """Decoupled: the share kept of the inner steps taken while a merge was in flight, when it lands (`rebase`)."""
 
     def checks(self) -> Iterator[tuple[bool, str]]:
         yield self.lr > 0 and self.alone_lr >= 0, "learning rates must be positive"
+        yield 0 <= self.rebase_keep <= 1, "outer.rebase_keep must be in [0, 1]"
         yield 0 <= self.momentum < 1, "outer.momentum must be in [0, 1)"
 
 
@@ -338,11 +341,9 @@ class EmulateConfig(_Section):
     slow_factor: float = 1.0
     """Emulate an accelerator this many times slower: each inner step is padded with sleep."""
     min_step_s: float = 0.0
-    """Pad each inner step to at least this long (emulated accelerator time, so that benchmark peers sharing
-    few cores do not compete for them); 0 disables."""
+    """Pad each inner step to at least this long (an emulated accelerator's step time); 0 disables."""
     hostile: str = ""
-    """Make this peer hostile (one of HOSTILE_KINDS: nan, scale, noise, signflip, takeover, final, leader, donor; see
-    testing/hostile.py); empty: an honest peer."""
+    """Make this peer hostile (one of HOSTILE_KINDS, see testing/hostile.py); empty: an honest peer."""
 
     def checks(self) -> Iterator[tuple[bool, str]]:
         yield self.slow_factor >= 1, "emulate.slow_factor must be >= 1"
@@ -394,6 +395,6 @@ class Config(_Model):
         sparse = {"sparse_keep": s.sparse_keep, "sparse_screen": "momentum"} if s.codec == "sparseloco" else {}
         return {"model": self.model.fingerprint(), "tokenizer": tokenizer,
                 "codec": {"codec": s.codec, "error_feedback": s.error_feedback, **sparse},
-                "outer": self.outer.model_dump(exclude={"eager", "alone_lr"}),
+                "outer": self.outer.model_dump(exclude={"eager", "alone_lr", "rebase_keep"}),
                 "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync},
                 "guard": self.guard.model_dump(), "agreement": "int8-linear"}  # older peers: fp32

@@ -303,9 +303,9 @@ class Learner:
 
         Args:
             result: the merge.
-            local_at_submit: the local model when Δ was taken. Inner steps taken since then are kept:
-                θ ← θg + (θ − θ_at_submit); in sync mode there are none, so θ ← θg exactly. None
-                restarts from θg regardless.
+            local_at_submit: the local model when Δ was taken. `outer.rebase_keep` of the inner steps taken
+                since then is kept: θ ← θg + keep·(θ − θ_at_submit); in sync mode there are none, so θ ← θg
+                exactly. None restarts from θg regardless.
         """
         if self.g.merge(result, own_weight=self.c.global_tokens):
             if result.global_state is not None:  # members disagreed: the group's agreed global model was adopted
@@ -317,7 +317,7 @@ class Learner:
         if local_at_submit is None:
             load_flat_(self.model, self.g.params)
         else:
-            load_flat_(self.model, rebase(self.g.params, self._local_params(), local_at_submit))
+            load_flat_(self.model, rebase(self.g.params, self._local_params(), local_at_submit, self.cfg.outer.rebase_keep))
         self.c.add_merge(result)
         self.c.global_digest = self.g.digest()
         self.shared = self.snapshot()
