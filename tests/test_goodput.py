@@ -51,6 +51,17 @@ def test_a_round_whose_part_the_owners_left_out_does_not_count(tmp_path):
     assert got["spent_s"] == pytest.approx(9.0)
 
 
+def test_the_share_of_stale_steps_a_rebase_gave_up_does_not_count(tmp_path):
+    got = _goodput(tmp_path, [
+        _start(10.0, 4.0),
+        # 0.8 s of steps were taken while this merge was in flight; the rebase kept half of their progress
+        _merge(12.0, 2.0, 3, rebase_dropped_s=0.4),
+        _merge(14.0, 2.0, 3, rebase_dropped_s=0.0),  # those steps are in this round's 2 s: 1.6 s of it reached
+        _final(15.0),
+    ])
+    assert got["reached_s"] == pytest.approx(2.0 + 1.6)
+
+
 def test_rounds_merged_alone_reach_a_later_agreement_by_this_peers_share(tmp_path):
     got = _goodput(tmp_path, [
         _start(10.0, 4.0),

@@ -116,12 +116,14 @@ def test_decoupled_apply_rebases_steps_taken_during_the_merge(tmp_path, keep):
     at_submit = theta_g - 0.5  # the local model when Δ was taken
     now = at_submit + 0.25  # two more "inner steps" moved it by +0.25 meanwhile
     load_flat_(learner.model, now)
+    learner.c.compute_in_round = 0.8  # those steps' seconds
     delta = torch.full_like(theta_g, 0.1)
     learner.apply_merge(MergeResult(group=["p0", "p1"], pseudo_grad=delta, total_weight=1.0), at_submit)
     new_g, _ = outer_step(theta_g, torch.zeros_like(theta_g), delta, 0.7, 0.9)
     # θ ← θg' + keep·(θ − θ_at_submit) = θg' + keep·0.25
     torch.testing.assert_close(learner._local_params(), new_g + keep * 0.25)
     assert torch.equal(learner.global_params, new_g)
+    assert learner.c.rebase_dropped_s == pytest.approx(0.8 * (1 - keep))  # what goodput does not count
 
 
 def test_eager_update_moves_to_the_own_outer_step_at_submit_and_the_merge_by_the_difference(tmp_path):

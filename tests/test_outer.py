@@ -10,6 +10,7 @@ from p2pdiloco.algorithm.outer import (
     outer_step,
     pseudo_gradient,
     rebase,
+    stale_share_kept,
     state_digest,
     weight_shares,
     weighted_average,
@@ -78,7 +79,8 @@ def test_rebase_keeps_a_share_of_stale_steps_and_all_of_steps_taken_from_where_t
     assert torch.equal(rebase(new_global, now, at_submit, keep=0.5), torch.tensor([10.25, 9.5]))
     assert torch.equal(rebase(new_global, now, at_submit, keep=0.0), new_global)
     # a merge alone after an eager update lands on θ_at_submit itself: those steps were not stale
-    assert torch.equal(rebase(at_submit, now, at_submit, keep=0.5), now)
+    assert stale_share_kept(new_global, at_submit, 0.5) == 0.5
+    assert stale_share_kept(at_submit.clone(), at_submit, 0.5) == 1.0
 
 
 def test_weight_shares_as_the_average_counts_them():

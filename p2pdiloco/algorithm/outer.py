@@ -79,18 +79,22 @@ def state_within_reach(own: torch.Tensor, adopted: torch.Tensor, own_step: torch
     return math.isfinite(distance) and distance <= reach * step
 
 
+def stale_share_kept(new_global: torch.Tensor, local_at_submit: torch.Tensor, keep: float) -> float:
+    """The share of the inner steps taken while a merge was in flight that `rebase` keeps when it lands.
+
+    Those steps were taken from θ_at_submit (the eager update), not from the θg the merge produced, and with all of
+    them kept decoupled peers trained 1–9 % worse than `--sync` at H = 10 in `bench parity`'s setting; keeping
+    `keep` = `outer.rebase_keep` of them (0.5, as Streaming DiLoCo mixes a landed fragment half and half, arXiv
+    2501.18512) brought them within 0.5 % (docs/benchmarks.md, "Steps taken while a merge is in flight"). Steps
+    taken from the very model the merge landed on (a merge alone after an eager update) were not stale: all kept.
+    """
+    return 1.0 if torch.equal(new_global, local_at_submit) else keep
+
+
 def rebase(new_global: torch.Tensor, local_now: torch.Tensor, local_at_submit: torch.Tensor,
            keep: float = 1.0) -> torch.Tensor:
-    """θ ← θg + keep·(θ − θ_at_submit): move onto the new global model with `keep` of the steps taken since the submit.
-
-    Those steps were taken from θ_at_submit (the eager update), not from the θg the merge produced, and with
-    all of them kept (keep = 1) decoupled peers trained ~1–9 % worse than `--sync` at H = 10 in `bench parity`'s
-    setting; with half of them kept, as Streaming DiLoCo mixes a landed fragment half and half (arXiv 2501.18512),
-    as well as `--sync` (docs/benchmarks.md, "Steps taken while a merge is in flight"). Steps taken from the very
-    model the merge landed on (a merge alone after an eager update) were not stale: they are all kept.
-    """
-    if keep != 1.0 and torch.equal(new_global, local_at_submit):
-        keep = 1.0
+    """θ ← θg + keep·(θ − θ_at_submit): move onto the new global model with `keep` of the steps taken since the
+    submit (see `stale_share_kept`)."""
     return new_global + (local_now - local_at_submit) * keep
 
 

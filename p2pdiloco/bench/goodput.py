@@ -35,6 +35,10 @@ from its restart to that kill. The seconds a killed peer is down count for nothi
   - a kill: they are lost, as are the steps after the incarnation's last merge. A restarted peer's θg from its
     checkpoint is counted as bringing nothing new, even when a later agreement averages it in.
 
+A merge's rebase keeps only `outer.rebase_keep` of the inner steps taken while it was in flight (stale steps,
+`outer.stale_share_kept`); the rest of their progress is given up, and their seconds (`rebase_dropped_s` of that
+merge's line) are taken off the next round's, whose Δ they are in.
+
 Known to be generous still: `state_share` is a weight share, and the robust rule that combines global models in
 groups of 3 or more (CenteredClip by default) can give a lone differing θg less, down to nothing where the others
 agree. Lines written before `own_kept` and `state_share` existed count as all kept and no share.
@@ -105,11 +109,13 @@ def goodput_from_metrics(path: Path, chaos: list[dict] | None = None) -> dict:
 def _reached(rows: list[dict], ended: bool) -> float:
     """Inner-step seconds of one incarnation whose effect reached another peer's model or, if `ended` (a normal
     end with a final eval), the final model."""
-    reached = pending = 0.0
+    reached = pending = dropped = 0.0
     for r in rows:
         if r.get("kind") != "merge":
             continue
-        compute, kept = r.get("round_compute_s", 0.0), r.get("own_kept", 1.0)
+        # the steps a merge's rebase gave up a share of were taken while it was in flight: in the next round
+        compute, kept = max(0.0, r.get("round_compute_s", 0.0) - dropped), r.get("own_kept", 1.0)
+        dropped = r.get("rebase_dropped_s", 0.0)
         if r["group_size"] <= 1:
             pending += compute
         elif r.get("state_refused"):

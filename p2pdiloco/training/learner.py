@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from p2pdiloco.algorithm.outer import outer_step, pseudo_gradient, rebase
+from p2pdiloco.algorithm.outer import outer_step, pseudo_gradient, rebase, stale_share_kept
 from p2pdiloco.config import Config
 from p2pdiloco.network.merger import Contribution, Merger, MergeResult
 from p2pdiloco.network.state_sync import GlobalState
@@ -314,10 +314,11 @@ class Learner:
             logger.warning("[%s] refused group %s's averaged global model: farther from ours than any honest "
                            "divergence (see algorithm/outer.py, state_within_reach)", self.tag, result.group_id)
             result.global_state, result.state_refused = None, True
-        if local_at_submit is None:
-            load_flat_(self.model, self.g.params)
-        else:
-            load_flat_(self.model, rebase(self.g.params, self._local_params(), local_at_submit, self.cfg.outer.rebase_keep))
+        now = self._local_params()
+        at_submit = now if local_at_submit is None else local_at_submit  # None: back to θg, every step given up
+        keep = 0.0 if local_at_submit is None else stale_share_kept(self.g.params, at_submit, self.cfg.outer.rebase_keep)
+        load_flat_(self.model, rebase(self.g.params, now, at_submit, keep))
+        self.c.rebase_dropped_s = self.c.compute_in_round * (1.0 - keep)  # of the steps taken since the submit
         self.c.add_merge(result)
         self.c.global_digest = self.g.digest()
         self.shared = self.snapshot()

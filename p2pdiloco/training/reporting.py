@@ -79,6 +79,9 @@ class Counters:
     tokens_run: int = 0
     """Tokens this learner unit trained on since this process started (`tokens` survives a resume)."""
     compute_in_round: float = 0.0
+    rebase_dropped_s: float = 0.0
+    """Inner-step seconds whose progress the last merge's rebase gave up: (1 − keep) of the steps taken while it
+    was in flight (`outer.stale_share_kept`); goodput does not count them (bench/goodput.py)."""
     join_s: float | None = None
     """Seconds from process start to the first merge with other peers."""
     global_digest: str = ""
@@ -239,7 +242,8 @@ class Reporter:
             merge_s=result.duration_s, bytes_sent=self.bytes_io()[0], bytes_received=self.bytes_io()[1],
             global_digest=global_digest, adopted_state=result.global_state is not None, state_refused=result.state_refused, eval_loss=eval_loss,
             eval_loss_per_byte=self.per_byte(eval_loss),
-            round_compute_s=round_compute_s, rejected=result.rejected, final=result.final,
+            round_compute_s=round_compute_s, rebase_dropped_s=self.c.rebase_dropped_s, rejected=result.rejected,
+            final=result.final,
             own_kept=result.own_kept, state_share=result.state_share, state_anchored=result.state_anchored,
             state_bytes_sent=result.state_bytes_sent, phase_shift_s=result.phase_shift_s,
             **({"traffic": self.traffic.snapshot()} if self.traffic else {}),
