@@ -226,7 +226,7 @@ def test_swarm_outlives_its_bootstrap_node(tmp_path):
         boot.wait()
 
 
-def test_a_peer_restarted_after_the_swarm_finished_does_not_train_on_alone(bootstrap_dht, net_loop):
+def test_a_peer_restarted_after_the_swarm_finished_does_not_train_on_alone(bootstrap_dht, net_loop, tmp_path):
     from hivemind.utils.timed_storage import get_dht_time
 
     from p2pdiloco.app.heartbeat import Heartbeat, swarm_finished
@@ -247,6 +247,17 @@ def test_a_peer_restarted_after_the_swarm_finished_does_not_train_on_alone(boots
         wait_for(lambda: finished() is not None, 20, what="the finished record")
         assert finished() == (done.peer_id.to_base58(), 100)
         assert hb._expiration > get_dht_time() + 600  # not 3 heartbeats: an hour
+        # what the restarted peer does with it: trains nothing, and says so in its summary, so that the run's
+        # summary leaves its model out of the final models (`local --chaos` reported such runs "apart")
+        from p2pdiloco.app.peer import join_swarm_state
+        from p2pdiloco.testing.inmemory import InMemoryMerger
+        from tests.test_learner import _cfg, _learner
+
+        cfg = _cfg(**{"swarm.run_id": "fin", "run.total_steps": 100})
+        learner = _learner(cfg, InMemoryMerger(me, {"group_size": 2}), tmp_path, 0)
+        join_swarm_state(learner, None, net_loop, late, cfg, me, learner.report.metrics)
+        summary = learner.run()
+        assert summary["arrived_after_end"] is True and summary["inner_steps"] == 0
     finally:
         for d in (done, late):
             if d is not None:
