@@ -54,20 +54,17 @@ def final_models(peers: list[dict]) -> tuple[str, float | None]:
 
 def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float, extra: dict | None = None) -> dict:
     """Collect the peers' summaries into the run's summary.json."""
-    peers, at_end = [], []
-    for d in peer_dirs:
-        path = d / "peer_summary.json"
-        if path.exists():
-            peers.append(json.loads(path.read_text()))
-            if not peers[-1].get("arrived_after_end"):
-                at_end.append(d)
+    loaded = [(d, json.loads((d / "peer_summary.json").read_text()))
+              for d in peer_dirs if (d / "peer_summary.json").exists()]
+    peers = [p for _, p in loaded]
     # a peer (re)started after the swarm finished trained nothing and kept the model it had: the run's result is
     # the models of the peers that were there at its end (`local --chaos` restarted one after the others had
     # finished, and the run was reported "apart")
-    ended = [p for p in peers if not p.get("arrived_after_end")]
+    at_end = [(d, p) for d, p in loaded if not p.get("arrived_after_end")]
+    ended = [p for _, p in at_end]
 
-    def mean(key: str, of: list[dict] = peers) -> float | None:  # over those that report it (older summaries lack
-        values = [p[key] for p in of if p.get(key) is not None]  # the per-byte ones)
+    def mean(key: str, of: list[dict]) -> float | None:  # over those that report it (older summaries lack the
+        values = [p[key] for p in of if p.get(key) is not None]  # per-byte ones)
         return sum(values) / len(values) if values else None
 
     which, spread = final_models(ended)
@@ -75,12 +72,12 @@ def summarize(run_dir: Path, peer_dirs: list[Path], config: dict, wall_s: float,
         "n_peers": len(peer_dirs),
         "peers_finished": len(peers),
         "wall_s": wall_s,
-        "eval_loss_initial": mean("eval_loss_initial"),
+        "eval_loss_initial": mean("eval_loss_initial", peers),
         "eval_loss_final": mean("eval_loss_final", ended),
-        "eval_loss_per_byte_initial": mean("eval_loss_per_byte_initial"),
+        "eval_loss_per_byte_initial": mean("eval_loss_per_byte_initial", peers),
         "eval_loss_per_byte_final": mean("eval_loss_per_byte_final", ended),
         "global_models_identical": which == "identical" if peers else None,
-        "consensus_distance": consensus_distance(at_end),
+        "consensus_distance": consensus_distance([d for d, _ in at_end]),
         "arrived_after_end": len(peers) - len(ended),  # not in final_models nor in the consensus distance
         "final_models": which,  # see final_models: identical, within tolerance (1 % of eval loss) or apart
         "eval_loss_final_spread": spread,

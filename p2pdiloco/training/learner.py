@@ -315,8 +315,8 @@ class Learner:
                            "divergence (see algorithm/outer.py, state_within_reach)", self.tag, result.group_id)
             result.global_state, result.state_refused = None, True
         now = self._local_params()
-        at_submit = now if local_at_submit is None else local_at_submit  # None: back to θg, every step given up
-        keep = 0.0 if local_at_submit is None else stale_share_kept(self.g.params, at_submit, self.cfg.outer.rebase_keep)
+        at_submit, keep = ((now, 0.0) if local_at_submit is None  # back to θg: every step since the submit given up
+                           else (local_at_submit, stale_share_kept(self.g.params, local_at_submit, self.cfg.outer.rebase_keep)))
         load_flat_(self.model, rebase(self.g.params, now, at_submit, keep))
         self.c.rebase_dropped_s = self.c.compute_in_round * (1.0 - keep)  # of the steps taken since the submit
         self.c.add_merge(result)
