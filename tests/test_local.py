@@ -28,7 +28,8 @@ def test_three_peer_swarm_merges_agrees_and_learns(tmp_path):
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     # what the peers did while they started, from their logs' progress lines, until they trained
-    assert "peers starting: 3/3 starting" in out.stdout
+    # the first state shown depends on how far the forked peers got before `local` first read their logs
+    assert re.search(r"peers starting: [1-3]/3 [a-zA-Z]", out.stdout), out.stdout[-2000:]
     assert re.search(r"peers started: [1-3]/3 training", out.stdout), out.stdout[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["peers_finished"] == 3
