@@ -87,6 +87,27 @@ def test_a_start_up_counts_from_when_local_asked_for_the_peer(monkeypatch):
     assert process_started_monotonic(now_wall - 2.0) == pytest.approx(now_mono - 2.0, abs=0.5)
 
 
+def test_a_script_without_a_main_guard_forks_peers_without_running_itself_again(tmp_path):
+    # multiprocessing would have the fork server import the caller's script; unguarded, it runs again there
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import os, sys\n"
+        "from p2pdiloco.app.prefork import Prefork\n"
+        "print('script ran', flush=True)\n"
+        "prefork = Prefork(preload=('p2pdiloco.cli',))\n"
+        f"peer = prefork.start(['--version'], {str(tmp_path / 'peer.log')!r}, dict(os.environ))\n"
+        "try:\n"
+        "    print('exit', peer.wait(timeout=60), flush=True)\n"
+        "finally:\n"
+        "    peer.kill()\n"
+        "    prefork.close()\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         stdin=subprocess.DEVNULL, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["script ran", "exit 0"]  # once, in this process only
+    assert "p2pdiloco" in (tmp_path / "peer.log").read_text()  # the forked command's own output
+
+
 @pytest.mark.integration
 def test_local_chaos_kills_and_restarts_forked_peers_and_leaves_nothing_running(tmp_path):
     proc = subprocess.Popen(

@@ -24,8 +24,9 @@ import runpy
 import signal
 import subprocess
 import sys
+import threading
 import time
-from multiprocessing import forkserver, util
+from multiprocessing import forkserver, spawn, util
 from pathlib import Path
 
 from p2pdiloco.app.startup import REQUESTED_AT
@@ -68,6 +69,35 @@ def _peer_main(argv: list[str], log_path: str, env: dict[str, str]) -> None:
         runpy.run_module("p2pdiloco", run_name="__main__", alter_sys=True)
     finally:
         atexit._run_exitfuncs()  # multiprocessing ends a child with os._exit: flush the logs, as an interpreter's exit does
+
+
+_MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
+_main_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _callers_main_not_imported():
+    """Within it, processes of the fork server do not import the caller's main module.
+
+    multiprocessing has the server and each child it forks import the parent's `__main__` (as `__mp_main__`), for
+    targets defined there. Ours is `_peer_main`, in this module, so they need none of it; and a script that calls
+    `run_local` at top level, without `if __name__ == "__main__":`, would run again in the server, where
+    multiprocessing stops it with its "bootstrapping phase" error and no peer starts.
+    """
+    with _main_lock:
+        original = spawn.get_preparation_data
+
+        def without_main(name: str) -> dict:
+            data = original(name)
+            for key in _MAIN_KEYS:
+                data.pop(key, None)
+            return data
+
+        spawn.get_preparation_data = without_main
+        try:
+            yield
+        finally:
+            spawn.get_preparation_data = original
 
 
 class ForkedPeer:
@@ -113,14 +143,16 @@ class Prefork:
         self.context = multiprocessing.get_context("forkserver")
         """Its multiprocessing context: `context.Process` is forked from the server."""
         self.context.set_forkserver_preload(list(preload))
-        forkserver.ensure_running()  # it imports now, beside whatever the caller does next
+        with _callers_main_not_imported():
+            forkserver.ensure_running()  # it imports now, beside whatever the caller does next
 
     def start(self, argv: list[str], log: Path, env: dict[str, str], asked_at: float | None = None) -> ForkedPeer:
         """Fork `p2pdiloco ARGV` (waits for the server's imports on the first call); its start-up counts from
         `asked_at` (Unix time; default now), not from the fork."""
         env = {**env, REQUESTED_AT: repr(time.time() if asked_at is None else asked_at)}
         process = self.context.Process(target=_peer_main, args=(list(argv), str(log), env), name="p2pdiloco-peer")
-        process.start()
+        with _callers_main_not_imported():
+            process.start()
         return ForkedPeer(process)
 
     def close(self, timeout: float = 5.0) -> None:
