@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from p2pdiloco.algorithm.codecs import CodecError, ErrorFeedback, NonFiniteError, get_codec
+from p2pdiloco.algorithm.guards import cosines_to
 from p2pdiloco.algorithm.sparse import SparseCodec, rice_decode, rice_encode, rice_parameter
 from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.rpc import MergeFailed
@@ -179,6 +180,28 @@ def test_without_a_momentum_a_part_few_others_point_with_is_left_out():
     assert trusted(honest, [""] * 3, zeros) == ["", "", ""]  # honest parts all point alike
     assert trusted([honest[0], flipped], ["", ""], zeros) == ["", ""]  # two: nothing to tell them apart by
     assert trusted([honest[0], honest[1], flipped], ["", "", "norm"], zeros) == ["", "", "norm"]
+
+
+def test_a_momentum_no_better_than_chance_or_a_fork_hands_the_decision_to_the_parts_support():
+    momentum, honest, flipped, _ = _sparse_swarm()
+    parts = [flipped, honest[0], honest[1], flipped.clone(), honest[2]]
+    n = momentum.numel()
+    # a reference orthogonal to every part, nudged toward the honest ones: their cosines are positive, below 1/√n
+    used = torch.stack(parts).abs().sum(0) > 0
+    blind = torch.randn(n, generator=torch.Generator().manual_seed(7)).masked_fill(used, 0.0)
+    toward = sum(honest) / len(honest)
+    reference = blind + toward * (0.5 / n ** 0.5) * float(blind.norm() / toward.norm())
+    cosines = cosines_to(parts, reference)
+    assert all(0 < cosines[i] < n ** -0.5 for i in (1, 2, 4)) and cosines[0] < 0
+    # the floor 1/√n used to leave out every part here (the merge failed for all); now the parts' support decides
+    assert trusted(parts, [""] * 5, reference) == ["trust", "", "", "trust", ""]
+    # members of a fork hold different momenta; whatever each holds (here one against the majority, which alone
+    # would leave nothing out), they decide by the parts alike
+    for held in (momentum, -momentum, momentum + 1e-2 * torch.randn(n, generator=torch.Generator().manual_seed(2))):
+        assert trusted(parts, [""] * 5, held, forked=True) == ["trust", "", "", "trust", ""]
+    avg, reasons, _ = reduce_parts(parts, [""] * 5, [1.0] * 5, GuardConfig(), -momentum, forked=True)
+    assert reasons == ["trust", "", "", "trust", ""]
+    torch.testing.assert_close(avg, (honest[0] + honest[1] + honest[2]) / 3)
 
 
 def test_decayed_error_feedback_scales_the_residual_before_adding_it():

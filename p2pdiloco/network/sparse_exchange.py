@@ -68,7 +68,8 @@ TRUST_SHARE = 0.15
 """A part counts only if its cosine to the momentum is above this share of the group's upper-median cosine."""
 
 
-def trusted(parts: list[torch.Tensor], reasons: list[str], reference: torch.Tensor | None) -> list[str]:
+def trusted(parts: list[torch.Tensor], reasons: list[str], reference: torch.Tensor | None,
+            forked: bool = False) -> list[str]:
     """The trust screen for all-gathered parts: `reasons` with TRUST added for each part whose cosine to the outer
     momentum `reference` is at most max(TRUST_SHARE × the upper median of the cosines, 1/√n); without a momentum
     (the run's first merge), for each part that fewer others point with than the group's upper median (`supported`).
@@ -87,17 +88,28 @@ def trusted(parts: list[torch.Tensor], reasons: list[str], reference: torch.Tens
 
     An honest part left out loses only this round's Δ (error feedback keeps the residual it carried). If the upper
     median is not positive, a majority points against the momentum: with an honest majority that means the
-    momentum is what is wrong, so nothing is left out (as in `guards.trust_factors`).
+    momentum is what is wrong, so nothing is left out (as in `guards.trust_factors`). If it is positive but no
+    more than 1/√n, the cosine of a random direction, the momentum tells the parts apart no better than chance,
+    and the floor would leave out at least half of them (in a 3000-step run, every part once: the merge failed
+    for all); and in a merge whose members' global states differ (`forked`: an agreement is part of it) their
+    momenta differ, so their decisions could too, and a fork would last (in a 3000-step `--sync` run, members
+    left out different parts in ~180 merges in a row). In both cases the parts are judged by their support
+    among themselves (`supported`), which every member computes from the same parts alike.
     """
     if reference is None:
         return list(reasons)
+    if forked:
+        return supported(parts, reasons)
     cosines = cosines_to(parts, reference)
     scored = sorted(c for c, r in zip(cosines, reasons, strict=True) if c is not None and not r)
     if not scored:
         return supported(parts, reasons)
-    if scored[len(scored) // 2] <= 0:
+    median, chance = scored[len(scored) // 2], 1.0 / math.sqrt(max(reference.numel(), 1))
+    if median <= 0:
         return list(reasons)
-    floor = max(TRUST_SHARE * scored[len(scored) // 2], 1.0 / math.sqrt(max(reference.numel(), 1)))
+    if median <= chance:
+        return supported(parts, reasons)
+    floor = max(TRUST_SHARE * median, chance)
     logger.debug("sparse parts' cosines to the momentum: %s (floor %.4f)",
                  ", ".join("-" if c is None else f"{c:.3f}" for c in cosines), floor)
     return [r or (TRUST if c is not None and c <= floor else "") for c, r in zip(cosines, reasons, strict=True)]
@@ -122,7 +134,8 @@ def supported(parts: list[torch.Tensor], reasons: list[str]) -> list[str]:
 
 def reduce_parts(parts: list[torch.Tensor], flags: list[str], weights: list[float],
                  guard: GuardConfig | None,
-                 reference: torch.Tensor | None = None) -> tuple[torch.Tensor, list[str], list[float]]:
+                 reference: torch.Tensor | None = None,
+                 forked: bool = False) -> tuple[torch.Tensor, list[str], list[float]]:
     """The group's average of decoded sparse parts, as every member computes it.
 
     Robust coordinate-wise rules (centered_clip, trimmed_mean) do not fit sparse parts: where most members kept
@@ -135,6 +148,7 @@ def reduce_parts(parts: list[torch.Tensor], flags: list[str], weights: list[floa
         weights: each member's weight (tokens of its round).
         guard: the bounds; None: no guards, and any flagged part fails the merge.
         reference: the outer momentum, for the trust screen (`trusted`; off with `guard.trust_decay` < 0).
+        forked: members' global states differ (the merge holds an agreement), so their momenta do too.
 
     Returns:
         (the average, one reason per member ('' if its part counted), each member's share of the average).
@@ -149,7 +163,7 @@ def reduce_parts(parts: list[torch.Tensor], flags: list[str], weights: list[floa
     else:
         reasons = screen_shared(parts, flags, guard)
         if guard.trust_decay >= 0:
-            reasons = trusted(parts, reasons, reference)
+            reasons = trusted(parts, reasons, reference, forked)
     kept = [not r for r in reasons]
     if not any(kept):
         raise MergeFailed("every part was rejected")
@@ -221,7 +235,8 @@ class SparseExchange:
         decoded = [decode_part(self.codec, p, n) for p in gathered.parts]
         parts, flags = [d[0] for d in decoded], [d[1] for d in decoded]
         reference = group.reference if isinstance(group.reference, torch.Tensor) else None
-        average, reasons, shares = reduce_parts(parts, flags, list(group.weights_for("d")), self.guard, reference)
+        average, reasons, shares = reduce_parts(parts, flags, list(group.weights_for("d")), self.guard, reference,
+                                                forked=group.need_state)
         for i, reason in enumerate(reasons):
             if reason:
                 # no strike for trust: an honest member's part can point away from the momentum in one merge
