@@ -182,7 +182,7 @@ def test_without_a_momentum_a_part_few_others_point_with_is_left_out():
     assert trusted([honest[0], honest[1], flipped], ["", "", "norm"], zeros) == ["", "", "norm"]
 
 
-def test_a_momentum_no_better_than_chance_or_a_fork_hands_the_decision_to_the_parts_support():
+def test_a_momentum_no_better_than_chance_keeps_only_its_sign_and_a_fork_is_judged_by_support():
     momentum, honest, flipped, _ = _sparse_swarm()
     parts = [flipped, honest[0], honest[1], flipped.clone(), honest[2]]
     n = momentum.numel()
@@ -193,7 +193,7 @@ def test_a_momentum_no_better_than_chance_or_a_fork_hands_the_decision_to_the_pa
     reference = blind + toward * (0.5 / n ** 0.5) * float(blind.norm() / toward.norm())
     cosines = cosines_to(parts, reference)
     assert all(0 < cosines[i] < n ** -0.5 for i in (1, 2, 4)) and cosines[0] < 0
-    # the floor 1/√n used to leave out every part here (the merge failed for all); now the parts' support decides
+    # the floor 1/√n used to leave out every part here (the merge failed for all); now only those pointing against
     assert trusted(parts, [""] * 5, reference) == ["trust", "", "", "trust", ""]
     # members of a fork hold different momenta; whatever each holds (here one against the majority, which alone
     # would leave nothing out), they decide by the parts alike

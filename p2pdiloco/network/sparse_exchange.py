@@ -89,11 +89,11 @@ def trusted(parts: list[torch.Tensor], reasons: list[str], reference: torch.Tens
     An honest part left out loses only this round's Δ (error feedback keeps the residual it carried). If the upper
     median is not positive, a majority points against the momentum: with an honest majority that means the
     momentum is what is wrong, so nothing is left out (as in `guards.trust_factors`). If it is positive but no
-    more than 1/√n, the cosine of a random direction, the momentum tells the parts apart no better than chance,
-    and the floor would leave out at least half of them (in a 3000-step run, every part once: the merge failed
-    for all); and in a merge whose members' global states differ (`forked`: an agreement is part of it) their
-    momenta differ, so their decisions could too, and a fork would last (in a 3000-step `--sync` run, members
-    left out different parts in ~180 merges in a row). In both cases the parts are judged by their support
+    more than 1/√n, the cosine of a random direction, the floor would leave out at least half of the parts (in
+    a 3000-step run, every part at times: the merge failed for all): there only parts that point against the
+    momentum are left out. In a merge whose members' global states differ (`forked`: an agreement is part of
+    it) their momenta differ, so their decisions could too, and a fork would last (in a 3000-step `--sync` run,
+    members left out different parts in ~180 merges in a row): there the parts are judged by their support
     among themselves (`supported`), which every member computes from the same parts alike.
     """
     if reference is None:
@@ -107,9 +107,8 @@ def trusted(parts: list[torch.Tensor], reasons: list[str], reference: torch.Tens
     median, chance = scored[len(scored) // 2], 1.0 / math.sqrt(max(reference.numel(), 1))
     if median <= 0:
         return list(reasons)
-    if median <= chance:
-        return supported(parts, reasons)
-    floor = max(TRUST_SHARE * median, chance)
+    # where the momentum tells parts apart no better than chance, only the sign of their cosine is kept from it
+    floor = max(TRUST_SHARE * median, chance) if median > chance else 0.0
     logger.debug("sparse parts' cosines to the momentum: %s (floor %.4f)",
                  ", ".join("-" if c is None else f"{c:.3f}" for c in cosines), floor)
     return [r or (TRUST if c is not None and c <= floor else "") for c, r in zip(cosines, reasons, strict=True)]
