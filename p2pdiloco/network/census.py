@@ -45,9 +45,9 @@ def leader_rank(run_id: str, peer: str, epoch: int) -> bytes:
 
     A hash of (run id, peer id, epoch), so the order changes every epoch and nobody can choose an id that leads
     every group (issue 18: with `min(ready)`, an id generated to sort first led every group it was in, and
-    by never inviting stopped all merging). Every peer computes the same order from the same census;
-    two peers whose clocks straddle an epoch's end may disagree for one search, which costs at most that
-    search (an invite from either is accepted).
+    by never inviting stopped all merging). Every peer computes the same order from the same census; a search
+    still going at an epoch's end is dealt again in the new order (`Matchmaker.find_group`), so two peers
+    disagree only while their clocks straddle the end (an invite from either is accepted).
     """
     return hashlib.blake2b(f"{run_id}\x00{peer}\x00{epoch}".encode(), digest_size=16).digest()
 

@@ -94,7 +94,7 @@ class _Search:
     accepted_gid: str = ""
     leader: str = ""
     epoch: int = 0
-    """The epoch whose groups this search is dealt (`my_group`): the one it began in."""
+    """The epoch whose groups this search is dealt (`my_group`): the current one."""
     told: set[str] = field(default_factory=set)
     """Mates told that this peer is looking."""
     unreachable: set[str] = field(default_factory=set)
@@ -118,14 +118,11 @@ class Matchmaker:
     def __init__(self, dht: hivemind.DHT, cfg: SwarmConfig, rpc: Rpc, book: GuardBook, guard: GuardConfig,
                  fingerprint: str, lengths: dict[str, int]):
         self.dht, self.cfg, self.rpc, self.book, self.guard = dht, cfg, rpc, book, guard
-        self.fingerprint, self.lengths = fingerprint, lengths
-        self.peer_id = rpc.peer_id
+        self.fingerprint, self.lengths, self.peer_id = fingerprint, lengths, rpc.peer_id
         self._search: _Search | None = None
         self._groups: dict[str, asyncio.Future] = {}
-        self._closed = False
-        self._last_submit = time.monotonic()
+        self._last_submit, self._closed, self._alone_streak = time.monotonic(), False, 0
         self._round_ema: float | None = None
-        self._alone_streak = 0
         self._tasks: set[asyncio.Task] = set()
         self._passed_over: dict[str, int] = {}
         """Leaders that never invited us: peer id -> searches left in which they are not followed."""
@@ -184,6 +181,9 @@ class Matchmaker:
             while not self._closed:
                 if search.accepted_gid:
                     return await self._await_group(search)
+                if (epoch := epoch_of(get_dht_time())) != search.epoch:  # groups were redealt: so is this search
+                    search.epoch, followed = epoch, ""  # (in the old order, mates already in the new one may never
+                    await self.census.register(epoch)  # invite it, nor it them: both merged alone)
                 census = [p for p in await self.census.members(search.epoch) if p not in self.book.banned]
                 # a run's last merge takes every mate it can reach, so that peers finishing together end with one
                 # global model (the groups' models drifted apart a little between epochs)
