@@ -65,16 +65,6 @@ def test_outer_lr_one_no_momentum_is_plain_averaging():
     assert torch.equal(theta, torch.tensor([1.0, 3.0]))
 
 
-def test_without_momentum_the_step_is_the_average_and_the_buffer_a_decayed_reference():
-    # sparseloco's outer step (mu 0, lr 3) moves by lr·Δ̄ alone, with or without Nesterov; the buffer keeps
-    # 0.9·m + Δ̄, the trust screens' reference: 1, then 0.9 + 0.5 = 1.4 (the last Δ̄ alone would be 0.5)
-    for nesterov in (True, False):
-        theta, m = outer_step(torch.tensor([1.0]), torch.zeros(1), torch.tensor([1.0]), 3.0, 0.0, nesterov)
-        assert theta.item() == -2.0 and m.item() == 1.0
-        theta, m = outer_step(theta, m, torch.tensor([0.5]), 3.0, 0.0, nesterov)
-        assert theta.item() == -3.5 and m.item() == pytest.approx(1.4)
-
-
 def test_rebase_keeps_steps_taken_since_submit():
     new_global = torch.tensor([10.0, 10.0])
     at_submit = torch.tensor([1.0, 2.0])

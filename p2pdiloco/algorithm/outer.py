@@ -36,10 +36,7 @@ def outer_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of (Nesterov) SGD on the global model, as torch.optim.SGD computes it.
 
-    m ← μ·m + Δ;  θg ← θg − lr·(Δ + μ·m) with Nesterov, else θg ← θg − lr·m. Without momentum (μ = 0, the
-    sparseloco recipe) the step is θg ← θg − lr·Δ and m ← `REFERENCE_DECAY`·m + Δ is kept only as the trust
-    screens' reference (`Group.reference`): the last Δ̄ alone was a reference honest parts late in a run
-    hardly point along (a quarter of honest sparse parts left out at H = 10, docs/security.md).
+    m ← μ·m + Δ;  θg ← θg − lr·(Δ + μ·m) with Nesterov, else θg ← θg − lr·m.
 
     Args:
         global_params: flat fp32 θg before the step.
@@ -52,13 +49,9 @@ def outer_step(
     Returns:
         (new θg, new m), both new tensors; the inputs are not modified.
     """
-    new_momentum = momentum * (mu or REFERENCE_DECAY) + pseudo_grad
-    update = (pseudo_grad + new_momentum * mu if nesterov else new_momentum) if mu else pseudo_grad
+    new_momentum = momentum * mu + pseudo_grad
+    update = pseudo_grad + new_momentum * mu if nesterov else new_momentum
     return global_params - update * lr, new_momentum
-
-
-REFERENCE_DECAY = 0.9
-"""Without outer momentum, how much of the last merges the screens' reference keeps (`outer_step`)."""
 
 
 STATE_REACH = 16.0
