@@ -60,13 +60,19 @@ def test_two_learners_merge_every_round_and_agree(tmp_path):
         t.join(timeout=120)
     assert all(s is not None for s in summaries)
     for s in summaries:
-        assert s["inner_steps"] == 20 and s["rounds"] == 4 and s["merges"] == 4
+        # decoupled: a round runs on while its merge is in flight, so a peer may reach its end in 3 rounds and
+        # its mate, whose merge meets that last one, ends with it a little short of its end (`Learner.near_end`;
+        # p0 at step 16 in CI at 56fb2c5). Every round is merged in the group of 2 all the same.
+        assert s["inner_steps"] == 20 or (s["ended_with_swarm"] and s["inner_steps"] < 20), s
+        assert 3 <= s["rounds"] <= 4 and s["merges"] == s["rounds"], s
         assert s["eval_loss_final"] < s["eval_loss_initial"] - 0.5
+    assert max(s["inner_steps"] for s in summaries) == 20
     assert torch.equal(learners[0].global_params, learners[1].global_params)
     assert torch.equal(learners[0].momentum, learners[1].momentum)
     # the heartbeat record: what `status`, the dashboard and /metrics show of this peer
     record = learners[0].report.record()
-    assert record["step"] == 20 and record["round"] == 4 and record["merges"] == 4 and record["tokens"] == 20 * 4 * 16
+    steps, rounds = summaries[0]["inner_steps"], summaries[0]["rounds"]
+    assert record["step"] == steps and record["round"] == record["merges"] == rounds and record["tokens"] == steps * 4 * 16
     assert record["last_group_size"] == 2 and record["last_merge_time"] > 0 and record["tokens_per_s"] > 0
     assert record["eval_loss"] == summaries[0]["eval_loss_final"] and record["loss"] > 0
 
