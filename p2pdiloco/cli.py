@@ -265,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--h", metavar="H[,H...]", help="inner steps per round: bandwidth tries each (default "
                     "50,100,250,500); parity and slowlink take one (default 50, 25)")
     be.add_argument("--codecs", metavar="C,C,...", help="bandwidth: codecs to try (default all)")
-    be.add_argument("--seeds", type=int, default=1, help="parity: repeat the three runs with this many initial "
-                    "models (model.init_seed 1234, 1235, ...) and report each ratio's mean and spread (default 1)")
+    be.add_argument("--seeds", type=int, default=1, help="parity and byzantine: repeat every run with this many "
+                    "initial models (model.init_seed 1234, 1235, ...) and report each ratio's mean and spread "
+                    "(default 1)")
     be.add_argument("--peers", metavar="N[,N...]", help="parity: workers (default 4); bandwidth: peers (default "
                     "2); slowlink: peers (default 2); scale: swarm sizes, one run each, the smallest the baseline "
                     "(default 4,8,16,32); dht: DHT nodes (default 4,16,32)")

@@ -89,68 +89,112 @@ def _merge_lines(run_dir: Path, names: list[str]) -> tuple[int, int]:
 
 def bench_byzantine(out: Path, steps: int = 100, round_steps: int = 5, sizes: tuple[int, ...] = SIZES,
                     hostile_count: int = 2, modes: tuple[str, ...] = MODES, kinds: tuple[str, ...] = KINDS,
-                    extra_sets: tuple[str, ...] = (), console: Console | None = None) -> dict:
+                    extra_sets: tuple[str, ...] = (), console: Console | None = None, seeds: int = 1) -> dict:
     """Runs {clean, each kind} × modes × sizes with the default guards (or `extra_sets` on top, e.g.
-    guard.min_cosine=0.1); returns and writes byzantine.json."""
+    guard.min_cosine=0.1); returns and writes byzantine.json.
+
+    With `seeds` > 1 every run is repeated with that many initial models (model.init_seed = 1234 + k), the seeds
+    interleaved so that a machine that slows down slows the clean and the hostile runs alike; each kind's figure is
+    the mean of its per-seed ratios (each ÷ the clean run of its seed), with their spread. One decoupled run's ratio
+    moves by ±4 % on the clean run's noise alone (docs/benchmarks.md), as much as the ≤ 1.02 target leaves."""
+    if seeds < 1:
+        raise ValueError("--seeds must be >= 1")
     console = console or Console()
     out.mkdir(parents=True, exist_ok=True)
     quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115 - closed with the process
     results: dict = {"machine": machine(), "steps": steps, "round_steps": round_steps, "hostile_count": hostile_count,
                      "sizes": list(sizes), "modes": list(modes), "kinds": list(kinds), "sets": list(extra_sets),
-                     "runs": {}}
+                     "seeds": seeds, "runs": {}, "figures": {}}
     for peers in sizes:
         for mode in modes:
-            for kind in ("clean", *kinds):
-                name = f"{kind}_{mode}_{peers}"
-                run_steps = steps * (DECOUPLED_STEPS if mode == "decoupled" else 1)
-                sets = BYZANTINE_SETS + MODE_SETS[mode] + [
-                    f"run.total_steps={run_steps}", f"swarm.round_steps={round_steps}",
-                    f"swarm.run_id=bench-byz-{name}", *extra_sets]
-                cfg = load_config(None, [parse_set(sets)])
-                console.print(f"[bold]{name}[/bold]: {peers - hostile_count if kind == HONEST_ONLY else peers} peers, "
-                              f"{hostile_count if kind not in ('clean', HONEST_ONLY) else 0} hostile, {run_steps} steps, "
-                              f"{mode} ...")
-                t0 = time.monotonic()
-                clean = kind in ("clean", HONEST_ONLY)
-                hostile = {i: [f"emulate.hostile={kind}"] for i in range(hostile_count)} if not clean else {}
-                n = peers - hostile_count if kind == HONEST_ONLY else peers
-                summary = run_local(n, cfg, out / name, None, sets, console=quiet, reraise_interrupt=True,
-                                    peer_sets=hostile or None)
-                names = [f"peer{i}" for i in range(n)]
-                hostile_names = {f"peer{i}" for i in hostile}
-                outcome = _honest_outcome(summary, hostile_names)
-                adopted, refused = _merge_lines(out / name, [n for n in names if n not in hostile_names])
-                results["runs"][name] = {"peers_finished": summary["peers_finished"], **outcome,
-                                         "adopted_state": adopted, "state_refused": refused,
-                                         "wall_s": time.monotonic() - t0}
-                write_results(out, "byzantine", results)  # after every run: an interrupted bench keeps what it has
+            for k in range(seeds):
+                for kind in ("clean", *kinds):
+                    _run(out, results, kind, mode, peers, k, console, quiet)
     runs = results["runs"]
     for peers in sizes:
         for mode in modes:
-            clean = runs[f"clean_{mode}_{peers}"]["eval_loss"]
-            honest_only = runs.get(f"{HONEST_ONLY}_{mode}_{peers}", {}).get("eval_loss")
             for kind in kinds:
-                run = runs[f"{kind}_{mode}_{peers}"]
-                run["ratio"] = run["eval_loss"] / clean
-                if honest_only is not None:
-                    run["ratio_honest_only"] = run["eval_loss"] / honest_only
+                per_seed = [_ratios(runs, kind, mode, peers, k, seeds) for k in range(seeds)]
+                figure = {}
+                for key in ("ratio", "ratio_honest_only"):
+                    values = [r[key] for r in per_seed if key in r]
+                    if values:
+                        figure[key] = statistics.mean(values)
+                        figure[key + "_per_seed"] = values
+                        figure[key + "_stdev"] = statistics.stdev(values) if len(values) > 1 else 0.0
+                results["figures"][f"{kind}_{mode}_{peers}"] = figure
     path = write_results(out, "byzantine", results)
-
-    console.print(f"machine: {results['machine']}")
-    console.print(f"honest peers' final eval loss with {hostile_count} hostile peers ÷ a clean run of the same size "
-                  f"and mode (sync: {steps} steps in rounds of {round_steps}; decoupled: {steps * DECOUPLED_STEPS} steps "
-                  f"of 0.05 s in rounds of 1 s; default guards):")
-    for peers in sizes:
-        for mode in modes:
-            clean = runs[f"clean_{mode}_{peers}"]
-            console.print(f"  {peers} peers, {mode}: clean {clean['eval_loss']:.4f} ({clean['merges']:.0f} merges)")
-            for kind in kinds:
-                r = runs[f"{kind}_{mode}_{peers}"]
-                vs_honest = f" (÷ honest only {r['ratio_honest_only']:.3f})" if "ratio_honest_only" in r else ""
-                console.print(
-                    f"    {kind:11s} {r['eval_loss']:.4f} = {r['ratio']:.3f}{vs_honest}  merges {r['merges']:.0f}, rejected "
-                    f"{r['rejected']}, hostile bans {r['hostile_banned_by_honest']}, honest banned "
-                    f"{len(r['honest_banned_by_honest'])}, fewest steps {r['min_honest_step']}, global models "
-                    f"adopted {r['adopted_state']} / refused {r['state_refused']}")
-    console.print(f"wrote {path}")
+    _print(results, path, console)
     return results
+
+
+def _name(kind: str, mode: str, peers: int, seed: int, seeds: int) -> str:
+    return f"{kind}_{mode}_{peers}" + (f"_seed{seed}" if seeds > 1 else "")
+
+
+def _run(out: Path, results: dict, kind: str, mode: str, peers: int, seed: int, console: Console,
+         quiet: Console) -> None:
+    """One swarm: `kind` (or clean) in `mode`, with `peers` peers and the `seed`-th initial model; its outcome goes
+    into `results` and byzantine.json at once (an interrupted bench keeps what it has)."""
+    steps, seeds, hostile_count = results["steps"], results["seeds"], results["hostile_count"]
+    name = _name(kind, mode, peers, seed, seeds)
+    run_steps = steps * (DECOUPLED_STEPS if mode == "decoupled" else 1)
+    sets = BYZANTINE_SETS + MODE_SETS[mode] + [
+        f"run.total_steps={run_steps}", f"swarm.round_steps={results['round_steps']}",
+        f"swarm.run_id=bench-byz-{name}", *([f"model.init_seed={1234 + seed}"] if seeds > 1 else []),
+        *results["sets"]]
+    cfg = load_config(None, [parse_set(sets)])
+    console.print(f"[bold]{name}[/bold]: {peers - hostile_count if kind == HONEST_ONLY else peers} peers, "
+                  f"{hostile_count if kind not in ('clean', HONEST_ONLY) else 0} hostile, {run_steps} steps, "
+                  f"{mode} ...")
+    t0 = time.monotonic()
+    clean = kind in ("clean", HONEST_ONLY)
+    hostile = {i: [f"emulate.hostile={kind}"] for i in range(hostile_count)} if not clean else {}
+    n = peers - hostile_count if kind == HONEST_ONLY else peers
+    summary = run_local(n, cfg, out / name, None, sets, console=quiet, reraise_interrupt=True, peer_sets=hostile or None)
+    names = [f"peer{i}" for i in range(n)]
+    hostile_names = {f"peer{i}" for i in hostile}
+    outcome = _honest_outcome(summary, hostile_names)
+    adopted, refused = _merge_lines(out / name, [n for n in names if n not in hostile_names])
+    results["runs"][name] = {"peers_finished": summary["peers_finished"], **outcome, "adopted_state": adopted,
+                             "state_refused": refused, "wall_s": time.monotonic() - t0}
+    write_results(out, "byzantine", results)
+
+
+def _ratios(runs: dict, kind: str, mode: str, peers: int, seed: int, seeds: int) -> dict:
+    """A kind's run of one seed ÷ that seed's clean run (and its honest-only run, if there is one)."""
+    run = runs[_name(kind, mode, peers, seed, seeds)]
+    run["ratio"] = run["eval_loss"] / runs[_name("clean", mode, peers, seed, seeds)]["eval_loss"]
+    honest_only = runs.get(_name(HONEST_ONLY, mode, peers, seed, seeds), {}).get("eval_loss")
+    if honest_only is not None:
+        run["ratio_honest_only"] = run["eval_loss"] / honest_only
+    return run
+
+
+def _print(results: dict, path: Path, console: Console) -> None:
+    runs, seeds, steps = results["runs"], results["seeds"], results["steps"]
+    console.print(f"machine: {results['machine']}")
+    console.print(f"honest peers' final eval loss with {results['hostile_count']} hostile peers ÷ a clean run of the "
+                  f"same size and mode (sync: {steps} steps in rounds of {results['round_steps']}; decoupled: "
+                  f"{steps * DECOUPLED_STEPS} steps of 0.05 s in rounds of 1 s; default guards"
+                  + (f"; each figure the mean of {seeds} seeds' ratios, ± their stdev" if seeds > 1 else "") + "):")
+    for peers in results["sizes"]:
+        for mode in results["modes"]:
+            cleans = [runs[_name("clean", mode, peers, k, seeds)] for k in range(seeds)]
+            console.print(f"  {peers} peers, {mode}: clean " + ", ".join(
+                f"{c['eval_loss']:.4f} ({c['merges']:.0f} merges)" for c in cleans))
+            for kind in results["kinds"]:
+                figure = results["figures"][f"{kind}_{mode}_{peers}"]
+                rs = [runs[_name(kind, mode, peers, k, seeds)] for k in range(seeds)]
+                ratio = f"{figure['ratio']:.3f}" + (
+                    f" ± {figure['ratio_stdev']:.3f} ({', '.join(f'{x:.3f}' for x in figure['ratio_per_seed'])})"
+                    if seeds > 1 else "")
+                vs_honest = f" (÷ honest only {figure['ratio_honest_only']:.3f})" if "ratio_honest_only" in figure else ""
+                console.print(
+                    f"    {kind:11s} {statistics.mean(r['eval_loss'] for r in rs):.4f} = {ratio}{vs_honest}  merges "
+                    f"{statistics.mean(r['merges'] for r in rs):.0f}, rejected {sum(r['rejected'] for r in rs)}, hostile "
+                    f"bans {sum(r['hostile_banned_by_honest'] for r in rs)}, honest banned "
+                    f"{sum(len(r['honest_banned_by_honest']) for r in rs)}, fewest steps "
+                    f"{min(r['min_honest_step'] for r in rs)}, global models adopted {sum(r['adopted_state'] for r in rs)}"
+                    f" / refused {sum(r['state_refused'] for r in rs)}")
+    console.print(f"wrote {path}")

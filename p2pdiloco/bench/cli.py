@@ -85,7 +85,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.hostile < 1 or any(n < args.hostile + 3 for n in sizes):
             raise ConfigError("byzantine needs --hostile >= 1 and at least 3 honest peers in every --sizes swarm")
         bench_byzantine(out, steps=args.steps or 100, sizes=sizes, hostile_count=args.hostile, modes=modes,
-                        kinds=kinds, extra_sets=tuple(args.sets))
+                        kinds=kinds, extra_sets=tuple(args.sets), seeds=args.seeds)
     elif args.which == "scale":
         from p2pdiloco.bench.scale import PEERS, STEPS, bench_scale
 
