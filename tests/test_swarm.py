@@ -154,15 +154,21 @@ def test_a_finishing_peer_waits_the_whole_window_and_its_group_ends_the_run(boot
     cfg = SwarmConfig(run_id="fin", merge_window_s=8, merge_timeout_s=4, codec="none", min_window_s=0.5,
                       window_fraction=0.1)
     with running_mergers(bootstrap_dht, net_loop, 2, cfg, 1001, guard=GuardConfig(aggregate="mean")) as (done, late):
-        last = _contribution(torch.ones(1001), 1.0)
-        last.final, last.round_s = True, 1.0
-        finishing = done.submit(last)
-        time.sleep(3)  # the other peer's round ends 3 s later: far beyond a decoupled window of 0.5 s
-        regular = _contribution(torch.full((1001,), 3.0), 1.0)
-        regular.round_s = 1.0
-        arriving = late.submit(regular)
-        results = [finishing.result(timeout=30), arriving.result(timeout=30)]
-    for r in results:
+        # the other peer's round ends 3 s later: far beyond a decoupled window of 0.5 s
+        _finishing_and_arriving_merge_together(done, late, lambda: time.sleep(3))
+
+
+def _finishing_and_arriving_merge_together(done, late, between) -> None:
+    """`done` submits its last contribution, `between()` passes, `late` submits a regular one: they merge as one
+    group of 2, and both learn that the run is over."""
+    last = _contribution(torch.ones(1001), 1.0)
+    last.final, last.round_s = True, 1.0
+    finishing = done.submit(last)
+    between()
+    regular = _contribution(torch.full((1001,), 3.0), 1.0)
+    regular.round_s = 1.0
+    arriving = late.submit(regular)
+    for r in [finishing.result(timeout=30), arriving.result(timeout=30)]:
         assert r.failure == "" and len(r.group) == 2 and r.final
         assert torch.equal(r.pseudo_grad, torch.full((1001,), 2.0))
 
@@ -181,17 +187,8 @@ def test_a_search_that_outlasts_its_epoch_is_dealt_again_in_the_next(bootstrap_d
             net_loop.run(m.matchmaker.census.register(e), 10)
         first = {e: late.matchmaker.peer_id, e + 1: done.matchmaker.peer_id}  # who leads each epoch's group
         monkeypatch.setattr(census, "leader_rank", lambda run_id, peer, epoch: bytes([peer != first.get(epoch)]))
-        last = _contribution(torch.ones(1001), 1.0)
-        last.final, last.round_s = True, 1.0
-        finishing = done.submit(last)
-        wait_for(lambda: get_dht_time() >= (e + 1) * census.EPOCH_S + 0.5, timeout=10)
-        regular = _contribution(torch.full((1001,), 3.0), 1.0)
-        regular.round_s = 1.0
-        arriving = late.submit(regular)
-        results = [finishing.result(timeout=30), arriving.result(timeout=30)]
-    for r in results:
-        assert r.failure == "" and len(r.group) == 2 and r.final
-        assert torch.equal(r.pseudo_grad, torch.full((1001,), 2.0))
+        _finishing_and_arriving_merge_together(
+            done, late, lambda: wait_for(lambda: get_dht_time() >= (e + 1) * census.EPOCH_S + 0.5, timeout=10))
 
 
 def test_window_grows_after_merges_alone_and_resets_after_a_group():
