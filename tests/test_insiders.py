@@ -56,6 +56,31 @@ def test_a_global_model_far_off_is_refused_unless_this_peer_is_fresh():
     assert fresh.merge(takeover, own_weight=0.0) is True  # a peer with nothing of its own takes the group's
 
 
+def test_reach_is_measured_in_the_longest_recent_step_so_a_run_s_last_agreement_is_adopted():
+    # as the inner lr decays, a run's last outer steps are a fraction of the earlier ones, while two groups'
+    # models drifted apart in those earlier steps: with this round's step as the unit, 3 of 8 members refused
+    # the last agreement of bench scale's 16-peer run and the run ended apart
+    gen = torch.Generator().manual_seed(1)
+    theta, big = torch.randn(N, generator=gen), 1e-2 * torch.randn(N, generator=gen)
+    g = GlobalModel(theta.clone(), OuterOptConfig())
+    for _ in range(4):
+        g.merge(MergeResult(group=["a", "b"], pseudo_grad=big, total_weight=2.0))
+    longest = float(torch.linalg.vector_norm(g.params - theta)) / 4  # about one of those steps (momentum grows)
+    g.momentum = torch.zeros(N)  # then the inner lr decays: Δ̄ and the steps are a thousandth of those
+    small = 1e-3 * big
+    other = g.params + 4 * longest * torch.randn(N, generator=gen) / N ** 0.5  # a few long steps away
+    offer = MergeResult(group=["a", "b"], pseudo_grad=small, total_weight=2.0,
+                        global_state=torch.cat([other, torch.zeros(N)]), state_weight=1.0)
+    step, _ = outer_step(g.params, g.momentum, small, g.outer.lr, g.outer.momentum)
+    assert not state_within_reach(g.params, other, step - g.params)  # this round's step alone: refused
+    assert g.merge(offer, own_weight=1000.0) is True  # the longest recent step: adopted
+    assert torch.equal(g.params, outer_step(other, torch.zeros(N), small, g.outer.lr, g.outer.momentum)[0])
+    # and −θg is no nearer for it
+    takeover = MergeResult(group=["a", "b"], pseudo_grad=small, total_weight=2.0,
+                           global_state=torch.cat([-g.params, torch.zeros(N)]), state_weight=CLAIM)
+    assert g.merge(takeover, own_weight=1000.0) is False
+
+
 @pytest.fixture
 def guarded_mergers(bootstrap_dht, net_loop):
     from tests.conftest import running_mergers

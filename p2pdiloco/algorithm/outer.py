@@ -59,22 +59,26 @@ STATE_REACH = 16.0
 
 
 def state_within_reach(own: torch.Tensor, adopted: torch.Tensor, own_step: torch.Tensor,
-                       reach: float = STATE_REACH) -> bool:
+                       reach: float = STATE_REACH, longest_recent: float = 0.0) -> bool:
     """Whether a group's averaged θg is close enough to this peer's own θg to adopt: ‖adopted − own‖ ≤ reach·‖step‖.
 
     Global models of honest peers differ by the outer steps they took apart (a merge alone, a failed merge),
-    each about as long as this round's outer step, so a difference of more than `reach` of them did not come
-    from honest divergence: a member that offered −θg, or one whose model drifted far off. Averaging models
-    that far apart is not agreement (issue 17's 16-peer run ended worse than its initialization that way), and
-    the length of this peer's own step is a scale no other peer can claim.
+    so a difference of more than `reach` of them did not come from honest divergence: a member that offered
+    −θg, or one whose model drifted far off. Averaging models that far apart is not agreement (issue 17's
+    16-peer run ended worse than its initialization that way), and the length of this peer's own steps is a
+    scale no other peer can claim. The unit is the longer of this round's step and `longest_recent`, the
+    longest of this peer's recent ones: steps shrink as the inner lr decays, while the divergence was taken in
+    the longer steps before (measured with this round's alone, 3 of 8 members refused a run's last agreement as
+    out of reach and the run ended apart; docs/benchmarks.md, Scale, bsc-epoch).
 
     Args:
         own: flat fp32 θg of this peer before the merge.
         adopted: flat fp32 θg the group's agreement produced.
-        own_step: this round's outer step on this peer's own θg (new θg − θg), the unit of distance.
+        own_step: this round's outer step on this peer's own θg (new θg − θg).
         reach: how many steps away is still adopted.
+        longest_recent: the length of this peer's longest outer step of its last `reach` merges (0: none).
     """
-    step = float(torch.linalg.vector_norm(own_step.float()))
+    step = max(float(torch.linalg.vector_norm(own_step.float())), longest_recent)
     distance = float(torch.linalg.vector_norm(adopted.float() - own.float()))
     return math.isfinite(distance) and distance <= reach * step
 

@@ -6,9 +6,11 @@ download, a contribution) stays valid while training goes on.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
-from p2pdiloco.algorithm.outer import outer_step, state_digest, state_within_reach
+from p2pdiloco.algorithm.outer import STATE_REACH, outer_step, state_digest, state_within_reach
 from p2pdiloco.config import OuterOptConfig
 from p2pdiloco.network.merger import MergeResult
 
@@ -28,6 +30,8 @@ class GlobalModel:
         self.keep_anchors = anchors
         self._digest: tuple[torch.Tensor, int, torch.Tensor, int, str] | None = None
         """The digest of the (params, momentum) tensors at their versions (see `digest`)."""
+        self._steps: deque[float] = deque(maxlen=int(STATE_REACH))
+        """Lengths of this peer's last outer steps: the unit of `state_within_reach`."""
         self._anchors: dict[str, torch.Tensor] = {}
         """The last `anchors` states this peer held, (θg, momentum) concatenated, by digest, oldest first: a merge
         group whose members' global models differ exchanges only their differences from one they all hold."""
@@ -70,12 +74,15 @@ class GlobalModel:
             params, momentum = result.global_state[:n], result.global_state[n:]
             if own_weight > 0:
                 own_next, _ = outer_step(self.params, self.momentum, result.pseudo_grad, o.lr, o.momentum, o.nesterov)
-                adopted = state_within_reach(self.params, params, own_next - self.params)
+                adopted = state_within_reach(self.params, params, own_next - self.params,
+                                             longest_recent=max(self._steps, default=0.0))
             if adopted:  # not an anchor: only the stepped state below is held by every member
                 self.params, self.momentum = params.clone(), momentum.clone()
         lr = self.alone_lr if result.alone else o.lr
+        before = self.params
         self.params, self.momentum = outer_step(self.params, self.momentum, result.pseudo_grad, lr, o.momentum,
                                                 o.nesterov)
+        self._steps.append(float(torch.linalg.vector_norm(self.params - before)))
         self._remember()
         return adopted
 
