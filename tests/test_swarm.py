@@ -176,7 +176,7 @@ def _finishing_and_arriving_merge_together(done, late, between) -> None:
 def test_a_search_that_outlasts_its_epoch_is_dealt_again_in_the_next(bootstrap_dht, net_loop, monkeypatch):
     # a finishing peer begins looking in epoch e; the other peer begins in e + 1, and the two epochs' orders put a
     # different one first. A search that kept its first epoch's order waited for the other's invite while the
-    # other waited for its invite: both merged alone (test above, CI at 7a41db0, about 1 run in 20)
+    # other waited for its invite: both merged alone (the test above failed so in CI at 7a41db0)
     monkeypatch.setattr(census, "EPOCH_S", 4.0)
     cfg = SwarmConfig(run_id="straddle", merge_window_s=8, merge_timeout_s=4, codec="none", min_window_s=1.0,
                       window_fraction=0.1)
