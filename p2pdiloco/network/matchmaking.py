@@ -181,9 +181,9 @@ class Matchmaker:
             while not self._closed:
                 if search.accepted_gid:
                     return await self._await_group(search)
-                if (epoch := epoch_of(get_dht_time())) != search.epoch:  # groups were redealt: so is this search
-                    search.epoch, followed = epoch, ""  # (in the old order, mates already in the new one may never
-                    await self.census.register(epoch)  # invite it, nor it them: both merged alone)
+                if (epoch := epoch_of(get_dht_time())) != search.epoch:  # groups redealt: so is this search (in
+                    search.epoch, followed = epoch, ""  # its first order it could wait for a mate's invite while
+                    await self.census.register(epoch)  # that mate, in the new order, waited for its invite)
                 census = [p for p in await self.census.members(search.epoch) if p not in self.book.banned]
                 # a run's last merge takes every mate it can reach, so that peers finishing together end with one
                 # global model (the groups' models drifted apart a little between epochs)
