@@ -101,19 +101,19 @@ def _is_sound_notice(h: dict, me: str) -> bool:
         return False
     numbers = weights + sw
     return (len(members) >= 2 and len(members) == len(weights) == len(sw) and me in members
-            and (len(members) <= GROUP_SIZE or h.get("final") is True)  # bounded, but for a run's last merge
+            and (len(members) <= GROUP_SIZE or h.get("closing") is True)  # bounded, but for a run's last merges
             and all(type(m) is str for m in members) and len(set(members)) == len(members)
             and all(type(w) in (int, float) and math.isfinite(w) and w >= 0 for w in numbers)
             and type(h.get("need_state")) is bool)
 
 
 @FUZZ
-@given(st.dictionaries(st.sampled_from(["members", "weights", "state_weights", "need_state", "group_id", "final"]),
+@given(st.dictionaries(st.sampled_from(["members", "weights", "state_weights", "need_state", "group_id", "closing"]),
                        json_like, max_size=6))
 @example({"members": [[1], [1]], "weights": [1, 1], "state_weights": [1, 1], "need_state": False})
 @example({"members": ["a", "b", "c", "me"], "weights": [1] * 4, "state_weights": [1] * 4, "need_state": False})
 @example({"members": ["a", "b", "c", "me"], "weights": [1] * 4, "state_weights": [1] * 4, "need_state": False,
-          "final": True})
+          "closing": True})
 @example({"members": ["me", "you"], "weights": [1, 2.5], "state_weights": [0, 3], "need_state": True})
 @example({"members": ["me", "me"], "weights": [1, 1], "state_weights": [1, 1], "need_state": False})
 @example({"members": ["me", "you"], "weights": [1, float("nan")], "state_weights": [1, 1], "need_state": False})

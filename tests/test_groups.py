@@ -90,6 +90,37 @@ def test_the_last_merge_of_peers_finishing_together_takes_them_all_and_ends_with
     assert all(torch.equal(s, states[0]) for s in states)  # one (θg, momentum) on every peer, bit for bit
 
 
+def test_groups_a_little_out_of_phase_at_the_end_of_a_run_still_end_in_one_last_merge(
+        bootstrap_dht, net_loop, monkeypatch):
+    """Decoupled, groups of 2 among 4 peers, dealt {a1, a2} and {b1, b2}: the a's are a round ahead. a1 submits
+    its last contribution and a2 one near its end, while the b's still merge as a pair; then the b's submit theirs
+    near their end. All four meet in one last merge. Before a search near a peer's end was dealt like a final one,
+    the b's merged as a pair again, the a's after their window as another, and the a's ended apart from the b's
+    (16 peers in `bench scale`: two groups of 8)."""
+    from p2pdiloco.network import census
+
+    cfg = SwarmConfig(run_id="phase", merge_window_s=10, merge_timeout_s=5, codec="none", group_size=2,
+                      min_window_s=0.5, window_fraction=0.1)
+    with running_mergers(bootstrap_dht, net_loop, 4, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:
+        a1, b1, a2, b2 = mergers  # the leader order of every epoch: dealt round-robin into {a1, a2}, {b1, b2}
+        order = [m.matchmaker.peer_id for m in mergers]
+        monkeypatch.setattr(census, "leader_rank", lambda run_id, peer, epoch: bytes([order.index(peer)]))
+
+        def submit(m, value, final=False, closing=False):
+            c = Contribution(pseudo_grad=torch.full((64,), value), weight=1.0, global_params=torch.zeros(64),
+                             momentum=torch.zeros(64), state_digest="same", state_weight=1.0, round_s=1.0)
+            c.final, c.closing = final, closing
+            return m.submit(c)
+
+        ahead = [submit(a1, 1.0, final=True), submit(a2, 2.0, closing=True)]
+        pair = [submit(b1, 3.0), submit(b2, 4.0)]
+        assert all(sorted(r.group) == sorted(order[1::2]) for r in (f.result(timeout=30) for f in pair))
+        last = [submit(b1, 5.0, closing=True), submit(b2, 6.0, closing=True)]
+        results = [f.result(timeout=30) for f in ahead + last]
+    assert all(len(r.group) == 4 and r.failure == "" and r.final for r in results), [r.group for r in results]
+    assert all(torch.equal(r.pseudo_grad, torch.full((64,), 3.5)) for r in results)  # (1 + 2 + 5 + 6) / 4
+
+
 def test_an_epochs_first_census_read_takes_one_nodes_copy_only_when_it_looks_whole(monkeypatch):
     """`Census.members`: an epoch's first read asks the census key's nearest node (a third of a walk's bytes), and
     walks instead when that copy lacks this peer or holds fewer peers than the last view; the first read of all and

@@ -166,7 +166,7 @@ class Matchmaker:
     async def find_group(self, c: Contribution) -> Group | None:
         """A group to merge `c` with, or None: merge alone."""
         window = self._window(c.round_s)
-        if c.final:  # the last merge of this peer's run: worth the whole window to leave with everyone live
+        if closing := c.final or c.closing:  # about its last merge (own counters): worth the whole window
             window = max(window, self.cfg.merge_window_s)
         now = get_dht_time()
         search = _Search(contribution=c, deadline=now + window, epoch=epoch_of(now))
@@ -185,9 +185,9 @@ class Matchmaker:
                     search.epoch, followed = epoch, ""  # its first order it could wait for a mate's invite while
                     await self.census.register(epoch)  # that mate, in the new order, waited for its invite)
                 census = [p for p in await self.census.members(search.epoch) if p not in self.book.banned]
-                # a run's last merge takes every mate it can reach, so that peers finishing together end with one
-                # global model (the groups' models drifted apart a little between epochs)
-                size = len(census) + 1 if c.final else self.cfg.group_size
+                # a run's last merges take every mate they can reach, so that peers finishing together end on one
+                # global model (at 16 peers in `bench scale`, a group of 8 a few steps ahead ended on its own)
+                size = len(census) + 1 if closing else self.cfg.group_size
                 mates = my_group(self.cfg.run_id, me, census, search.epoch, size)
                 self._announce(search, [p for p in mates if p not in search.told and p != me], True)
                 now = get_dht_time()
@@ -305,7 +305,7 @@ class Matchmaker:
         group = Group(gid, members, weights, state_weights, need_state, dict(self.lengths), final, anchor)
         self._group_future(gid).set_result(group)
         notice = {"group_id": gid, "members": members, "weights": weights, "state_weights": state_weights,
-                  "need_state": group.need_state, "final": final, "anchor": anchor}
+                  "need_state": group.need_state, "final": final, "anchor": anchor, "closing": c.final or c.closing}
         await asyncio.gather(*(self.rpc.request(p, "group", notice) for p in members[1:]))
         logger.info("[%s] leading merge group %s of %d peers", self.peer_id[-6:], gid, len(members))
         return group
@@ -391,7 +391,7 @@ class Matchmaker:
         members, weights, sw = h.get("members"), h.get("weights"), h.get("state_weights")
         return (
             isinstance(members, list) and isinstance(weights, list) and isinstance(sw, list)
-            and 2 <= len(members) == len(weights) == len(sw) and (len(members) <= self.cfg.group_size or h.get("final") is True)
+            and 2 <= len(members) == len(weights) == len(sw) and (len(members) <= self.cfg.group_size or h.get("closing") is True)
             and all(isinstance(m, str) for m in members)
             and len(set(members)) == len(members) and self.peer_id in members
             and all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) and w >= 0

@@ -39,6 +39,9 @@ class Contribution:
     final: bool = False
     """This peer's last contribution of the run: it waits the whole merge window for every live peer, and
     whoever merges with it ends the run on the same global model (see `MergeResult.final`)."""
+    closing: bool = False
+    """This peer is within about a round of its end, by its own counters (`Learner.near_end`): its search is dealt
+    like a final one, so that peers whose last rounds are a little out of phase still meet (`Matchmaker.find_group`)."""
 
 
 @dataclass
