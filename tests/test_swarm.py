@@ -204,3 +204,42 @@ def test_window_grows_after_merges_alone_and_resets_after_a_group():
     assert m._window(8.0) == 2.0
     m.cfg.sync = True
     assert m._window(8.0) == 10.0
+
+
+def test_an_invite_accepted_while_the_census_is_read_is_a_group_not_a_merge_alone():
+    """In CI a member accepted an invite while its search awaited the census, then, its deadline past, ended the
+    search alone in the same pass: the leader counted it in a group of 3 and its mate's merge waited for a part
+    that never came (`test_member_frozen_mid_merge_fails_the_merge_for_everyone`, at 895c5d8). The accepted invite
+    is now checked after the awaits, with nothing awaited between the check and a decision."""
+    import asyncio
+    import types
+
+    class Rpc:
+        peer_id = "me"
+
+        async def request(self, peer, tag, header):
+            return {"ok": True}
+
+    m = Matchmaker(None, SwarmConfig(run_id="race", min_window_s=0.5), Rpc(), types.SimpleNamespace(banned=set()),
+                   GuardConfig(), "fp", {"d": 8})
+
+    class Census:  # an invite from "x" comes in while this peer reads the census, as `on_invite` accepts one
+        async def register(self, epoch):
+            pass
+
+        async def members(self, epoch):
+            m._search.accepted_gid, m._search.leader = "g1", "x"
+            return frozenset({"me", "x"})
+
+        def settled(self, epoch):
+            return True
+
+    m.census = Census()
+    m._window = lambda round_s: 0.0  # this search's deadline is already past when the census comes back
+
+    async def search():
+        m._group_future("g1").set_result("the group x leads")
+        return await m.find_group(Contribution(pseudo_grad=torch.zeros(8), weight=1.0, global_params=torch.zeros(8),
+                                               momentum=torch.zeros(8), state_digest="same", state_weight=1.0))
+
+    assert asyncio.run(search()) == "the group x leads"

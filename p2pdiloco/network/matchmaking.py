@@ -179,12 +179,12 @@ class Matchmaker:
         try:
             await self.census.register(search.epoch)
             while not self._closed:
-                if search.accepted_gid:
-                    return await self._await_group(search)
                 if (epoch := epoch_of(get_dht_time())) != search.epoch:  # groups redealt: so is this search (in
                     search.epoch, followed = epoch, ""  # its first order it could wait for a mate's invite while
                     await self.census.register(epoch)  # that mate, in the new order, waited for its invite)
                 census = [p for p in await self.census.members(search.epoch) if p not in self.book.banned]
+                if search.accepted_gid:  # checked after the awaits: an invite accepted during them is a group
+                    return await self._await_group(search)  # its leader counts on (it was once left alone)
                 # a run's last merges take every mate they can reach, so that peers finishing together end on one
                 # global model (at 16 peers in `bench scale`, a group of 8 a few steps ahead ended on its own)
                 size = len(census) + 1 if closing else self.cfg.group_size
