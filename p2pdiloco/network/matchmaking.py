@@ -166,7 +166,7 @@ class Matchmaker:
     async def find_group(self, c: Contribution) -> Group | None:
         """A group to merge `c` with, or None: merge alone."""
         window = self._window(c.round_s)
-        if closing := c.final or c.closing:  # about its last merge (own counters): worth the whole window
+        if closing := c.last_merges():  # about its last merge (own counters): worth the whole window
             window = max(window, self.cfg.merge_window_s)
         now = get_dht_time()
         search = _Search(contribution=c, deadline=now + window, epoch=epoch_of(now))
@@ -305,7 +305,7 @@ class Matchmaker:
         group = Group(gid, members, weights, state_weights, need_state, dict(self.lengths), final, anchor)
         self._group_future(gid).set_result(group)
         notice = {"group_id": gid, "members": members, "weights": weights, "state_weights": state_weights,
-                  "need_state": group.need_state, "final": final, "anchor": anchor, "closing": c.final or c.closing}
+                  "need_state": group.need_state, "final": final, "anchor": anchor, "closing": c.last_merges()}
         await asyncio.gather(*(self.rpc.request(p, "group", notice) for p in members[1:]))
         logger.info("[%s] leading merge group %s of %d peers", self.peer_id[-6:], gid, len(members))
         return group

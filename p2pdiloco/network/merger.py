@@ -43,6 +43,11 @@ class Contribution:
     """This peer is within about a round of its end, by its own counters (`Learner.near_end`): its search is dealt
     like a final one, so that peers whose last rounds are a little out of phase still meet (`Matchmaker.find_group`)."""
 
+    def last_merges(self) -> bool:
+        """Whether this is one of the peer's last merges (`final` or `closing`): its search is dealt the whole census
+        and waits the whole window."""
+        return self.final or self.closing
+
 
 @dataclass
 class MergeResult:

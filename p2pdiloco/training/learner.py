@@ -229,7 +229,7 @@ class Learner:
             pseudo_grad=pseudo_gradient(self.g.params, local), weight=float(self.c.tokens_in_round),
             global_params=self.g.params, momentum=self.g.momentum, state_digest=self.g.digest(),
             state_weight=self.c.global_tokens, anchors=self.g.anchors(), round=self.c.round, round_s=self.clock.round_s(), final=final,
-            closing=final or self.near_end())
+            closing=self.near_end())
         future = self.merger.submit(contribution)
         if self.cfg.outer.eager and not self.cfg.swarm.sync:
             local = self._eager(contribution.pseudo_grad)
