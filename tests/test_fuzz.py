@@ -16,6 +16,7 @@ from p2pdiloco.algorithm.codecs import Codec
 from p2pdiloco.algorithm.guards import screen_parts
 from p2pdiloco.config import SwarmConfig
 from p2pdiloco.network.allreduce import AllReduce
+from p2pdiloco.network.group import valid_notice
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.p2p_merger import MergeFailed
 from p2pdiloco.network.state_sync import GlobalState, StateError, unpack_state
@@ -95,12 +96,14 @@ def test_part_headers_from_strangers_are_refused_without_state(header):  # befor
 
 
 def _is_sound_notice(h: dict, me: str) -> bool:
-    """What a group notice must be for a member to act on it, written out independently of `_valid_notice`."""
-    members, weights, sw = h.get("members"), h.get("weights"), h.get("state_weights")
-    if not (type(members) is list and type(weights) is list and type(sw) is list):
+    """What a group notice must be for a member to act on it, written out independently of `valid_notice`."""
+    members, weights, sw, digests = h.get("members"), h.get("weights"), h.get("state_weights"), h.get("digests")
+    if not (type(members) is list and type(weights) is list and type(sw) is list and type(digests) is list):
         return False
     numbers = weights + sw
-    return (len(members) >= 2 and len(members) == len(weights) == len(sw) and me in members
+    return (len(members) >= 2 and len(members) == len(weights) == len(sw) == len(digests) and me in members
+            and all(type(d) is str for d in digests)
+            and h.get("need_state") is (len(set(digests)) > 1)  # says the models differ exactly when they do
             and (len(members) <= GROUP_SIZE or h.get("closing") is True)  # bounded, but for a run's last merges
             and all(type(m) is str for m in members) and len(set(members)) == len(members)
             and all(type(w) in (int, float) and math.isfinite(w) and w >= 0 for w in numbers)
@@ -108,24 +111,38 @@ def _is_sound_notice(h: dict, me: str) -> bool:
 
 
 @FUZZ
-@given(st.dictionaries(st.sampled_from(["members", "weights", "state_weights", "need_state", "group_id", "closing"]),
-                       json_like, max_size=6))
-@example({"members": [[1], [1]], "weights": [1, 1], "state_weights": [1, 1], "need_state": False})
-@example({"members": ["a", "b", "c", "me"], "weights": [1] * 4, "state_weights": [1] * 4, "need_state": False})
+@given(st.dictionaries(st.sampled_from(["members", "weights", "state_weights", "need_state", "group_id", "closing",
+                                        "digests"]), json_like, max_size=7))
+@example({"members": [[1], [1]], "weights": [1, 1], "state_weights": [1, 1], "need_state": False, "digests": ["d"] * 2})
 @example({"members": ["a", "b", "c", "me"], "weights": [1] * 4, "state_weights": [1] * 4, "need_state": False,
-          "closing": True})
-@example({"members": ["me", "you"], "weights": [1, 2.5], "state_weights": [0, 3], "need_state": True})
-@example({"members": ["me", "me"], "weights": [1, 1], "state_weights": [1, 1], "need_state": False})
-@example({"members": ["me", "you"], "weights": [1, float("nan")], "state_weights": [1, 1], "need_state": False})
-@example({"members": ["me", "you"], "weights": [True, 1], "state_weights": [1, 1], "need_state": False})
+          "digests": ["d"] * 4})
+@example({"members": ["a", "b", "c", "me"], "weights": [1] * 4, "state_weights": [1] * 4, "need_state": False,
+          "closing": True, "digests": ["d"] * 4})
+@example({"members": ["me", "you"], "weights": [1, 2.5], "state_weights": [0, 3], "need_state": True,
+          "digests": ["d", "e"]})
+@example({"members": ["me", "you"], "weights": [1, 2.5], "state_weights": [0, 3], "need_state": False,
+          "digests": ["d", "e"]})
+@example({"members": ["me", "you"], "weights": [1, 2.5], "state_weights": [0, 3], "need_state": True,
+          "digests": ["d", "d"]})
+@example({"members": ["me", "you"], "weights": [1, 2.5], "state_weights": [0, 3], "need_state": True,
+          "digests": ["d", 1]})
+@example({"members": ["me", "me"], "weights": [1, 1], "state_weights": [1, 1], "need_state": False, "digests": ["d"] * 2})
+@example({"members": ["me", "you"], "weights": [1, float("nan")], "state_weights": [1, 1], "need_state": False,
+          "digests": ["d"] * 2})
+@example({"members": ["me", "you"], "weights": [True, 1], "state_weights": [1, 1], "need_state": False,
+          "digests": ["d"] * 2})
 def test_group_notice_is_accepted_exactly_when_sound(header):
-    assert _bare_matchmaker()._valid_notice(header) == _is_sound_notice(header, "me")
+    assert valid_notice(header, "me", GROUP_SIZE) == _is_sound_notice(header, "me")
 
 
 def test_a_sound_group_notice_is_accepted():  # the property above would also hold if every notice were refused
-    notice = {"members": ["you", "me"], "weights": [10, 20], "state_weights": [0.0, 5.5], "need_state": False}
-    assert _bare_matchmaker()._valid_notice(notice)
-    assert not _bare_matchmaker()._valid_notice({**notice, "members": ["you", "them"]})  # not a member
+    notice = {"members": ["you", "me"], "weights": [10, 20], "state_weights": [0.0, 5.5], "need_state": False,
+              "digests": ["d", "d"]}
+    assert valid_notice(notice, "me", GROUP_SIZE)
+    assert not valid_notice({**notice, "members": ["you", "them"]}, "me", GROUP_SIZE)  # not a member
+    assert valid_notice({**notice, "digests": ["d", "e"], "need_state": True}, "me", GROUP_SIZE)
+    assert not valid_notice({**notice, "digests": ["d", "e"]}, "me", GROUP_SIZE)  # models differ, no agreement
+    assert not valid_notice({**notice, "need_state": True}, "me", GROUP_SIZE)  # an agreement of equal models
 
 
 @FUZZ

@@ -18,7 +18,7 @@ from p2pdiloco.algorithm.robust import aggregate, far_from_majority
 from p2pdiloco.config import GuardConfig, OuterOptConfig, SwarmConfig
 from p2pdiloco.network import census
 from p2pdiloco.network.census import epoch_of, leader_rank
-from p2pdiloco.network.matchmaking import Group
+from p2pdiloco.network.group import Group, valid_notice
 from p2pdiloco.network.merger import Contribution, MergeResult
 from p2pdiloco.network.slice_guard import SliceGuard
 from p2pdiloco.testing.hostile import CLAIM, silent_leader
@@ -260,3 +260,34 @@ def test_a_ready_peer_that_never_invites_does_not_stop_the_others_from_merging(g
         assert all(d < 8.0 for d in durations) and results[0].alone, durations
     else:  # waited for once (up to its deadline and the invite timeout), then passed over as a leader
         assert durations[1] < 8.0, durations
+
+
+@pytest.mark.parametrize("lie", ["weights", "need_state"])
+def test_a_leader_that_tells_members_different_groups_fails_its_merge_for_all(guarded_mergers, monkeypatch, lie):
+    """A leader that sends one member another notice than the rest: there another member's weight doubled (within
+    the cap, so the notice passes every check), or its own digest forged so that this member alone averages the
+    global models. Before, the members merged under different terms (each owner averaged its slice with its own
+    weights) or the told member waited alone for an agreement the others never started. Now every part carries
+    the terms its sender acts on, and the members refuse parts sent under other terms: the merge fails for all."""
+    liar, told = guarded_mergers[0], guarded_mergers[1].peer_id
+    monkeypatch.setattr(census, "leader_rank", lambda run, p, epoch: b"" if p == liar.peer_id else p.encode())
+    request = liar.matchmaker.rpc.request
+
+    async def equivocate(peer: str, op: str, header: dict) -> dict | None:
+        if op == "group" and peer == told:
+            if lie == "weights":
+                header = {**header, "weights": [2 * w if m == guarded_mergers[2].peer_id else w
+                                                for m, w in zip(header["members"], header["weights"], strict=True)]}
+            else:
+                header = {**header, "need_state": True, "digests": ["forged", *header["digests"][1:]]}
+            assert valid_notice(header, told, 8)  # a notice the told member cannot fault on its own
+        return await request(peer, op, header)
+
+    liar.matchmaker.rpc.request = equivocate
+    theta = torch.randn(N, generator=torch.Generator().manual_seed(3))
+    futures = [m.submit(_honest(theta, 1e-3 * torch.randn(N))) for m in guarded_mergers]
+    results = [f.result(timeout=60) for f in futures]
+    failures = [r.failure for r in results]
+    assert all(r.alone for r in results) and any("another notice" in f for f in failures), failures
+    # parts are refused under the other notice, or as parts of a group their owner already gave up for that reason
+    assert all("another notice" in f or "unknown group" in f for f in failures), failures

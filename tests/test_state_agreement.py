@@ -10,6 +10,7 @@ import torch
 
 from p2pdiloco.algorithm.outer import state_digest, weighted_average
 from p2pdiloco.config import GuardConfig, OuterOptConfig, SwarmConfig
+from p2pdiloco.network.group import own_claims_kept
 from p2pdiloco.network.merger import Contribution, MergeResult
 from p2pdiloco.training.global_model import GlobalModel
 from tests.conftest import running_mergers
@@ -99,19 +100,19 @@ def test_differing_members_agree_bit_identically_and_an_anchor_cuts_the_bytes(bo
             assert 0.4 * fp32_state < state_bytes < 0.6 * fp32_state, (state_bytes, fp32_state)  # two int8 exchanges
 
 
-def test_a_member_refuses_a_notice_naming_an_anchor_it_does_not_hold():
-    """A leader cannot make a member add its differences to a state it does not hold (its model would be lost)."""
-    from tests.test_fuzz import _bare_matchmaker
-
+def test_a_member_refuses_a_notice_naming_an_anchor_it_does_not_hold_or_another_digest():
+    """A leader cannot make a member add its differences to a state it does not hold (its model would be lost), nor
+    write down another model for it (to make the group skip or force an agreement)."""
     held = torch.zeros(4)
     c = Contribution(pseudo_grad=held, weight=10.0, global_params=held, momentum=held, state_digest="mine",
                      state_weight=5.0, anchors={"mine": held, "older": held})
-    notice = {"members": ["you", "me"], "weights": [10.0, 10.0], "state_weights": [5.0, 5.0], "need_state": True}
-    m = _bare_matchmaker()
-    assert m._own_claims_kept({**notice, "anchor": "older"}, c)
-    assert m._own_claims_kept({**notice, "anchor": ""}, c) and m._own_claims_kept(notice, c)  # no anchor
-    assert not m._own_claims_kept({**notice, "anchor": "not-held"}, c)
-    assert not m._own_claims_kept({**notice, "anchor": ["older"]}, c)  # not even a digest
+    notice = {"members": ["you", "me"], "weights": [10.0, 10.0], "state_weights": [5.0, 5.0], "need_state": True,
+              "digests": ["yours", "mine"]}
+    assert own_claims_kept({**notice, "anchor": "older"}, "me", c)
+    assert own_claims_kept({**notice, "anchor": ""}, "me", c) and own_claims_kept(notice, "me", c)  # no anchor
+    assert not own_claims_kept({**notice, "anchor": "not-held"}, "me", c)
+    assert not own_claims_kept({**notice, "anchor": ["older"]}, "me", c)  # not even a digest
+    assert not own_claims_kept({**notice, "digests": ["yours", "yours"]}, "me", c)  # not the model it holds
 
 
 def test_a_merge_alone_steps_with_the_alone_lr_and_a_group_merge_with_the_outer_lr():

@@ -13,7 +13,7 @@ from p2pdiloco.algorithm.guards import TRUST, GuardBook, cosines_to, trust_facto
 from p2pdiloco.algorithm.outer import weighted_average
 from p2pdiloco.config import ConfigError, GuardConfig
 from p2pdiloco.network.allreduce import group_slice, owned_slice
-from p2pdiloco.network.matchmaking import Group
+from p2pdiloco.network.group import Group
 from p2pdiloco.network.slice_guard import SliceGuard
 from p2pdiloco.testing.hostile import corrupt
 

@@ -29,7 +29,7 @@ import torch
 from p2pdiloco.algorithm.codecs import Codec, CodecError, NonFiniteError
 from p2pdiloco.algorithm.outer import weight_shares, weighted_average
 from p2pdiloco.network.admission import Request
-from p2pdiloco.network.matchmaking import Group
+from p2pdiloco.network.group import Group, check_terms
 from p2pdiloco.network.merger import FaultHook
 from p2pdiloco.network.rpc import MergeFailed, Rpc
 from p2pdiloco.network.wire import WireError, phase_bytes
@@ -221,7 +221,7 @@ class AllReduce:
                 sent[k] = codec.decode(data, n)
             except NonFiniteError:  # our own Δ is not finite: send it anyway, the owner's guards will say so
                 sent[k] = torch.full((n,), float("nan"))
-            header = {"group_id": group.group_id, "tag": tag, "index": me, "codec": codec.name}
+            header = {"group_id": group.group_id, "tag": tag, "index": me, "codec": codec.name, "terms": group.terms}
             reply, payload = await self.rpc.call(group.members[j], "part", header, data, codec.encoded_size(n))
             if not reply.get("ok"):
                 raise MergeFailed(f"member {group.members[j][-6:]} could not reduce its slice: {reply.get('error')}")
@@ -308,6 +308,7 @@ class AllReduce:
         group = await self.expected_group(gid)
         if not 0 <= index < len(group.members) or group.members[index] != sender:
             raise MergeFailed("sender is not that member of the group")
+        check_terms(group, header)
         me = group.members.index(self.rpc.peer_id)
         return group, tag, index, me, group_slice(group, tag, me)
 

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco.algorithm.guards import STALE, GuardBook, bounded_weights, stale_members
+from p2pdiloco.algorithm.guards import STALE, GuardBook, stale_members
 from p2pdiloco.config import GuardConfig, SwarmConfig
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.census import Census, epoch_of, my_group
+from p2pdiloco.network.group import Group, own_claims_kept, valid_notice
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed, Rpc
 
@@ -42,46 +43,6 @@ POLL_S = 0.25
 
 SILENT_ROUNDS = 3
 """A leader that never invited is passed over for this many of this peer's searches."""
-
-
-@dataclass
-class Group:
-    """A formed merge group, as its leader announced it."""
-
-    group_id: str
-    members: list[str]
-    """Peer ids in group order; member j owns one slice of every vector averaged (allreduce.owned_slice)."""
-    weights: list[float]
-    """Each member's weight in the average of Δ (tokens of its round)."""
-    state_weights: list[float]
-    """Each member's weight in the average of (θg, momentum) (tokens its θg has absorbed)."""
-    need_state: bool
-    """The members' global models differ: (θg, momentum) is averaged too."""
-    lengths: dict[str, int]
-    """Vector length per tag: 'd' for the pseudo-gradient, 's' for (θg, momentum)."""
-    final: bool = False
-    """A member is finishing its run (see `MergeResult.final`)."""
-    anchor: str = ""
-    """A state all hold (`Contribution.anchors`): differences from it travel int8 (tag 'a'); '': fp32 (tag 's')."""
-    slots: dict = field(default_factory=dict)
-    """The all-reduce's state per tag while this group merges (see `AllReduce`)."""
-    reference: object = None
-    """This peer's outer momentum (flat fp32, the whole vector) as it joined this merge: what its slice guard judges
-    members' pseudo-gradients against (guards.cosines_to); None: no reference."""
-
-    def __post_init__(self) -> None:
-        # claims, as every member counts them: the same function of the same notice on every member
-        self.weights = bounded_weights(self.weights)
-        self.state_weights = bounded_weights(self.state_weights)
-
-    def agreed_state_weight(self) -> float:
-        """What the group's agreed θg stands for, in tokens: the lower median of the members' (capped) claims, so
-        that no member's claim, however large, inflates every member's counter."""
-        claims = sorted(self.state_weights)
-        return claims[(len(claims) - 1) // 2] if claims else 0.0
-
-    def weights_for(self, tag: str) -> list[float]:  # 'd': Δ; 's', 'a': (θg, momentum)
-        return self.weights if tag == "d" else self.state_weights
 
 
 @dataclass
@@ -302,10 +263,12 @@ class Matchmaker:
         final = any(finals)
         need_state = len(set(digests)) > 1  # the newest state all hold, if any, is what they send differences from
         anchor = next((a for a in anchors[0] if need_state and all(a in held for held in anchors[1:])), "")
-        group = Group(gid, members, weights, state_weights, need_state, dict(self.lengths), final, anchor)
+        group = Group(gid, members, weights, state_weights, need_state, dict(self.lengths), final, anchor,
+                      digests=digests)
         self._group_future(gid).set_result(group)
         notice = {"group_id": gid, "members": members, "weights": weights, "state_weights": state_weights,
-                  "need_state": group.need_state, "final": final, "anchor": anchor, "closing": c.last_merges()}
+                  "need_state": need_state, "final": final, "anchor": anchor, "closing": c.last_merges(),
+                  "digests": digests}
         await asyncio.gather(*(self.rpc.request(p, "group", notice) for p in members[1:]))
         logger.info("[%s] leading merge group %s of %d peers", self.peer_id[-6:], gid, len(members))
         return group
@@ -367,34 +330,16 @@ class Matchmaker:
         search = self._search
         ok = (
             search is not None and gid == search.accepted_gid and request.sender == search.leader
-            and self._valid_notice(header) and self._own_claims_kept(header, search.contribution)
+            and valid_notice(header, self.peer_id, self.cfg.group_size)
+            and own_claims_kept(header, self.peer_id, search.contribution)
         )
         if ok:
             group = Group(
                 gid, [str(m) for m in header["members"]], [float(w) for w in header["weights"]],
                 [float(w) for w in header["state_weights"]], bool(header["need_state"]), dict(self.lengths),
-                header.get("final") is True, str(header.get("anchor", "")),
+                header.get("final") is True, str(header.get("anchor", "")), digests=list(header["digests"]),
             )
             fut = self._group_future(gid)
             if not fut.done():
                 fut.set_result(group)
         await self.rpc.reply(reader, writer, "group", request.sender, {"ok": ok})
-
-    def _own_claims_kept(self, h: dict, c: Contribution) -> bool:
-        """The leader wrote down this peer's weights as this peer offered them (it could raise or zero them), and
-        names an anchor this peer holds, or none."""
-        i = h["members"].index(self.peer_id)
-        return (float(h["weights"][i]) == float(c.weight) and float(h["state_weights"][i]) == float(c.state_weight)
-                and h.get("anchor", "") in ("", *c.anchors))
-
-    def _valid_notice(self, h: dict) -> bool:
-        members, weights, sw = h.get("members"), h.get("weights"), h.get("state_weights")
-        return (
-            isinstance(members, list) and isinstance(weights, list) and isinstance(sw, list)
-            and 2 <= len(members) == len(weights) == len(sw) and (len(members) <= self.cfg.group_size or h.get("closing") is True)
-            and all(isinstance(m, str) for m in members)
-            and len(set(members)) == len(members) and self.peer_id in members
-            and all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
-                    for w in weights + sw)
-            and isinstance(h.get("need_state"), bool)
-        )

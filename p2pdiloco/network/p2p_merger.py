@@ -33,7 +33,8 @@ from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.config import GuardConfig, SwarmConfig
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.allreduce import AllReduce, PlainReducer, by_values, slice_bounds
-from p2pdiloco.network.matchmaking import Group, Matchmaker
+from p2pdiloco.network.group import Group
+from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.merger import Contribution, FaultHook, MergeResult, alone_result
 from p2pdiloco.network.phase import Phase
 from p2pdiloco.network.rpc import MergeFailed, Rpc

@@ -27,7 +27,7 @@ from p2pdiloco.algorithm.outer import weight_shares
 from p2pdiloco.algorithm.robust import ROBUST, aggregate, far_from_majority
 from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.allreduce import group_slice
-from p2pdiloco.network.matchmaking import Group
+from p2pdiloco.network.group import Group
 from p2pdiloco.network.rpc import MergeFailed
 
 logger = logging.getLogger(__name__)

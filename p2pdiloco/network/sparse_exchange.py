@@ -31,7 +31,7 @@ from p2pdiloco.algorithm.guards import NONFINITE, SHAPE, TRUST, GuardBook, cosin
 from p2pdiloco.algorithm.outer import weight_shares, weighted_average
 from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.admission import Request
-from p2pdiloco.network.matchmaking import Group
+from p2pdiloco.network.group import Group, check_terms
 from p2pdiloco.network.merger import FaultHook
 from p2pdiloco.network.rpc import MergeFailed, Rpc
 from p2pdiloco.network.wire import WireError, phase_bytes
@@ -222,7 +222,7 @@ class SparseExchange:
         phase_bytes(group.slots, "d")  # this task's frames are the Δ phase's (see wire.PHASE_BYTES)
         gathered = self._gathered(group)
         gathered.add(me, data)
-        header = {"group_id": group.group_id, "index": me, "codec": self.codec.name}
+        header = {"group_id": group.group_id, "index": me, "codec": self.codec.name, "terms": group.terms}
 
         async def send(j: int) -> None:
             reply, _ = await self.rpc.call(group.members[j], "sparse", header, data, 0)
@@ -264,6 +264,7 @@ class SparseExchange:
             group = await self.expected_group(gid)
             if not 0 <= index < len(group.members) or group.members[index] != sender:
                 raise MergeFailed("sender is not that member of the group")
+            check_terms(group, header)
             phase_bytes(group.slots, "d")
             gathered = self._gathered(group)
             if gathered.parts[index] is not None:

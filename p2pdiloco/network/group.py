@@ -1,0 +1,107 @@
+"""A merge group as its leader announced it, and the checks a member makes of that announcement (the notice).
+
+The leader writes one notice for the whole group. A member acts on it only if it is well formed, carries this
+member's own claims unchanged (weights, global-model digest, an anchor it holds), and says the members' global
+models differ (`need_state`) exactly when the digests it lists do (`valid_notice`, `own_claims_kept`).
+
+A leader could still tell each member a different group: other weights, other members, `need_state` false to one
+and true to another. So every part of the merge carries the digest of the notice its sender acts on
+(`Group.terms`), and a part sent under other terms is refused (`check_terms`): such a merge fails for the members
+told different things, who merge alone, instead of averaging under terms they never agreed on (issue 18).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from p2pdiloco.algorithm.guards import bounded_weights
+from p2pdiloco.network.merger import Contribution
+from p2pdiloco.network.rpc import MergeFailed
+
+
+@dataclass
+class Group:
+    """A formed merge group, as its leader announced it."""
+
+    group_id: str
+    members: list[str]
+    """Peer ids in group order; member j owns one slice of every vector averaged (allreduce.owned_slice)."""
+    weights: list[float]
+    """Each member's weight in the average of Δ (tokens of its round)."""
+    state_weights: list[float]
+    """Each member's weight in the average of (θg, momentum) (tokens its θg has absorbed)."""
+    need_state: bool
+    """The members' global models differ: (θg, momentum) is averaged too."""
+    lengths: dict[str, int]
+    """Vector length per tag: 'd' for the pseudo-gradient, 's' for (θg, momentum)."""
+    final: bool = False
+    """A member is finishing its run (see `MergeResult.final`)."""
+    anchor: str = ""
+    """A state all hold (`Contribution.anchors`): differences from it travel int8 (tag 'a'); '': fp32 (tag 's')."""
+    slots: dict = field(default_factory=dict)
+    """The all-reduce's state per tag while this group merges (see `AllReduce`)."""
+    reference: object = None
+    """This peer's outer momentum (flat fp32, the whole vector) as it joined this merge: what its slice guard judges
+    members' pseudo-gradients against (guards.cosines_to); None: no reference."""
+    digests: list[str] = field(default_factory=list)
+    """Each member's global-model digest as it offered it; `need_state` is whether they differ."""
+
+    def __post_init__(self) -> None:
+        # claims, as every member counts them: the same function of the same notice on every member
+        self.weights = bounded_weights(self.weights)
+        self.state_weights = bounded_weights(self.state_weights)
+
+    @cached_property
+    def terms(self) -> str:
+        """Digest of everything the members must agree on to merge together: the same on every member that acts on
+        the same notice, different on a member told another group."""
+        terms = [self.group_id, self.members, self.weights, self.state_weights, self.need_state, self.final,
+                 self.anchor, self.digests]
+        return hashlib.blake2b(json.dumps(terms).encode(), digest_size=16).hexdigest()
+
+    def agreed_state_weight(self) -> float:
+        """What the group's agreed θg stands for, in tokens: the lower median of the members' (capped) claims, so
+        that no member's claim, however large, inflates every member's counter."""
+        claims = sorted(self.state_weights)
+        return claims[(len(claims) - 1) // 2] if claims else 0.0
+
+    def weights_for(self, tag: str) -> list[float]:  # 'd': Δ; 's', 'a': (θg, momentum)
+        return self.weights if tag == "d" else self.state_weights
+
+
+def check_terms(group: Group, header: dict) -> None:
+    """A part's header names the terms of the group its sender acts on: they must be this peer's.
+
+    Raises:
+        MergeFailed: the sender was told another group.
+    """
+    if header.get("terms") != group.terms:
+        raise MergeFailed("the sender acts on another notice of this group (its leader told members different groups)")
+
+
+def valid_notice(h: dict, me: str, group_size: int) -> bool:
+    """A notice well formed enough to act on: bounded (but for a run's last merges), finite non-negative claims,
+    unique members including this peer, one digest per member, and `need_state` as the digests say."""
+    members, weights, sw, digests = h.get("members"), h.get("weights"), h.get("state_weights"), h.get("digests")
+    return (
+        isinstance(members, list) and isinstance(weights, list) and isinstance(sw, list) and isinstance(digests, list)
+        and 2 <= len(members) == len(weights) == len(sw) == len(digests)
+        and (len(members) <= group_size or h.get("closing") is True)
+        and all(isinstance(m, str) for m in members + digests)
+        and len(set(members)) == len(members) and me in members
+        and all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
+                for w in weights + sw)
+        and h.get("need_state") is (len(set(digests)) > 1)
+    )
+
+
+def own_claims_kept(h: dict, me: str, c: Contribution) -> bool:
+    """The leader wrote down this peer's weights and digest as this peer offered them (it could raise or zero the
+    weights, or make the group skip or force an agreement), and names an anchor this peer holds, or none."""
+    i = h["members"].index(me)
+    return (float(h["weights"][i]) == float(c.weight) and float(h["state_weights"][i]) == float(c.state_weight)
+            and h["digests"][i] == c.state_digest and h.get("anchor", "") in ("", *c.anchors))
