@@ -121,6 +121,39 @@ def test_groups_a_little_out_of_phase_at_the_end_of_a_run_still_end_in_one_last_
     assert all(torch.equal(r.pseudo_grad, torch.full((64,), 3.5)) for r in results)  # (1 + 2 + 5 + 6) / 4
 
 
+def test_a_finishing_peer_does_not_end_in_the_group_of_a_leader_that_is_not_near_its_end(
+        bootstrap_dht, net_loop, monkeypatch):
+    """Groups of 2 among 4 peers, dealt {lead, last} and {c1, c2} in the order lead, c1, last, c2: `last`
+    submits its last contribution while `lead`, first in the order and not near its end, looks for its pair, and
+    c1 and c2 submit theirs near their end. Before, `last` followed `lead` (the first ready peer in its order)
+    and ended in a pair with it while c1 and c2 ended as another pair: two models at the end (32 peers in
+    `bench scale`). Now a search near its end follows and accepts only a leader whose search is too, where
+    groups do not span the census: the three finishing peers end in one merge; `lead` merges alone and goes on."""
+    from p2pdiloco.network import census
+
+    cfg = SwarmConfig(run_id="apart", merge_window_s=4, merge_timeout_s=5, codec="none", group_size=2,
+                      min_window_s=0.5, window_fraction=0.1)
+    with running_mergers(bootstrap_dht, net_loop, 4, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:
+        lead, c1, last, c2 = mergers
+        order = [m.matchmaker.peer_id for m in mergers]
+        monkeypatch.setattr(census, "leader_rank", lambda run_id, peer, epoch: bytes([order.index(peer)]))
+
+        def submit(m, value, final=False, closing=False, round_s=1.0):
+            c = Contribution(pseudo_grad=torch.full((64,), value), weight=1.0, global_params=torch.zeros(64),
+                             momentum=torch.zeros(64), state_digest="same", state_weight=1.0, round_s=round_s)
+            c.final, c.closing = final, closing
+            return m.submit(c)
+
+        leading = submit(lead, 1.0, round_s=40.0)  # a window of 4 s: still looking when the others come
+        ending = [submit(last, 2.0, final=True), submit(c1, 3.0, closing=True), submit(c2, 4.0, closing=True)]
+        results = [f.result(timeout=30) for f in ending]
+        lead_result = leading.result(timeout=30)
+    finishers = {order[1], order[2], order[3]}
+    assert all(set(r.group) == finishers and r.failure == "" and r.final for r in results), [r.group for r in results]
+    assert all(torch.equal(r.pseudo_grad, torch.full((64,), 3.0)) for r in results)  # (2 + 3 + 4) / 3
+    assert order[2] not in lead_result.group
+
+
 def test_an_epochs_first_census_read_takes_one_nodes_copy_only_when_it_looks_whole(monkeypatch):
     """`Census.members`: an epoch's first read asks the census key's nearest node (a third of a walk's bytes), and
     walks instead when that copy lacks this peer or holds fewer peers than the last view; the first read of all and

@@ -189,6 +189,11 @@ class Census:
         announced itself, or the view was read too soon after registering) walk."""
         return (epoch not in self._registered or self.peer_id in near) and len(near | {self.peer_id}) >= self._last_size
 
+    @property
+    def size(self) -> int:
+        """How many peers (this one included) the last census read held; 0 before any read."""
+        return self._last_size
+
     def settled(self, epoch: int) -> bool:
         """Whether this peer's view of `epoch` was read at least `REREAD_S` after it registered for it, so that
         peers who registered at about the same time are in it; if not, it is read again when allowed."""

@@ -89,6 +89,8 @@ class Matchmaker:
         """Leaders that never invited us: peer id -> searches left in which they are not followed."""
         self.census = Census(dht, cfg.run_id, self.peer_id)
         self._ready: dict[str, float] = {}
+        self._closers: set[str] = set()
+        """Mates whose word that they are looking said it is for one of their last merges (`Contribution.closing`)."""
         """Mates that told us they are looking for a group: peer id -> until when (DHT time)."""
         self._liars: set[str] = set()
         """Mates that announced a deadline no honest window reaches: not counted as live, even between searches."""
@@ -156,7 +158,12 @@ class Matchmaker:
                 ready = {p for p in mates if p == me or (self._ready.get(p, 0.0) + RPC_TIMEOUT_S >= now
                                                          and p not in silent and p not in search.unreachable)}
                 live = sum(p not in search.unreachable and p not in self._liars for p in mates)
-                leader = next(p for p in mates if p in ready and (p == me or p not in passed_over))
+                # where groups do not span the census, a run's last merges follow only a leader that is closing too:
+                # one that is not invites its own group only, and its finishing members ended apart from the rest
+                # (32 peers in `bench scale`: a group of 8 led by a peer not yet near its end)
+                apart = closing and len(census) > self.cfg.group_size
+                leader = next(p for p in mates if p in ready and (p == me or (
+                    p not in passed_over and (not apart or p in self._closers))))
                 if followed and followed != leader and followed not in ready:
                     self._passed_over[followed] = SILENT_ROUNDS  # it stopped looking without inviting us
                 followed = leader if leader != me else ""
@@ -188,7 +195,8 @@ class Matchmaker:
         """Tell `peers` (group mates) that this peer is looking for a group until its deadline, or no longer is.
         Sent in the background; a mate that cannot be reached is not waited for in this search."""
         search.told.update(peers)
-        header = {"looking": looking, "deadline": search.deadline, "epoch": search.epoch}
+        header = {"looking": looking, "deadline": search.deadline, "epoch": search.epoch,
+                  "closing": search.contribution.last_merges()}
 
         async def tell(peer: str) -> None:
             if await self.rpc.request(peer, "ready", header) is None and looking:
@@ -232,8 +240,8 @@ class Matchmaker:
         gid = secrets.token_hex(8)
         c = search.contribution
         candidates = [p for p in candidates if p not in self.book.banned]
-        replies = await asyncio.gather(*(self.rpc.request(p, "invite", {"group_id": gid, "fp": self.fingerprint})
-                                         for p in candidates))
+        invite = {"group_id": gid, "fp": self.fingerprint, "closing": c.last_merges()}
+        replies = await asyncio.gather(*(self.rpc.request(p, "invite", invite) for p in candidates))
         members, weights, state_weights, digests = [self.peer_id], [c.weight], [c.state_weight], [c.state_digest]
         rounds, finals, anchors = [c.round], [c.final], [list(c.anchors)]
         for peer, reply in zip(candidates, replies, strict=True):
@@ -298,6 +306,9 @@ class Matchmaker:
             reply["error"] = "banned"
         elif header.get("fp", "") != self.fingerprint:
             reply["error"] = "config fingerprint differs"
+        elif (search is not None and search.contribution.last_merges() and header.get("closing") is not True
+              and self.census.size > self.cfg.group_size):
+            reply["error"] = "about its last merges, it follows only a leader that is too"  # see find_group
         elif search is not None and not search.leading and not search.accepted_gid and isinstance(gid, str) and gid:
             search.accepted_gid, search.leader = gid, leader
             self._changed.set()
@@ -313,8 +324,11 @@ class Matchmaker:
         header, peer = request.header, request.sender
         now = get_dht_time()
         self._ready = {p: d for p, d in self._ready.items() if d + RPC_TIMEOUT_S >= now and p != peer}
+        self._closers = {p for p in self._closers if p in self._ready}
         if header.get("looking") is True and self._plausible(header.get("deadline"), now):
             self._ready[peer] = float(header["deadline"])
+            if header.get("closing") is True:
+                self._closers.add(peer)
         elif header.get("looking") is True:  # meant to be waited for: never waited for again
             self._liars.add(peer)
         if isinstance(header.get("epoch"), int):
