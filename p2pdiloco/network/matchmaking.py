@@ -89,9 +89,9 @@ class Matchmaker:
         """Leaders that never invited us: peer id -> searches left in which they are not followed."""
         self.census = Census(dht, cfg.run_id, self.peer_id)
         self._ready: dict[str, float] = {}
+        """Mates that told us they are looking for a group: peer id -> until when (DHT time)."""
         self._closers: set[str] = set()
         """Mates whose word that they are looking said it is for one of their last merges (`Contribution.closing`)."""
-        """Mates that told us they are looking for a group: peer id -> until when (DHT time)."""
         self._liars: set[str] = set()
         """Mates that announced a deadline no honest window reaches: not counted as live, even between searches."""
         self._changed = asyncio.Event()
@@ -158,12 +158,9 @@ class Matchmaker:
                 ready = {p for p in mates if p == me or (self._ready.get(p, 0.0) + RPC_TIMEOUT_S >= now
                                                          and p not in silent and p not in search.unreachable)}
                 live = sum(p not in search.unreachable and p not in self._liars for p in mates)
-                # where groups do not span the census, a run's last merges follow only a leader that is closing too:
-                # one that is not invites its own group only, and its finishing members ended apart from the rest
-                # (32 peers in `bench scale`: a group of 8 led by a peer not yet near its end)
-                apart = closing and len(census) > self.cfg.group_size
+                only_closers = self._follows_only_closers(c)
                 leader = next(p for p in mates if p in ready and (p == me or (
-                    p not in passed_over and (not apart or p in self._closers))))
+                    p not in passed_over and (not only_closers or p in self._closers))))
                 if followed and followed != leader and followed not in ready:
                     self._passed_over[followed] = SILENT_ROUNDS  # it stopped looking without inviting us
                 followed = leader if leader != me else ""
@@ -208,6 +205,13 @@ class Matchmaker:
             task = asyncio.create_task(tell(peer))
             self._tasks.add(task)  # keep a reference until it is done, or it may be collected mid-flight
             task.add_done_callback(self._tasks.discard)
+
+    def _follows_only_closers(self, c: Contribution) -> bool:
+        """Whether a search for `c` follows and accepts only leaders whose searches are about their last merges too:
+        where groups do not span the census. A leader that is not invites its own group only, and its finishing
+        members ended apart from the rest (32 peers in `bench scale`: a group of 8 led by a peer not yet near its
+        end); with one group for everyone, nothing is gained by waiting for a closing leader."""
+        return c.last_merges() and self.census.size > self.cfg.group_size
 
     def _plausible(self, deadline: object, now: float) -> bool:
         """A deadline an honest peer could have announced: no window is longer than `merge_window_s`, so a
@@ -306,9 +310,8 @@ class Matchmaker:
             reply["error"] = "banned"
         elif header.get("fp", "") != self.fingerprint:
             reply["error"] = "config fingerprint differs"
-        elif (search is not None and search.contribution.last_merges() and header.get("closing") is not True
-              and self.census.size > self.cfg.group_size):
-            reply["error"] = "about its last merges, it follows only a leader that is too"  # see find_group
+        elif search is not None and self._follows_only_closers(search.contribution) and header.get("closing") is not True:
+            reply["error"] = "about its last merges, it follows only a leader that is too"
         elif search is not None and not search.leading and not search.accepted_gid and isinstance(gid, str) and gid:
             search.accepted_gid, search.leader = gid, leader
             self._changed.set()
