@@ -13,7 +13,7 @@ import torch
 from torch.testing import assert_close
 
 from p2pdiloco.algorithm.guards import FAR, GuardBook, bounded_weights
-from p2pdiloco.algorithm.outer import STATE_REACH, outer_step, state_within_reach
+from p2pdiloco.algorithm.outer import STATE_REACH, outer_step, state_digest, state_within_reach
 from p2pdiloco.algorithm.robust import aggregate, far_from_majority
 from p2pdiloco.config import GuardConfig, OuterOptConfig, SwarmConfig
 from p2pdiloco.network import census
@@ -90,38 +90,45 @@ def guarded_mergers(bootstrap_dht, net_loop):
         yield ms
 
 
-def _honest(theta: torch.Tensor, delta: torch.Tensor, state_weight: float = 1000.0) -> Contribution:
+def _honest(theta: torch.Tensor, delta: torch.Tensor, state_weight: float = 1000.0,
+            digest: str = "honest") -> Contribution:
     return Contribution(pseudo_grad=delta, weight=100.0, global_params=theta, momentum=torch.zeros(N),
-                        state_digest="honest", state_weight=state_weight)
+                        state_digest=digest, state_weight=state_weight)
 
 
-@pytest.mark.parametrize("anchored", [False, True])
+@pytest.mark.parametrize("agreement", ["caught_up", "anchored", "int8"])
 @pytest.mark.parametrize("honest_state_weight", [1000.0, 0.0])
 def test_a_member_claiming_huge_weights_and_offering_minus_theta_takes_over_nothing(guarded_mergers,
-                                                                                   honest_state_weight, anchored):
+                                                                                   honest_state_weight, agreement):
     """Attack 2: θg = −θg with weight and state weight 1e30 (it replaced the model of every member before), also
-    at a run's start, when every honest member is fresh (no tokens absorbed: the claim alone was positive), and
-    when the members hold a common anchor, so that the models travel as int8 differences from it."""
+    at a run's start, when every honest member is fresh (no tokens absorbed: the claim alone was positive). Three
+    ways the group agrees: the honest members offer one digest, a majority, and the hostile member fetches their
+    model (catch_up.py); or their digests differ (as after merges in different groups) and the models are averaged,
+    as int8 differences from a common anchor or, without one, from the int8 average of the models."""
     gen = torch.Generator().manual_seed(1)
     theta = torch.randn(N, generator=gen)
     deltas = [1e-3 * torch.randn(N, generator=gen) for _ in range(4)]
-    anchors = {"anchor": torch.cat([theta, torch.zeros(N)])} if anchored else {}
+    anchors = {"anchor": torch.cat([theta, torch.zeros(N)])} if agreement == "anchored" else {}
     hostile = Contribution(pseudo_grad=deltas[3], weight=CLAIM, global_params=-theta, momentum=torch.zeros(N),
                            state_digest="takeover", state_weight=CLAIM, anchors=anchors)
-    sent = [_honest(theta, d, honest_state_weight) for d in deltas[:3]] + [hostile]
+    digests = [state_digest(theta, torch.zeros(N))] * 3 if agreement == "caught_up" else [f"honest-{i}" for i in range(3)]
+    sent = [_honest(theta, d, honest_state_weight, digest) for d, digest in zip(deltas[:3], digests, strict=True)]
+    sent.append(hostile)
     for c in sent[:3]:
         c.anchors = anchors
     results = [f.result(timeout=60) for f in [m.submit(c) for m, c in zip(guarded_mergers, sent, strict=True)]]
     for r in results:
         assert r.failure == "" and len(r.group) == 4 and torch.equal(r.global_state, results[0].global_state)
-    # the agreement step returned the honest majority's model, not the hostile one: bit for bit from the anchor
-    # they are on; without one, from the int8 average of the models, which is off the honest model by up to 1/254
-    # of a block's largest value, and the second exchange (the differences from that average) takes that back
-    if anchored:
-        assert torch.equal(results[0].global_state[:N], theta)
-    else:
+        assert r.state_caught_up is (agreement == "caught_up")
+    # the agreement returned the honest majority's model, not the hostile one: bit for bit where it was fetched or
+    # averaged from the anchor they are on; without one, from the int8 average of the models, which is off the
+    # honest model by up to 1/254 of a block's largest value, and the second exchange (the differences from that
+    # average) takes that back
+    if agreement == "int8":
         err = float((results[0].global_state[:N] - theta).abs().max())
         assert 0 < err < float(theta.abs().max()) / 254 / 10, err
+    else:
+        assert torch.equal(results[0].global_state[:N], theta)
     # the hostile member's Δ counted as at most twice the median member, not 1e30 times
     assert results[0].total_weight == pytest.approx(500.0)
     # the counters members adopt: the median claim, not the largest

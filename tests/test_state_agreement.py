@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from p2pdiloco.algorithm.guards import FORGED
 from p2pdiloco.algorithm.outer import state_digest, weighted_average
 from p2pdiloco.config import GuardConfig, OuterOptConfig, SwarmConfig
-from p2pdiloco.network.group import own_claims_kept
+from p2pdiloco.network.group import Group, own_claims_kept
 from p2pdiloco.network.merger import Contribution, MergeResult
 from p2pdiloco.training.global_model import GlobalModel
 from tests.conftest import running_mergers
@@ -165,3 +166,88 @@ def test_a_merges_phases_run_at_once_and_one_failing_cancels_the_other():
     both, cancelled = asyncio.run(main())
     assert both == ["d", "s"]
     assert cancelled  # the other phase was cancelled, not waited for
+
+
+def _majority_case(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The majority's (θg, momentum) and a model a few outer steps off it."""
+    gen = torch.Generator().manual_seed(seed)
+    held = torch.cat([torch.randn(N, generator=gen), 1e-2 * torch.randn(N, generator=gen)])
+    return held, held + 1e-2 * torch.randn(2 * N, generator=gen)
+
+
+def _offer(state: torch.Tensor, digest: str | None = None, state_weight: float = 100.0) -> Contribution:
+    return Contribution(pseudo_grad=torch.zeros(N), weight=1.0, global_params=state[:N], momentum=state[N:],
+                        state_digest=digest or state_digest(state[:N], state[N:]), state_weight=state_weight)
+
+
+@pytest.mark.integration
+def test_a_member_outside_a_majority_fetches_its_model_exactly_and_the_majority_keeps_it(bootstrap_dht, net_loop):
+    """3 of 4 members hold one global model, the fourth another (it merged in another group): the group's model is
+    the majority's, bit for bit, the fourth fetches it (one fp32 copy, from one holder), and the holders send nothing
+    else of the agreement, where averaging took two int8 exchanges of every member's model (~half an fp32 exchange
+    each, test above)."""
+    cfg = SwarmConfig(run_id="catchup", merge_window_s=8, merge_timeout_s=10, codec="none", sync=True)
+    held, other = _majority_case(5)
+    with running_mergers(bootstrap_dht, net_loop, 4, cfg, N) as mergers:
+        offers = [_offer(held), _offer(held), _offer(held), _offer(other)]
+        results = [f.result(timeout=60) for f in [m.submit(c) for m, c in zip(mergers, offers, strict=True)]]
+    for r in results:
+        assert r.failure == "" and len(r.group) == 4 and r.state_caught_up and not r.state_anchored, r.failure
+        assert torch.equal(r.global_state, held)  # the majority's model itself, not an int8 round trip of it
+    *holders, fetcher = results
+    fp32_copy = 8 * N
+    served = [r.state_bytes_sent for r in holders]
+    assert sorted(served)[:2] == [0, 0] and fp32_copy <= max(served) < fp32_copy + 1000, served  # one copy, one holder
+    assert fetcher.state_bytes_sent < 1000  # its request
+    assert [r.state_share for r in results] == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("liars", [1, 3])
+def test_a_member_outside_the_majority_refuses_a_model_other_than_the_majoritys(bootstrap_dht, net_loop, liars):
+    """Holders that claim the majority's digest but serve another model: the fetcher checks what it gets against
+    the digest, refuses it, strikes the liar and merges alone, naming the refusal. It never adopts the liar's
+    model; where the holder dealt to it is honest, it gets the majority's."""
+    from p2pdiloco.network.catch_up import dealt_holder
+
+    cfg = SwarmConfig(run_id=f"liars{liars}", merge_window_s=8, merge_timeout_s=6, codec="none", sync=True)
+    held, other = _majority_case(6)
+    lie = -held  # what a liar holds and serves, under the majority's digest
+    digest = state_digest(held[:N], held[N:])
+    offers = [_offer(lie, digest)] * liars + [_offer(held)] * (3 - liars) + [_offer(other)]
+    with running_mergers(bootstrap_dht, net_loop, 4, cfg, N) as mergers:
+        results = [f.result(timeout=60) for f in [m.submit(c) for m, c in zip(mergers, offers, strict=True)]]
+        fetcher, book, liar_ids = results[3], mergers[3].book, {m.peer_id for m in mergers[:liars]}
+        struck = {p: n for p, n in book.strikes.items() if n > 0}
+    group = results[0].group
+    holder = group[dealt_holder(_group_of(group, results[0], offers, mergers), group.index(mergers[3].peer_id))]
+    if holder in liar_ids:
+        assert fetcher.alone and "served a model other than the majority's" in fetcher.failure, fetcher.failure
+        assert fetcher.global_state is None
+        assert struck == {holder: 1} and book.rejected[FORGED] == 1
+    else:
+        assert fetcher.failure == "" and torch.equal(fetcher.global_state, held) and not struck
+    assert liars == 1 or holder in liar_ids  # with 3 liars the refusal is always exercised
+    assert not any(r.global_state is not None and torch.equal(r.global_state, lie) for r in results[liars:])
+
+
+def _group_of(members: list[str], result: MergeResult, offers: list[Contribution], mergers) -> Group:
+    """The group as its members acted on it (members, digests, state weights), rebuilt for `dealt_holder`."""
+    by_id = {m.peer_id: c for m, c in zip(mergers, offers, strict=True)}
+    return Group(result.group_id, members, [1.0] * len(members), [by_id[p].state_weight for p in members], True,
+                 {"s": 2 * N}, digests=[by_id[p].state_digest for p in members])
+
+
+def test_the_majority_a_group_adopts_is_counted_as_the_robust_rule_counts_models():
+    """`Group.majority`: a digest held by more than half the members, where models differ; fresh members (no tokens
+    absorbed) left out where the others are a majority, as the robust rule leaves their models out."""
+    def majority(digests: list[str], state_weights: list[float] | None = None) -> str:
+        n = len(digests)
+        return Group("g", [f"p{i}" for i in range(n)], [1.0] * n, state_weights or [1.0] * n,
+                     len(set(digests)) > 1, {"s": 2}, digests=digests).majority
+
+    assert majority(["a", "a", "b"]) == "a"
+    assert majority(["a", "a", "b", "b"]) == "" and majority(["a", "b", "c"]) == ""  # no majority: averaged
+    assert majority(["a", "a"]) == ""  # one model: nothing to agree on
+    assert majority(["a", "a", "a", "b", "b"], [0, 0, 5, 5, 5]) == "b"  # the trained members' majority
+    assert majority(["a", "a", "b"], [0, 0, 5]) == "a"  # trained members are no majority: every model votes

@@ -111,8 +111,9 @@ def test_three_peers_average_exactly_and_agree_bitwise(three_mergers):
 
 def test_disagreeing_global_models_are_averaged_by_absorbed_tokens(three_mergers):
     vecs = [torch.full((1001,), float(i)) for i in range(3)]
+    # three models, no majority (where two of three hold one model the third fetches it: test_state_agreement.py)
     contribs = [_contribution(vecs[0], 1, "a", state_weight=0.0),  # a fresh joiner: its θg counts for nothing
-                _contribution(vecs[1], 1, "b", state_weight=500.0), _contribution(vecs[2], 1, "b", state_weight=500.0)]
+                _contribution(vecs[1], 1, "b", state_weight=500.0), _contribution(vecs[2], 1, "c", state_weight=500.0)]
     results = [f.result(timeout=60) for f in [m.submit(c) for m, c in zip(three_mergers, contribs, strict=True)]]
     for r in results:
         assert r.failure == "" and r.global_state is not None

@@ -22,8 +22,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-NONFINITE, NORM, DIRECTION, STALE, BANNED, SHAPE, TRUST, FAR = (
-    "nonfinite", "norm", "direction", "stale", "banned", "shape", "trust", "far")
+NONFINITE, NORM, DIRECTION, STALE, BANNED, SHAPE, TRUST, FAR, FORGED = (
+    "nonfinite", "norm", "direction", "stale", "banned", "shape", "trust", "far", "forged")
 """Rejection reasons, as counted in metrics."""
 
 

@@ -397,4 +397,4 @@ class Config(_Model):
                 "codec": {"codec": s.codec, "error_feedback": s.error_feedback, **sparse},
                 "outer": self.outer.model_dump(exclude={"eager", "alone_lr", "rebase_keep"}),
                 "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync},
-                "guard": self.guard.model_dump(), "agreement": "int8-linear"}  # older peers: fp32
+                "guard": self.guard.model_dump(), "agreement": "catch-up"}  # older: int8-linear, fp32

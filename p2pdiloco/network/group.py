@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -62,6 +63,22 @@ class Group:
         terms = [self.group_id, self.members, self.weights, self.state_weights, self.need_state, self.final,
                  self.anchor, self.digests]
         return hashlib.blake2b(json.dumps(terms).encode(), digest_size=16).hexdigest()
+
+    @cached_property
+    def majority(self) -> str:
+        """The global-model digest more than half the members offered, where their models differ ('' if none, or if
+        they do not differ): the agreement is then that model, and the others fetch it (catch_up.py).
+
+        Counted as the robust rule counts models (slice_guard.SliceGuard.reduce): members whose θg absorbed no
+        tokens (fresh peers) are left out where those that did are a majority, so that two fresh peers do not
+        outvote a trained one on it; a majority that agrees exactly is the rule's answer, whatever the weights."""
+        if not self.need_state or not self.digests:
+            return ""
+        voters = [d for d, w in zip(self.digests, self.state_weights, strict=True) if w > 0]
+        if 2 * len(voters) <= len(self.digests):
+            voters = list(self.digests)
+        digest, count = Counter(voters).most_common(1)[0]
+        return digest if 2 * count > len(voters) else ""
 
     def agreed_state_weight(self) -> float:
         """What the group's agreed θg stands for, in tokens: the lower median of the members' (capped) claims, so

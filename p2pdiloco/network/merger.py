@@ -75,6 +75,8 @@ class MergeResult:
     """Of `bytes_sent`, those of the (θg, momentum) agreement (0 if there was none)."""
     state_anchored: bool = False
     """The agreement travelled as int8 differences from an anchor all members held (else fp32, or none)."""
+    state_caught_up: bool = False
+    """The agreement was the model a majority of the members held, fetched by the others (catch_up.py)."""
     duration_s: float = 0.0
     """Seconds from submit to result."""
     group_id: str = ""

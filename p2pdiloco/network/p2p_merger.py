@@ -8,8 +8,9 @@ One merge, seen from one peer:
    mid-merge makes the merge fail for everyone, never leaves anyone a partial average, and every member
    that succeeds holds the same bits (allreduce.py). Each slice's owner applies the guards (slice_guard.py).
 3. **Agreement.** If the members' global models differ (a member merged alone or failed a merge), the
-   group also averages (θg, momentum), weighted by the tokens each member's θg has absorbed; a fresh
-   peer, with none, adopts the swarm's model.
+   members outside a majority that holds one model fetch it (catch_up.py); without such a majority the group
+   averages (θg, momentum), weighted by the tokens each member's θg has absorbed. A fresh peer, with none,
+   adopts the swarm's model.
 
 Requests between peers are authenticated with the swarm key and every byte is counted (rpc.py).
 
@@ -33,6 +34,7 @@ from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.config import GuardConfig, SwarmConfig
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.allreduce import AllReduce, PlainReducer, by_values, slice_bounds
+from p2pdiloco.network.catch_up import CatchUp
 from p2pdiloco.network.group import Group
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.merger import Contribution, FaultHook, MergeResult, alone_result
@@ -97,11 +99,13 @@ class P2PMerger:
         self.sparse = SparseExchange(self.rpc, self.matchmaker.expected_group, self.codec,
                                      self.guard if self.guard.enabled else None, self.book, cfg.merge_timeout_s, faults)
         """Pseudo-gradients of a sparse codec are all-gathered instead (sparse_exchange.py)."""
+        self.catch_up = CatchUp(self.rpc, self.matchmaker.expected_group, cfg.merge_timeout_s, self.book)
+        """Where a majority of a group holds one global model, the others fetch it instead of averaging."""
         self.phase = Phase()
         """When mates said they are looking: where their round ends lie against this peer's (phase.py)."""
         self._loop.run(self.rpc.start({"ready": self._on_ready, "invite": self.matchmaker.on_invite,
                                        "group": self.matchmaker.on_group, "part": self.allreduce.on_part,
-                                       "sparse": self.sparse.on_part}), timeout=30)
+                                       "sparse": self.sparse.on_part, "catchup": self.catch_up.on_state}), timeout=30)
         self._loop.submit(self.matchmaker.census.keep_registered(lambda: self.matchmaker.closed))
 
     # ---- the interface the learner sees ----
@@ -153,7 +157,8 @@ class P2PMerger:
             # as long as its longer phase, not their sum (two exchanges of its own without a common anchor)
             agreement = self._agree(group, me, c) if group.need_state else _nothing()
             (avg, sent, shares), (state, state_shares) = await _together(
-                asyncio.wait_for(exchange, timeout), asyncio.wait_for(agreement, timeout * (1 if group.anchor else 2)))
+                asyncio.wait_for(exchange, timeout),
+                asyncio.wait_for(agreement, timeout * (1 if group.anchor or group.majority else 2)))
             if not self.codec.sliced:
                 shares = [shares[me]] * len(group.members)  # one part, counted whole or not at all
             sent = _rejected_as_dropped(sent, c.pseudo_grad, shares)
@@ -171,7 +176,8 @@ class P2PMerger:
                     state_share=by_values(state_shares, group.lengths["s"]) if state is not None else 0.0,
                     pseudo_grad_bytes_sent=phase_sent(group.slots, "d"),
                     state_bytes_sent=phase_sent(group.slots, "s") + phase_sent(group.slots, "a"),
-                    state_anchored=state is not None and group.anchor in c.anchors,
+                    state_anchored=state is not None and not group.majority and group.anchor in c.anchors,
+                    state_caught_up=state is not None and bool(group.majority),
                 )
             )
         except (MergeFailed, WireError, TimeoutError, ConnectionError, OSError) as e:
@@ -186,8 +192,9 @@ class P2PMerger:
                 self.matchmaker.forget(group.group_id)
 
     async def _agree(self, group: Group, me: int, c: Contribution) -> tuple[torch.Tensor, list[float]]:
-        """The group's (θg, momentum): from a state all members hold, the average of their int8-coded differences
-        from it (every member adds the same decoded bits to the same anchor).
+        """The group's (θg, momentum): where more than half the members hold one model, that model, which the others
+        fetch (catch_up.py); else, from a state all members hold, the average of their int8-coded differences from
+        it (every member adds the same decoded bits to the same anchor).
 
         That state is the newest anchor every member named. Without one (members of groups that went apart
         several merges ago: 371 of 460 agreements in `bench scale` at 32 peers), the members first average their
@@ -197,6 +204,8 @@ class P2PMerger:
         of the members' distance from it.
         """
         state = torch.cat([c.global_params, c.momentum])
+        if group.majority:  # most members hold one model: it is the answer, and only the others need it
+            return await self.catch_up.agree(group, me, state)
         anchor = c.anchors.get(group.anchor) if group.anchor else None
         if anchor is None:
             anchor, _, _ = await self.allreduce.average(group, me, "s", state)

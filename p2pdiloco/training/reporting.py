@@ -57,6 +57,8 @@ class Counters:
     """Merges that averaged (θg, momentum) too, because the members' global models differed."""
     state_merges_anchored: int = 0
     """Of `state_merges`, those sent as int8 differences from an anchor (the others: fp32)."""
+    state_merges_caught_up: int = 0
+    """Of `state_merges`, those where a majority of the members held one model and the others fetched it."""
     state_bytes_sent: int = 0
     """Of `bytes_sent`, those of (θg, momentum) agreements."""
     compute_s: float = 0.0
@@ -111,6 +113,7 @@ class Counters:
         self.pseudo_grad_bytes_sent += result.pseudo_grad_bytes_sent
         self.state_merges += result.global_state is not None
         self.state_merges_anchored += result.global_state is not None and result.state_anchored
+        self.state_merges_caught_up += result.global_state is not None and result.state_caught_up
         self.state_bytes_sent += result.state_bytes_sent
         self.last_group_size = len(result.group)
         self.max_group_size = max(self.max_group_size, len(result.group))
@@ -245,6 +248,7 @@ class Reporter:
             round_compute_s=round_compute_s, rebase_dropped_s=self.c.rebase_dropped_s, rejected=result.rejected,
             final=result.final,
             own_kept=result.own_kept, state_share=result.state_share, state_anchored=result.state_anchored,
+            state_caught_up=result.state_caught_up,
             state_bytes_sent=result.state_bytes_sent, phase_shift_s=result.phase_shift_s,
             **({"traffic": self.traffic.snapshot()} if self.traffic else {}),
         )
@@ -288,7 +292,8 @@ class Reporter:
             "rounds": self.c.round, "merges": self.c.merges, "merge_failures": self.c.merge_failures,
             "bytes_sent": self.bytes_io()[0], "bytes_received": self.bytes_io()[1],
             "pseudo_grad_bytes_sent": self.c.pseudo_grad_bytes_sent, "state_merges": self.c.state_merges,
-            "state_merges_anchored": self.c.state_merges_anchored, "state_bytes_sent": self.c.state_bytes_sent,
+            "state_merges_anchored": self.c.state_merges_anchored,
+            "state_merges_caught_up": self.c.state_merges_caught_up, "state_bytes_sent": self.c.state_bytes_sent,
             "wall_s": self.elapsed(), "compute_s": self.c.compute_s,
             "compute_cpu_s": self.c.compute_cpu_s, "merge_wait_s": self.c.merge_wait_s,
             "train_s": train_s, "steps_per_s": self.c.steps_run / train_s if train_s > 0 else 0.0,

@@ -1,0 +1,170 @@
+"""Where most members of a merge group hold one global model, the others fetch it instead of averaging (issue 17).
+
+An agreement of (θg, momentum) where more than half the members offered one digest (`Group.majority`) returns
+that model: the robust rule's answer where a majority agrees exactly is theirs (robust.py). Averaging sent every
+member's state out and back to find it, twice where the members held no common anchor, and added int8 rounding
+to it, so that afterwards no member held its old model any more. In `bench scale` at 32 peers, agreements were
+82 % of merge bytes and about half of them were in groups with such a majority (docs/benchmarks.md, Scale).
+
+Here the members outside the majority (fetchers) each fetch that model, exact fp32, from one member holding it
+(holders are dealt to fetchers round-robin in group order), and check it against the majority's digest before
+using it: a holder cannot hand over another model. Where it does not match (proof that its holder lied: an honest
+one serves the model whose digest it offered; a strike in the fetcher's guard book) or the holder does not serve
+it, the fetcher's merge fails and it merges alone. It does not ask another holder: those whose own fetchers are
+served have ended their merges by then, and where the holder died the Δ exchange fails anyway. The holders
+send only that, 8 bytes a parameter to each fetcher dealt to them, and keep their own model bit for bit: their
+digest and their anchors stay valid for the next groups.
+
+A holder waits, within the merge timeout, until the fetchers dealt to it are served, so that the bytes it sends
+count in its merge; a fetcher that never asks (it was told another notice, or died) costs it that wait, not its
+merge: the holder's own model is the group's either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from p2pdiloco.algorithm.guards import FORGED, GuardBook
+from p2pdiloco.algorithm.outer import state_digest, weight_shares
+from p2pdiloco.network.admission import Request
+from p2pdiloco.network.group import Group, check_terms
+from p2pdiloco.network.rpc import MergeFailed, Rpc
+from p2pdiloco.network.wire import phase_bytes
+
+logger = logging.getLogger(__name__)
+
+SLOT = "catch_up"
+"""Key of a holder's served model in `Group.slots`."""
+
+TAG = "s"
+"""Bytes of a catch-up count as the agreement's (`MergeResult.state_bytes_sent`)."""
+
+
+@dataclass
+class _Served:
+    """What a holder serves to the fetchers of one group."""
+
+    state: asyncio.Future
+    """Resolves to this holder's (θg, momentum), flat fp32, once its merge reached the agreement."""
+    served: set[int] = field(default_factory=set)
+    """Fetchers (member indices) that received it."""
+    asked: set[int] = field(default_factory=set)
+    """Fetchers that asked for it: each is served once."""
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def holders_of(group: Group) -> list[int]:
+    """Member indices holding the majority's model, in group order ([] without a majority)."""
+    return [j for j, d in enumerate(group.digests) if d == group.majority] if group.majority else []
+
+
+def dealt_holder(group: Group, fetcher: int) -> int:
+    """The holder that serves member `fetcher`: fetchers and holders paired round-robin, in group order."""
+    holders = holders_of(group)
+    fetchers = [j for j in range(len(group.members)) if j not in holders]
+    return holders[fetchers.index(fetcher) % len(holders)]
+
+
+class CatchUp:
+    """The members of a group outside its majority fetch the majority's global model (see the module docstring).
+
+    Args:
+        rpc: requests to the other members (op 'catchup').
+        expected_group: group id -> the group, once its notice is here (see `Matchmaker.expected_group`).
+        merge_timeout_s: bound on one fetch, and on a holder's wait for its fetchers.
+        book: where a holder that served a model other than the one it claimed is struck.
+    """
+
+    def __init__(self, rpc: Rpc, expected_group: Callable[[str], Awaitable[Group]], merge_timeout_s: float,
+                 book: GuardBook):
+        self.rpc, self.expected_group, self.merge_timeout_s, self.book = rpc, expected_group, merge_timeout_s, book
+
+    async def agree(self, group: Group, me: int, state: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+        """The group's (θg, momentum), which the majority holds: this peer's own `state` if it holds it, else fetched.
+
+        Returns:
+            (the majority's state, this peer's share of it for each of the group's slices: a holder's weight share
+            among the holders, 0 for a fetcher).
+
+        Raises:
+            MergeFailed: a fetcher whose holder did not serve the majority's model.
+        """
+        phase_bytes(group.slots, TAG)  # this task's frames are the agreement's (see wire.PHASE_BYTES)
+        holders = holders_of(group)
+        if me not in holders:
+            return await self._fetch(group, me), [0.0] * len(group.members)
+        served = self._served(group)
+        if not served.state.done():
+            served.state.set_result(state.detach().float().contiguous().cpu())
+        mine = [j for j in range(len(group.members)) if j not in holders and dealt_holder(group, j) == me]
+        deadline = time.monotonic() + 0.8 * self.merge_timeout_s  # inside the merge's own timeout on this phase
+        while not set(mine) <= served.served and (left := deadline - time.monotonic()) > 0:
+            served.changed.clear()
+            try:
+                await asyncio.wait_for(served.changed.wait(), left)
+            except TimeoutError:
+                break
+        shares = weight_shares([group.state_weights[j] for j in holders])
+        return state, [shares[holders.index(me)]] * len(group.members)
+
+    async def _fetch(self, group: Group, me: int) -> torch.Tensor:
+        n = group.lengths["s"]
+        j = dealt_holder(group, me)
+        header = {"group_id": group.group_id, "index": me, "terms": group.terms}
+        reply, payload = await asyncio.wait_for(
+            self.rpc.call(group.members[j], "catchup", header, max_reply=4 * n), self.merge_timeout_s)
+        if not reply.get("ok"):
+            raise MergeFailed(f"holder {group.members[j][-6:]} did not serve the majority's model: {reply.get('error')}")
+        if len(payload) != 4 * n:
+            raise MergeFailed(f"holder {group.members[j][-6:]} served {len(payload)} bytes, not {4 * n}")
+        state = torch.from_numpy(np.frombuffer(payload, dtype=np.float32).copy())
+        if state_digest(state[: n // 2], state[n // 2:]) != group.majority:
+            self.book.reject(group.members[j], FORGED, group.group_id, "(catch-up)")
+            raise MergeFailed(f"holder {group.members[j][-6:]} served a model other than the majority's")
+        return state
+
+    def _served(self, group: Group) -> _Served:
+        if SLOT not in group.slots:
+            group.slots[SLOT] = _Served(asyncio.get_running_loop().create_future())
+        return group.slots[SLOT]
+
+    # ---- the handler: a fetcher asks this holder for the majority's model ----
+
+    async def on_state(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve this peer's global model to a member of its group outside the majority (the stream is closed
+        after, see `Rpc.start`): only for a group this peer is in, whose notice the requester acts on too, to the
+        member it names, once, and only where this peer is the holder dealt to it (so a member cannot make every
+        holder send it the model, nor one holder send it twice)."""
+        sender, header, data = request.sender, request.header, b""
+        try:
+            gid, index = header.get("group_id"), header.get("index")
+            if not isinstance(gid, str) or not isinstance(index, int):
+                raise MergeFailed("malformed request")
+            group = await self.expected_group(gid)
+            if not 0 <= index < len(group.members) or group.members[index] != sender:
+                raise MergeFailed("sender is not that member of the group")
+            check_terms(group, header)
+            me = group.members.index(self.rpc.peer_id)
+            if not group.majority or index in holders_of(group) or dealt_holder(group, index) != me:
+                raise MergeFailed("this peer does not serve that member the majority's model")
+            phase_bytes(group.slots, TAG)  # the reply is the agreement's bytes
+            served = self._served(group)
+            if index in served.asked:
+                raise MergeFailed("that member asked already")
+            served.asked.add(index)
+            state = await asyncio.wait_for(asyncio.shield(served.state), self.merge_timeout_s)
+            data = state.numpy().tobytes()
+            reply = {"ok": True}
+        except (MergeFailed, TimeoutError) as e:
+            reply, served = {"ok": False, "error": f"{type(e).__name__}: {e}"}, None
+        await self.rpc.reply(reader, writer, "catchup", sender, reply, data)
+        if served is not None:
+            served.served.add(index)
+            served.changed.set()
