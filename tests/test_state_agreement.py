@@ -251,3 +251,54 @@ def test_the_majority_a_group_adopts_is_counted_as_the_robust_rule_counts_models
     assert majority(["a", "a"]) == ""  # one model: nothing to agree on
     assert majority(["a", "a", "a", "b", "b"], [0, 0, 5, 5, 5]) == "b"  # the trained members' majority
     assert majority(["a", "a", "b"], [0, 0, 5]) == "a"  # trained members are no majority: every model votes
+
+
+def test_a_holder_serves_only_the_fetchers_dealt_to_it_each_once_and_under_the_same_notice():
+    """A member cannot make a holder send the model twice, nor get it from a holder not dealt to it (so that it could
+    make every holder send it), nor under another notice, nor in another member's name: each is refused, and only
+    the dealt fetcher's first ask is served. Fetchers and holders are paired round-robin in group order."""
+    import asyncio
+
+    from p2pdiloco.algorithm.guards import GuardBook
+    from p2pdiloco.network.admission import Request
+    from p2pdiloco.network.catch_up import CatchUp, dealt_holder
+    from p2pdiloco.network.rpc import MergeFailed
+
+    group = Group("g", ["h0", "h1", "f0", "f1", "h2"], [1.0] * 5, [1.0, 3.0, 1.0, 1.0, 1.0], True, {"s": 8},
+                  digests=["D", "D", "X", "Y", "D"])
+    assert group.majority == "D" and [dealt_holder(group, j) for j in (2, 3)] == [0, 1]
+    replies = []
+
+    class Replies:  # the rpc's reply, recorded: the handler's decision is what is tested
+        peer_id = "h0"
+
+        async def reply(self, reader, writer, op, requester, header, payload=b""):
+            replies.append((requester, header.get("ok"), header.get("error", ""), len(payload)))
+
+    async def expected_group(gid: str) -> Group:
+        if gid != "g":
+            raise MergeFailed("unknown group")
+        return group
+
+    async def main() -> tuple[torch.Tensor, list[float]]:
+        catch_up = CatchUp(Replies(), expected_group, 2.0, GuardBook(0, "h0"))
+        holding = asyncio.ensure_future(catch_up.agree(group, 0, torch.arange(8.0)))
+
+        async def ask(sender: str, index: int, terms: str = group.terms) -> None:
+            await catch_up.on_state(Request("catchup", sender, {"group_id": "g", "index": index, "terms": terms}),
+                                    None, None)
+
+        await ask("f0", 2)  # dealt to h0: served
+        await ask("f0", 2)  # a second time
+        await ask("f1", 3)  # dealt to h1
+        await ask("f0", 3)  # in another member's name
+        await ask("f1", 3, terms="another notice")
+        await ask("h1", 1)  # a holder
+        return await asyncio.wait_for(holding, 10)  # done once its one fetcher was served, not at its deadline
+
+    state, shares = asyncio.run(main())
+    assert replies[0] == ("f0", True, "", 4 * 8)
+    assert [r[:2] for r in replies[1:]] == [("f0", False), ("f1", False), ("f0", False), ("f1", False), ("h1", False)]
+    assert "asked already" in replies[1][2] and "does not serve" in replies[2][2] and "does not serve" in replies[5][2]
+    assert "not that member" in replies[3][2] and "another notice" in replies[4][2]
+    assert torch.equal(state, torch.arange(8.0)) and shares == [0.25] * 5  # its weight among the holders: 1 of 1 + 2 + 1 (3 is capped at 2 × the median)
