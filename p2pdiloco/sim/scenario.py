@@ -68,7 +68,8 @@ class Network:
     params: int = 120_576
     """Model parameters (the bench model)."""
     codec: str = "int4"
-    """Pseudo-gradient codec of merges (`swarm.codec`); (θg, momentum) agreement always travels as fp32."""
+    """Pseudo-gradient codec of merges (`swarm.codec`); a (θg, momentum) agreement is modelled as one int8 exchange
+    from an anchor (sim/swarm.py), not as a catch-up (network/catch_up.py) or two exchanges without an anchor."""
     bandwidth_gbps: float = 2.5
     """Each learner's link rate, each way, Gbit/s (loopback all-reduce here: ~2.5)."""
     latency_s: float = 0.005
