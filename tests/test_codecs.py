@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pdiloco.algorithm.codecs import CodecError, ErrorFeedback, get_codec, roundtrip
+from p2pdiloco.algorithm.codecs import CodecError, ErrorFeedback, as_held, get_codec, roundtrip
 from p2pdiloco.config import CODECS
+from p2pdiloco.network.allreduce import slice_bounds
 
 LOSSY = [c for c in CODECS if c != "none"]
 
@@ -182,3 +183,60 @@ def test_linear_int8_is_within_its_bound_deterministic_and_refuses_what_it_canno
     bad = torch.tensor([float("inf")], dtype=torch.float32).numpy().tobytes() + bytes(10)
     with pytest.raises(NonFiniteError):
         codec.decode(bad, 10)
+
+
+def _sliced_rounds(codec_name: str, owner_feedback: bool, rounds: int = 40, n_members: int = 4, n: int = 4096):
+    """The sliced all-reduce's arithmetic (network/allreduce.py) with error feedback, `rounds` times, without a
+    network: each member sends its target's other slices through the codec; a slice's owner averages its own part
+    exact with the others' decoded ones and sends the average back through the codec, which every member applies.
+
+    Returns:
+        (Σ of the applied averages − Σ of the exact means of the members' pseudo-gradients; the members' mean
+        residual at the end).
+    """
+    codec, g = get_codec(codec_name), torch.Generator().manual_seed(11)
+    feedback = [ErrorFeedback() for _ in range(n_members)]
+    drift = torch.zeros(n)
+    for r in range(rounds):
+        deltas = [torch.randn(n, generator=g) * 1e-2 + 3e-3 for _ in range(n_members)]
+        targets = [f.compensate(d) for f, d in zip(feedback, deltas, strict=True)]
+        sent = [t.clone() for t in targets]
+        applied = torch.empty(n)
+        for k, (lo, hi) in enumerate(slice_bounds(n, n_members)):
+            owner = (k + r) % n_members  # ownership rotates from merge to merge, as allreduce.owned_slice does
+            parts = []
+            for i, t in enumerate(targets):
+                part = t[lo:hi] if i == owner else codec.decode(codec.encode(t[lo:hi]), hi - lo)
+                sent[i][lo:hi] = part
+                parts.append(part)
+            exact = torch.stack(parts).mean(0)
+            held = codec.decode(codec.encode(exact), hi - lo)
+            if owner_feedback:
+                sent[owner][lo:hi] = as_held(targets[owner][lo:hi], exact, held, 1 / n_members, n_members)
+            applied[lo:hi] = held
+        for f, t, s in zip(feedback, targets, sent, strict=True):
+            f.commit(t, s)
+        drift += applied - torch.stack(deltas).mean(0)
+    return drift, torch.stack([f.residual for f in feedback]).mean(0)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_owner_error_feedback_keeps_the_rounding_of_averages_from_adding_up(name):
+    """What the applied averages lack against the exact means is, with the owner's rounding charged to its
+    residual, exactly the members' mean residual at the end (Σ held = Σ mean(Δ + e_before − e_after), telescoping),
+    so it does not grow with the rounds; without it every round's rounding of the averages adds up."""
+    with_owner, residual = _sliced_rounds(name, owner_feedback=True)
+    without, _ = _sliced_rounds(name, owner_feedback=False)
+    torch.testing.assert_close(with_owner, -residual, rtol=0, atol=1e-5)
+    one_round = _sliced_rounds(name, owner_feedback=False, rounds=1)[0].norm()
+    assert float(with_owner.norm()) < 2 * float(one_round)  # bounded by about one round's rounding
+    assert float(without.norm()) > 3 * float(with_owner.norm())  # 40 rounds of rounding, a random walk
+
+
+def test_as_held_charges_the_rounding_to_the_owner_within_its_share_floor():
+    part, exact, held = torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.5]), torch.tensor([0.25, 0.75])
+    # weighted by the share, what the held average took of the owner's part: share·(part − x) = share·part − r
+    torch.testing.assert_close(as_held(part, exact, held, 0.5, 4), part - (exact - held) / 0.5)
+    # a small share is charged at most n times the rounding, a part left out nothing
+    torch.testing.assert_close(as_held(part, exact, held, 0.01, 4), part - (exact - held) * 4)
+    assert torch.equal(as_held(part, exact, held, 0.0, 4), part)

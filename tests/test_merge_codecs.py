@@ -55,16 +55,28 @@ def test_each_codec_really_averages_and_members_agree(mergers):
     assert (err <= tol).all(), f"{codec.name}: error {float((err - tol).max()):.3g} beyond the bound"
     for v in vecs:  # a codec that averages nothing would leave a member with its own vector
         assert float((v - expected).abs().mean()) > 3 * float(err.mean())
-    # error feedback: what the codec dropped from this round's sends is kept for the next round
+    # error feedback: what the codec dropped from this round's sends is kept for the next round, and so is what
+    # the rounding of the average an owner sent back took from the group (codecs.as_held)
+    bounds, ws = slice_bounds(N, 3), [by_id[p][1] for p in order]
     for p in order:
         m = by_id[p][2]
-        if codec.lossy:
-            assert m.feedback.residual is not None and m.feedback.norm() > 0
-            me, bounds = order.index(p), slice_bounds(N, 3)
-            lo, hi = bounds[owned_slice(results[0].group_id, me, 3)]
-            assert float(m.feedback.residual[lo:hi].abs().max()) == 0.0  # its own slice never left the peer
-        else:
+        if not codec.lossy:
             assert m.feedback.residual is None
+            continue
+        me, residual = order.index(p), m.feedback.residual
+        assert residual is not None and m.feedback.norm() > 0
+        for j in range(3):
+            lo, hi = bounds[owned_slice(results[0].group_id, j, 3)]
+            decoded = [by_id[q][0][lo:hi] if q == order[j] else codec.decode(codec.encode(by_id[q][0][lo:hi]), hi - lo)
+                       for q in order]
+            if j != me:  # a slice it sent: what the codec dropped of its part
+                torch.testing.assert_close(residual[lo:hi], by_id[p][0][lo:hi] - decoded[me], rtol=0, atol=1e-7)
+                continue
+            # its own slice never left it; its average did, rounded, and the group holds that rounding less
+            exact, held = weighted_average(decoded, ws), results[0].pseudo_grad[lo:hi]
+            assert float((exact - held).abs().max()) > 0  # the codec did round the average
+            share = ws[me] / total  # the plain mean: shares are the weights'; at least 1/3 is charged
+            torch.testing.assert_close(residual[lo:hi], (exact - held) / max(share, 1 / 3), rtol=0, atol=1e-7)
 
 
 def _frame(header: dict, payload_len: int) -> int:

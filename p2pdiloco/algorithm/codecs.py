@@ -364,3 +364,29 @@ class ErrorFeedback:
 
     def norm(self) -> float:
         return float(self.residual.norm()) if self.residual is not None else 0.0
+
+
+def as_held(part: torch.Tensor, exact: torch.Tensor, held: torch.Tensor, share: float, n_members: int) -> torch.Tensor:
+    """A slice owner's own part as the average the group holds counts it, for error feedback.
+
+    The owner averages its slice exactly (its own part exact, the others' decoded), then sends that average through
+    the codec, and every member (the owner too) holds the decoded copy: the average's rounding, exact − held, is
+    lost to the whole group. Owner-side error feedback (as in Tang et al.'s DoubleSqueeze, arXiv 1905.05957,
+    and 1-bit Adam's server error, 2102.02888) keeps it: the loss is charged to the owner's part, so that the
+    owner's residual (its target less this) holds it and its next part brings it back into a later average
+    through that part's share.
+
+    Args:
+        part: the owner's own part of the slice, as it entered the average (exact).
+        exact: the owner's average of the slice before the codec.
+        held: that average as every member decodes it.
+        share: the owner's share of the average (0: its part was left out, nothing is charged).
+        n_members: the group's size: the share is taken as at least 1/n_members, so that a member with a small
+            share is not charged many times the rounding (the rest of the rounding is then lost, as before).
+
+    Returns:
+        part − (exact − held) / max(share, 1/n_members): weighted by `share`, what the held average took of it.
+    """
+    if share <= 0 or exact.shape != part.shape or held.shape != part.shape:
+        return part
+    return part - (exact - held) / max(share, 1.0 / n_members)

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from p2pdiloco.algorithm.codecs import Codec, CodecError, NonFiniteError
+from p2pdiloco.algorithm.codecs import Codec, CodecError, NonFiniteError, as_held
 from p2pdiloco.algorithm.outer import weight_shares, weighted_average
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.group import Group, check_terms
@@ -125,7 +125,8 @@ class _Slot:
     """The slice of one vector that this peer reduces for its group.
 
     `result` resolves to (averaged slice as every member will decode it, its encoded bytes, each member's share
-    of it): the owner keeps the decoded copy, not its exact average, so that all members hold the same bits.
+    of it, the exact average before the codec): the owner keeps the decoded copy, not its exact average, so that
+    all members hold the same bits; the exact one is only for its error feedback (`codecs.as_held`).
     """
 
     weights: list[float]
@@ -164,7 +165,7 @@ class _Slot:
                 self.result.set_exception(e)
                 return
             data = self.codec.encode(average)
-            self.result.set_result((self.codec.decode(data, average.numel()), data, shares))
+            self.result.set_result((self.codec.decode(data, average.numel()), data, shares, average))
 
 
 class AllReduce:
@@ -194,9 +195,10 @@ class AllReduce:
         """Average `vector` over `group`, in which this peer is member `me`.
 
         Returns:
-            (the average, as every member holds it; `vector` as the others received it: each slice sent
-            through the codec, this peer's own slice exact, for error feedback; this peer's share of each
-            slice's average as its owner counted it, 0 where its part was left out).
+            (the average, as every member holds it; `vector` as the group's average took it, for error feedback:
+            each slice as the others received it through the codec, and this peer's own slice less the rounding
+            of its average on the way back (`codecs.as_held`); this peer's share of each slice's average as its
+            owner counted it, 0 where its part was left out).
         """
         vector = vector.detach().float().contiguous().cpu()
         if vector.numel() != group.lengths[tag]:
@@ -212,7 +214,9 @@ class AllReduce:
 
         async def exchange(j: int) -> tuple[torch.Tensor, float]:
             if j == me:
-                averaged, _, shares = await asyncio.shield(slot.result)
+                averaged, _, shares, exact = await asyncio.shield(slot.result)
+                k = owned[me]
+                sent[k] = as_held(slices[k], exact, averaged, shares[me], n_members)
                 return averaged, shares[me]
             k = owned[j]
             n = slices[k].numel()
@@ -323,7 +327,7 @@ class AllReduce:
             await self.faults.fire("serve_part", self.round, self.rpc.peer_id[-6:])
         slot = self._slot(group, tag, me)
         slot.add(index, part, flag)
-        _, data, shares = await asyncio.wait_for(asyncio.shield(slot.result), self.merge_timeout_s)
+        _, data, shares, _ = await asyncio.wait_for(asyncio.shield(slot.result), self.merge_timeout_s)
         return data, shares[index]
 
 
