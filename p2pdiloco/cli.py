@@ -284,8 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--minutes", type=float, default=5.0, help="churn: length of each of its 4 runs (3 swarms and the data-parallel baseline)")
     be.add_argument("--kill-every", type=float, default=60.0, help="churn: seconds between kills")
     be.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="loader and byzantine: override one config value, e.g. --set data.tokenizer=tokenizer.json "
-                    "(repeatable)")
+                    help="loader, byzantine and scale: override one config value, e.g. --set data.tokenizer=tokenizer.json, "
+                    "or for scale --set emulate.min_step_s=1 --set swarm.round_seconds=10 (repeatable)")
     be.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     be.set_defaults(func=cmd_bench)
 

@@ -146,8 +146,9 @@ def test_a_forked_peer_is_found_by_its_title_and_its_forked_dht_process_is_not_a
 @pytest.mark.timeout(150)
 def test_a_tiny_real_run_of_two_peers(tmp_path):
     before = run_children()
-    results = bench_scale(tmp_path, peers=(2,), steps=20)
+    results = bench_scale(tmp_path, peers=(2,), steps=20, extra_sets=("emulate.min_step_s=0.2",))
     assert run_children() == before
+    assert results["step_s"] == 0.2 and results["round_s"] == 3.0  # --set over the bench's own settings
     run = results["runs"]["2"]
     assert run["peers_finished"] == 2 and run["rounds_mean"] >= 1 and run["group_share"] > 0
     assert run["dht_bytes_per_s_mean"] > 0 and run["merge_bytes_per_round"] > 0
@@ -165,8 +166,10 @@ def test_peers_takes_a_list_of_positive_integers_and_errors_name_the_flag():
     from p2pdiloco.cli import build_parser
     from p2pdiloco.config import ConfigError
 
-    args = build_parser().parse_args(["bench", "scale", "--peers", "4,8", "--group-size", "4", "--steps", "50"])
+    args = build_parser().parse_args(["bench", "scale", "--peers", "4,8", "--group-size", "4", "--steps", "50",
+                                      "--set", "swarm.round_seconds=10"])
     assert _positive_ints(args.peers, "--peers") == (4, 8) and args.group_size == 4 and args.steps == 50
+    assert args.sets == ["swarm.round_seconds=10"]
     with pytest.raises(ConfigError, match="--peers takes positive integers"):
         _positive_ints("4,0", "--peers")
     with pytest.raises(ConfigError, match="takes one --peers"):

@@ -90,7 +90,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from p2pdiloco.bench.scale import PEERS, STEPS, bench_scale
 
         bench_scale(out, peers=_positive_ints(args.peers, "--peers") or PEERS, steps=args.steps or STEPS,
-                    group_size=args.group_size)
+                    group_size=args.group_size, extra_sets=tuple(args.sets))
     elif args.which == "dht":
         from p2pdiloco.bench.dht import PEERS, SECONDS, bench_dht
 

@@ -209,21 +209,24 @@ def add_ratios(runs: dict[str, dict]) -> None:
 
 
 def bench_scale(out: Path, peers: tuple[int, ...] = PEERS, steps: int = STEPS, group_size: int | None = None,
-                console: Console | None = None) -> dict:
+                extra_sets: tuple[str, ...] = (), console: Console | None = None) -> dict:
     """One swarm per N in `peers` (smallest first, the baseline), `steps` inner steps each; `group_size` sets
-    swarm.group_size (None: the config's). Writes scale.json after every run, and scale.png."""
+    swarm.group_size (None: the config's); `extra_sets` override the bench's settings (`--set`, e.g. a longer
+    `emulate.min_step_s` and `swarm.round_seconds`, for a machine with fewer cores than peers). Writes scale.json
+    after every run, and scale.png."""
     console = console or Console()
     out.mkdir(parents=True, exist_ok=True)
     quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115 - closed with the process
-    extra = [f"swarm.group_size={group_size}"] if group_size is not None else []
-    results: dict = {"machine": machine(), "steps": steps, "step_s": STEP_S, "round_s": ROUND_S,
-                     "group_size": load_config(None, [parse_set(SCALE_SETS + extra)]).swarm.group_size,
-                     "peers": sorted(peers), "runs": {}}
+    extra = ([f"swarm.group_size={group_size}"] if group_size is not None else []) + list(extra_sets)
+    base = load_config(None, [parse_set(SCALE_SETS + extra)])
+    step_s, round_s = base.emulate.min_step_s, base.swarm.round_seconds
+    results: dict = {"machine": machine(), "steps": steps, "step_s": step_s, "round_s": round_s,
+                     "group_size": base.swarm.group_size, "sets": list(extra_sets), "peers": sorted(peers), "runs": {}}
     for n in sorted(peers):
         name = f"peers{n}"
         sets = SCALE_SETS + extra + [f"run.total_steps={steps}", f"swarm.run_id=bench-scale-{n}"]
         cfg = load_config(None, [parse_set(sets)])
-        console.print(f"[bold]{name}[/bold]: {n} peers, {steps} steps of {STEP_S} s, rounds of {ROUND_S} s ...")
+        console.print(f"[bold]{name}[/bold]: {n} peers, {steps} steps of {step_s} s, rounds of {round_s} s ...")
         t0 = time.monotonic()
         with PeerSampler() as sampler:
             summary = run_local(n, cfg, out / name, None, sets, console=quiet, reraise_interrupt=True)
