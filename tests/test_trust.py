@@ -183,3 +183,14 @@ def test_slice_ownership_rotates_with_the_group_id_and_covers_every_slice():
         assert sorted(owned_slice(gid, j, 5) for j in range(5)) == list(range(5))
     assert len({owned_slice(f"g{i}", 0, 5) for i in range(40)}) == 5
     assert owned_slice("g1", 3, 5) == owned_slice("g1", 3, 5)
+
+
+def test_an_owner_counts_its_own_part_whatever_its_cosine_and_judges_the_others():
+    """Its own part is the one an honest owner has no reason to doubt: early in a run, with a momentum of one or two
+    merges, an owner's own honest part pointed against it and the owner left itself out."""
+    momentum, deltas = _swarm(seed=6)
+    deltas[0], deltas[1] = -deltas[0], -deltas[1]  # the owner's own part and member 1's point against the momentum
+    parts = [_slice(d) for d in deltas]
+    book = GuardBook()
+    _, shares = SliceGuard(GuardConfig(), book).reduce(_group(4000, momentum), "d", 0, parts, [1.0] * 5, {})
+    assert shares[0] > 0 and shares[1] == 0.0 and book.rejected[TRUST] == 1

@@ -113,7 +113,9 @@ class SliceGuard:
 
         The reference is this peer's own slice of its momentum, which no member of this merge chose; a screen
         against the parts' own median fails once 2 of 5 parts are sign-flipped (docs/security.md). Judged by the
-        owner alone, so every member still receives the same bits.
+        owner alone, so every member still receives the same bits. The owner's own part always counts fully: an
+        honest owner has no reason to doubt it and a hostile one decides its slice anyway; judged, a young momentum
+        left an honest owner's own part out (3 of 6 trust rejections of one README run, rounds 2–4).
         """
         n = len(parts)
         if tag != "d" or self.guard.trust_decay < 0 or group.reference is None:
@@ -133,6 +135,8 @@ class SliceGuard:
                 trust.append(self.book.observe(member, c, self.guard.trust_decay))
         it = iter(trust_factors([t for i, t in enumerate(trust) if not reasons[i]], hi - lo))
         factors = [0.0 if reasons[i] else next(it) for i in range(n)]
+        if not reasons[me]:
+            factors[me] = 1.0  # its score still counts in the median: in a pair, it is the vote that judges the other
         logger.debug("[%s] merge %s: cosine to momentum, trust, factor: %s", self.book.tag, group.group_id, ", ".join(
             f"{m[-6:]} {c if c is None else round(c, 3)} {t if t is None else round(t, 3)} {f:.2f}"
             for m, c, t, f in zip(group.members, cosines, trust, factors, strict=True)))
