@@ -132,7 +132,7 @@ def running_mergers(bootstrap: hivemind.DHT, net_loop: BackgroundLoop, n: int, c
     try:
         mergers = [P2PMerger(d, cfg, net_loop, n_params, **kwargs) for d in dhts]
         for m in mergers:  # as a peer's merger does in the background from its start
-            net_loop.run(m.matchmaker.census.register(epoch_of(get_dht_time())), 10)
+            net_loop.run(m.matchmaker.census.register(epoch_of(get_dht_time(), cfg.epoch_s)), 10)
         yield mergers
     finally:
         for m in mergers:

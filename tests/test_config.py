@@ -50,6 +50,16 @@ def test_fingerprint_diff_names_the_key():
     assert fingerprint_diff(a, a) == []
 
 
+def test_an_epoch_length_other_than_the_old_30_s_is_part_of_the_fingerprint():
+    """Peers deal groups by the epoch: with other lengths they would expect other mates. Peers that predate the key
+    dealt every 30 s, so only another length is named (the default's fingerprint did not change)."""
+    default, long = load_config(None, []).fingerprint(), load_config(None, [parse_set(["swarm.epoch_s=300"])]).fingerprint()
+    assert "epoch_s" not in default["rounds"]
+    assert fingerprint_diff(long, default) == ["rounds.epoch_s: 300.0 here, None in the swarm"]
+    with pytest.raises(ConfigError, match="swarm.epoch_s >= 1"):
+        load_config(None, [parse_set(["swarm.epoch_s=0.5"])])
+
+
 def test_old_emulation_keys_are_aliases_of_the_emulate_section(tmp_path):
     assert ALIASES == {
         "run.slow_factor": "emulate.slow_factor",

@@ -178,18 +178,17 @@ def test_a_search_that_outlasts_its_epoch_is_dealt_again_in_the_next(bootstrap_d
     # a finishing peer begins looking in epoch e; the other peer begins in e + 1, and the two epochs' orders put a
     # different one first. A search that kept its first epoch's order waited for the other's invite while the
     # other waited for its invite: both merged alone (the test above failed so in CI at 7a41db0)
-    monkeypatch.setattr(census, "EPOCH_S", 4.0)
     cfg = SwarmConfig(run_id="straddle", merge_window_s=8, merge_timeout_s=4, codec="none", min_window_s=1.0,
-                      window_fraction=0.1)
+                      window_fraction=0.1, epoch_s=4.0)
     with running_mergers(bootstrap_dht, net_loop, 2, cfg, 1001, guard=GuardConfig(aggregate="mean")) as (done, late):
-        wait_for(lambda: 0.5 <= get_dht_time() % census.EPOCH_S < 1.5, timeout=10)
-        e = census.epoch_of(get_dht_time())
+        wait_for(lambda: 0.5 <= get_dht_time() % cfg.epoch_s < 1.5, timeout=10)
+        e = census.epoch_of(get_dht_time(), cfg.epoch_s)
         for m in (done, late):  # both in the censuses of e and e + 1
             net_loop.run(m.matchmaker.census.register(e), 10)
         first = {e: late.matchmaker.peer_id, e + 1: done.matchmaker.peer_id}  # who leads each epoch's group
         monkeypatch.setattr(census, "leader_rank", lambda run_id, peer, epoch: bytes([peer != first.get(epoch)]))
         _finishing_and_arriving_merge_together(
-            done, late, lambda: wait_for(lambda: get_dht_time() >= (e + 1) * census.EPOCH_S + 0.5, timeout=10))
+            done, late, lambda: wait_for(lambda: get_dht_time() >= (e + 1) * cfg.epoch_s + 0.5, timeout=10))
 
 
 def test_window_grows_after_merges_alone_and_resets_after_a_group():

@@ -192,7 +192,7 @@ def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, peer_id: str, stop: S
     want, deadline = cfg.swarm.wait_for_peers, time.monotonic() + cfg.swarm.wait_for_peers_s
     pause = 0.25
     while True:
-        live = len(loop.run(registered_now(dht, cfg.swarm.run_id), timeout=30) | {peer_id})
+        live = len(loop.run(registered_now(dht, cfg.swarm.run_id, epoch_s=cfg.swarm.epoch_s), timeout=30) | {peer_id})
         if live >= want or stop() or time.monotonic() > deadline:
             return live
         # polling the census (one DHT key, whose read grows with the swarm), with a deadline: every peer waits for

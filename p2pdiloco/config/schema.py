@@ -204,6 +204,8 @@ class SwarmConfig(_Section):
     """Seconds between peer records in the DHT; a record expires after three of these."""
     group_size: int = 8
     """Most members of one merge group: more ready peers split into groups of about equal size, redrawn each epoch."""
+    epoch_s: float = 30.0
+    """Seconds between redrawings of the groups, the same on every peer: make it many rounds (architecture.md)."""
     join_timeout_s: float = 20.0
     """Give up on unreachable initial peers after this many seconds."""
     wait_for_peers: int = 0
@@ -231,7 +233,7 @@ class SwarmConfig(_Section):
         yield 0 < self.window_fraction <= 1, "swarm.window_fraction must be in (0, 1]"
         yield 0 < self.min_window_s <= self.merge_window_s, "need 0 < swarm.min_window_s <= merge_window_s"
         yield self.heartbeat_s > 0 and self.join_timeout_s > 0, "swarm.heartbeat_s and join_timeout_s must be > 0"
-        yield self.group_size >= 2, "swarm.group_size must be >= 2"
+        yield self.group_size >= 2 and self.epoch_s >= 1, "need swarm.group_size >= 2 and swarm.epoch_s >= 1"
         yield self.wait_for_peers >= 0 and self.wait_for_peers_s >= 0, "swarm.wait_for_peers* must be >= 0"
         yield self.codec in CODECS, f"swarm.codec must be one of {', '.join(CODECS)}, got {self.codec!r}"
         yield 1 <= self.sparse_keep <= 4096 and 0 <= self.error_feedback_decay <= 1 and 0 <= self.state_anchors <= 32, \
@@ -396,5 +398,6 @@ class Config(_Model):
         return {"model": self.model.fingerprint(), "tokenizer": tokenizer,
                 "codec": {"codec": s.codec, "error_feedback": s.error_feedback, **sparse},
                 "outer": self.outer.model_dump(exclude={"eager", "alone_lr", "rebase_keep"}),
-                "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync},
+                "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync,
+                           **({"epoch_s": s.epoch_s} if s.epoch_s != 30 else {})},  # older peers: 30, unnamed
                 "guard": self.guard.model_dump(), "agreement": "catch-up"}  # older: int8-linear, fp32

@@ -29,15 +29,15 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2pdiloco.network.swarm import read_near_subkeys, read_subkeys, write_subkey
 
 EPOCH_S = 30.0
-"""Groups and leaders are drawn anew every this many seconds of DHT time."""
+"""Groups and leaders are drawn anew every this many seconds of DHT time, by default (`swarm.epoch_s`)."""
 
 REREAD_S = 1.0
 """A census is read again at most this often, and only after an unknown peer announced itself (or when this peer
 seems to be alone: see `settled`)."""
 
 
-def epoch_of(now: float) -> int:
-    return int(now // EPOCH_S)
+def epoch_of(now: float, epoch_s: float = EPOCH_S) -> int:
+    return int(now // epoch_s)
 
 
 def leader_rank(run_id: str, peer: str, epoch: int) -> bytes:
@@ -68,7 +68,7 @@ def my_group(run_id: str, me: str, members: list[str], epoch: int, group_size: i
     return order[order.index(me) % n_groups::n_groups]
 
 
-def registration_expiry(epoch: int, now: float) -> float:
+def registration_expiry(epoch: int, now: float, epoch_s: float = EPOCH_S) -> float:
     """When a registration for `epoch` made at DHT time `now` expires: one epoch past the epoch's end (a search
     that began in it may still read it), plus a millisecond per second since the epoch before it began.
 
@@ -77,7 +77,7 @@ def registration_expiry(epoch: int, now: float) -> float:
     had registered for, and with equal expirations it was refused and waited out two epochs unmatched (120 s
     sync merges alone in `bench churn`). Registrations for an epoch happen within the two epochs before its end,
     so the extra is under 0.06 s and grows with `now`."""
-    return (epoch + 2) * EPOCH_S + max(0.0, now - (epoch - 1) * EPOCH_S) * 1e-3
+    return (epoch + 2) * epoch_s + max(0.0, now - (epoch - 1) * epoch_s) * 1e-3
 
 
 def census_key(run_id: str) -> str:
@@ -102,12 +102,12 @@ def census_of(records: dict[str, object], epoch: int) -> set[str]:
     return {peer for peer, value in records.items() if in_epoch(value, epoch)}
 
 
-async def registered_now(dht: hivemind.DHT, run_id: str, timeout: float = 5.0) -> set[str]:
+async def registered_now(dht: hivemind.DHT, run_id: str, timeout: float = 5.0, epoch_s: float = EPOCH_S) -> set[str]:
     """The peers registered for the current epoch, as one read of its census (a small key: one short record a
     peer). `wait_for_peers` polls this before training starts, where it used to read every shard of the
     heartbeat records every 0.2 s: in `bench scale` at 16 peers that start-up poll was 44 % of a peer's DHT
     bytes (issue 17)."""
-    return census_of(await read_subkeys(dht, census_key(run_id), timeout), epoch_of(get_dht_time()))
+    return census_of(await read_subkeys(dht, census_key(run_id), timeout), epoch_of(get_dht_time(), epoch_s))
 
 
 class Census:
@@ -117,10 +117,11 @@ class Census:
         dht: this peer's running DHT.
         run_id: the swarm's run id.
         peer_id: this peer's id (it is in every view of an epoch it registered for).
+        epoch_s: seconds of DHT time an epoch lasts (`swarm.epoch_s`, the same on every peer of a swarm).
     """
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, peer_id: str):
-        self.dht, self.run_id, self.peer_id = dht, run_id, peer_id
+    def __init__(self, dht: hivemind.DHT, run_id: str, peer_id: str, epoch_s: float = EPOCH_S):
+        self.dht, self.run_id, self.peer_id, self.epoch_s = dht, run_id, peer_id, epoch_s
         self._registered: dict[int, float] = {}
         """Epochs this peer is in the census of -> when it registered (monotonic)."""
         self._views: dict[int, tuple[float, frozenset[str]]] = {}
@@ -138,7 +139,7 @@ class Census:
             self.writes += 1
             now = get_dht_time()
             if await write_subkey(self.dht, census_key(self.run_id), self.peer_id, {"t": now, "epoch": epoch + 1},
-                                  registration_expiry(epoch + 1, now)):
+                                  registration_expiry(epoch + 1, now, self.epoch_s)):
                 t = time.monotonic()
                 self._registered.setdefault(epoch, t)
                 self._registered[epoch + 1] = t
@@ -153,8 +154,8 @@ class Census:
         epoch, or that has not searched yet, is still dealt into groups and waited for (one store an epoch)."""
         while not closed():
             now = get_dht_time()
-            await self.register(epoch_of(now))
-            await asyncio.sleep(EPOCH_S - now % EPOCH_S + random.uniform(0.0, 1.0))
+            await self.register(epoch_of(now, self.epoch_s))
+            await asyncio.sleep(self.epoch_s - now % self.epoch_s + random.uniform(0.0, 1.0))
 
     async def members(self, epoch: int) -> frozenset[str]:
         """The peers registered for `epoch`, this one included, as last read."""

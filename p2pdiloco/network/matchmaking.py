@@ -1,6 +1,6 @@
 """Forming a merge group with whichever of this epoch's group mates are ready now.
 
-1. **Mates.** Every epoch (`census.EPOCH_S`) the peers in the epoch's census (census.py: one DHT record per
+1. **Mates.** Every epoch (`swarm.epoch_s`) the peers in the epoch's census (census.py: one DHT record per
    peer) are dealt into groups of at most `swarm.group_size` by the hash of their ids with the epoch
    (`my_group`, `leader_rank`): groups change every epoch, and no peer id leads every group.
 2. **Ready.** A peer looking for a group tells its mates so, peer to peer, with its deadline; nothing is polled
@@ -87,7 +87,7 @@ class Matchmaker:
         self._tasks: set[asyncio.Task] = set()
         self._passed_over: dict[str, int] = {}
         """Leaders that never invited us: peer id -> searches left in which they are not followed."""
-        self.census = Census(dht, cfg.run_id, self.peer_id)
+        self.census = Census(dht, cfg.run_id, self.peer_id, cfg.epoch_s)
         self._ready: dict[str, float] = {}
         """Mates that told us they are looking for a group: peer id -> until when (DHT time)."""
         self._closers: set[str] = set()
@@ -132,7 +132,7 @@ class Matchmaker:
         if closing := c.last_merges():  # about its last merge (own counters): worth the whole window
             window = max(window, self.cfg.merge_window_s)
         now = get_dht_time()
-        search = _Search(contribution=c, deadline=now + window, epoch=epoch_of(now))
+        search = _Search(contribution=c, deadline=now + window, epoch=epoch_of(now, self.cfg.epoch_s))
         self._search = search
         me = self.peer_id
         passed_over = set(self._passed_over)  # never invited us in a recent search: not followed, still invited
@@ -142,7 +142,8 @@ class Matchmaker:
         try:
             await self.census.register(search.epoch)
             while not self._closed:
-                if (epoch := epoch_of(get_dht_time())) != search.epoch:  # groups redealt: so is this search (in
+                epoch = epoch_of(get_dht_time(), self.cfg.epoch_s)
+                if epoch != search.epoch:  # groups redealt: so is this search (in
                     search.epoch, followed = epoch, ""  # its first order it could wait for a mate's invite while
                     await self.census.register(epoch)  # that mate, in the new order, waited for its invite)
                 census = [p for p in await self.census.members(search.epoch) if p not in self.book.banned]
