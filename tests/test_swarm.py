@@ -206,6 +206,21 @@ def test_window_grows_after_merges_alone_and_resets_after_a_group():
     assert m._window(8.0) == 10.0
 
 
+def test_epochs_of_a_few_rounds_are_warned_of_once_where_groups_do_not_span_the_census(caplog):
+    import types
+
+    m = Matchmaker.__new__(Matchmaker)  # only the warning, no network
+    m.cfg, m.peer_id, m._warned_epochs = SwarmConfig(group_size=8, epoch_s=30.0), "peerA", False
+    for size, round_s, warned in [(8, 10.0, False), (9, 2.0, False), (9, 10.0, True)]:
+        m.census, m._round_ema = types.SimpleNamespace(size=size), round_s
+        caplog.clear()
+        m._warn_short_epochs()
+        assert ("set swarm.epoch_s to 10 rounds or more" in caplog.text) is warned, (size, round_s)
+    caplog.clear()
+    m._warn_short_epochs()
+    assert not caplog.text  # once
+
+
 def test_an_invite_accepted_while_the_census_is_read_is_a_group_not_a_merge_alone():
     """In CI a member accepted an invite while its search awaited the census, then, its deadline past, ended the
     search alone in the same pass: the leader counted it in a group of 3 and its mate's merge waited for a part

@@ -44,6 +44,9 @@ POLL_S = 0.25
 SILENT_ROUNDS = 3
 """A leader that never invited is passed over for this many of this peer's searches."""
 
+EPOCH_ROUNDS = 10
+"""Fewer of this peer's rounds in an epoch (`swarm.epoch_s`), where groups do not span the census, is warned of."""
+
 
 @dataclass
 class _Search:
@@ -84,6 +87,7 @@ class Matchmaker:
         self._groups: dict[str, asyncio.Future] = {}
         self._last_submit, self._closed, self._alone_streak = time.monotonic(), False, 0
         self._round_ema: float | None = None
+        self._warned_epochs = False
         self._tasks: set[asyncio.Task] = set()
         self._passed_over: dict[str, int] = {}
         """Leaders that never invited us: peer id -> searches left in which they are not followed."""
@@ -129,6 +133,7 @@ class Matchmaker:
     async def find_group(self, c: Contribution) -> Group | None:
         """A group to merge `c` with, or None: merge alone."""
         window = self._window(c.round_s)
+        self._warn_short_epochs()
         if closing := c.last_merges():  # about its last merge (own counters): worth the whole window
             window = max(window, self.cfg.merge_window_s)
         now = get_dht_time()
@@ -219,6 +224,17 @@ class Matchmaker:
         deadline further off is a claim meant to be waited for (issue 18)."""
         return (isinstance(deadline, int | float) and not isinstance(deadline, bool) and math.isfinite(deadline)
                 and deadline <= now + self.cfg.merge_window_s + RPC_TIMEOUT_S)
+
+    def _warn_short_epochs(self) -> None:
+        """Say once if groups are redrawn within a few of this peer's rounds while they do not span the census: each
+        redrawing puts members whose global models differ together, and their next merge also agrees on
+        (θg, momentum), about 7× the bytes of an int4 Δ exchange (docs/architecture.md, Mates)."""
+        if (not self._warned_epochs and self._round_ema and self.census.size > self.cfg.group_size
+                and self.cfg.epoch_s < EPOCH_ROUNDS * self._round_ema):
+            self._warned_epochs = True
+            logger.warning("[%s] groups are redrawn every %.0f s, %.1f of this peer's rounds: most merges will agree "
+                           "on global models too; set swarm.epoch_s to %d rounds or more", self.peer_id[-6:],
+                           self.cfg.epoch_s, self.cfg.epoch_s / self._round_ema, EPOCH_ROUNDS)
 
     def _window(self, round_s: float) -> float:
         """How long to wait for others to become ready.
