@@ -33,10 +33,15 @@ def _peer(name, dht, merge, wall_s, rounds, compute_cpu_s, eval_loss):
             "dht_by_kind": {"census": dht[0] // 2, "peer records": dht[1] // 2, "config": 0, "other": 0}}
 
 
-def _rows(process_s, t_eval, merges, t_final):
-    """A peer's metrics lines: start, initial eval, merges as (group_size, merge_s), final eval."""
+def _rows(process_s, t_eval, merges, t_final, dht_per_s=0):
+    """A peer's metrics lines: start, initial eval, merges as (group_size, merge_s) one second apart, each with
+    the DHT bytes so far (`dht_per_s` a second after 500 at the first, half sent, half received), final eval."""
+    def dht(i):
+        return {"sent": (500 + i * dht_per_s) // 2, "received": (500 + i * dht_per_s) // 2}
+
     return ([{"kind": "start", "t": t_eval - 1, "process_s": process_s}, {"kind": "eval", "t": t_eval}]
-            + [{"kind": "merge", "group_size": g, "merge_s": s} for g, s in merges]
+            + [{"kind": "merge", "group_size": g, "merge_s": s, "elapsed_s": 3.0 + i, "traffic": {"dht": dht(i)}}
+               for i, (g, s) in enumerate(merges)]
             + [{"kind": "eval", "t": t_final, "final": True}])
 
 
@@ -45,8 +50,8 @@ SUMMARY = {"peers_finished": 2, "consensus_distance": 0.0, "global_models_identi
     _peer("peer1", dht=(1500, 1500), merge=(6000, 2000), wall_s=10, rounds=4, compute_cpu_s=2.0, eval_loss=3.0),
 ]}
 ROWS = {
-    "peer0": _rows(4.0, 101.0, [(2, 0.5), (1, 0.1), (2, 1.5), (2, 1.0)], 111.0),
-    "peer1": _rows(6.0, 102.0, [(2, 0.5), (1, 0.2), (2, 1.5), (3, 2.0)], 112.0),
+    "peer0": _rows(4.0, 101.0, [(2, 0.5), (1, 0.1), (2, 1.5), (2, 1.0)], 111.0, dht_per_s=40),
+    "peer1": _rows(6.0, 102.0, [(2, 0.5), (1, 0.2), (2, 1.5), (3, 2.0)], 112.0, dht_per_s=80),
 }
 # CPU readings: peer0's inside its training (101..111) are 2.0 at 101.5 and 7.0 at 110.5, peer1's (102..112)
 # 1.0 at 102.2 and 11.0 at 111.9: 5 and 10 CPU seconds while training
@@ -69,6 +74,7 @@ def test_percentile_interpolates_between_order_statistics():
 def test_run_figures_from_summary_and_metrics_rows():
     f = run_figures(SUMMARY, ROWS, CPU, MEMORY)
     assert f["dht_bytes_per_s_mean"] == 200 and f["dht_bytes_per_s_max"] == 300  # 1000/10 and 3000/10
+    assert f["dht_merging_bytes_per_s"] == 60  # (40 + 80) / 2: the start-up's bytes before the first merge left out
     assert f["dht_census_bytes_per_s"] == 52.5 and f["dht_records_bytes_per_s"] == 47.5  # (30 + 75)/2, (20 + 75)/2
     assert f["merge_bytes_per_round"] == 1500  # (4000/4 + 8000/4) / 2
     # group merges' times, sorted: 0.5 0.5 1.0 1.5 1.5 2.0

@@ -5,7 +5,10 @@ For each N in --peers, one `run_local` swarm of N peers of the benchmark model, 
 timed rounds of `ROUND_S`, groups of at most `swarm.group_size`. Figures, per run (`run_figures`):
 
 - DHT bytes/s per peer: a peer's DHT bytes sent + received (its summary's `traffic.dht`) ÷ its `wall_s` (from
-  its learner's start to its summary); mean and max over peers. Beside it, the mean of the finds' and stores'
+  its learner's start to its summary); mean and max over peers. Beside it the same from its first merge line to
+  its last (`traffic.dht` and `elapsed_s` of each), mean over peers: without the start-up, where `local` makes
+  every peer poll the census until all N are in it (`swarm.wait_for_peers`, 0 for a peer started by hand) and
+  32 peers on 2 cores take ~25 s to start. Beside it, the mean of the finds' and stores'
   bytes of the census keys and of the heartbeat shards (its summary's `dht_by_kind`), ÷ `wall_s` the same way.
 - merge bytes per peer per round: a peer's merge bytes sent + received (`traffic.merge`) ÷ its rounds; mean.
 - group merge time: `merge_s` (submit to result: matchmaking, exchange, averaging) of the merge lines with
@@ -67,6 +70,7 @@ class Figure(NamedTuple):
 FIGURES = (
     Figure("dht_bytes_per_s_mean", "DHT bytes/s per peer", "mean", "B/s"),
     Figure("dht_bytes_per_s_max", "DHT bytes/s per peer", "max", "B/s"),
+    Figure("dht_merging_bytes_per_s", "DHT bytes/s per peer", "first to last merge, mean", "B/s"),
     Figure("dht_census_bytes_per_s", "DHT bytes/s per peer, by key", "census, mean", "B/s"),
     Figure("dht_records_bytes_per_s", "DHT bytes/s per peer, by key", "peer records, mean", "B/s"),
     Figure("merge_bytes_per_round", "merge bytes per peer per round", "mean", "B"),
@@ -165,6 +169,7 @@ def run_figures(summary: dict, rows: dict[str, list[dict]], cpu: dict[str, list[
     dht_rate = [both(p, "dht") / p["wall_s"] for p in peers if p["wall_s"] > 0]
     by_kind = {kind: [p["dht_by_kind"][kind] / p["wall_s"] for p in peers if p["wall_s"] > 0 and "dht_by_kind" in p]
                for kind in ("census", "peer records")}
+    merging = [rate for rs in rows.values() if (rate := _dht_rate_while_merging(rs)) is not None]
     merge_bytes = [both(p, "merge") / p["rounds"] for p in peers if p["rounds"] > 0]
     merges = [r for rs in rows.values() for r in rs if r.get("kind") == "merge"]
     group_merge_s = [r["merge_s"] for r in merges if r["group_size"] >= 2]
@@ -179,6 +184,7 @@ def run_figures(summary: dict, rows: dict[str, list[dict]], cpu: dict[str, list[
         "peers_finished": summary["peers_finished"],
         "dht_bytes_per_s_mean": statistics.mean(dht_rate) if dht_rate else None,
         "dht_bytes_per_s_max": max(dht_rate) if dht_rate else None,
+        "dht_merging_bytes_per_s": statistics.mean(merging) if merging else None,
         "dht_census_bytes_per_s": statistics.mean(by_kind["census"]) if by_kind["census"] else None,
         "dht_records_bytes_per_s": statistics.mean(by_kind["peer records"]) if by_kind["peer records"] else None,
         "merge_bytes_per_round": statistics.mean(merge_bytes) if merge_bytes else None,
@@ -197,6 +203,16 @@ def run_figures(summary: dict, rows: dict[str, list[dict]], cpu: dict[str, list[
         "rounds_mean": statistics.mean(p["rounds"] for p in peers) if peers else None,
         "merge_failures": sum(p["merge_failures"] for p in peers),
     }
+
+
+def _dht_rate_while_merging(rows: list[dict]) -> float | None:
+    """A peer's DHT bytes sent + received per second from its first merge line to its last; None with fewer than
+    two merges apart in time."""
+    merges = [r for r in rows if r.get("kind") == "merge" and "traffic" in r and "elapsed_s" in r]
+    if len(merges) < 2 or merges[-1]["elapsed_s"] <= merges[0]["elapsed_s"]:
+        return None
+    dht = [m["traffic"]["dht"]["sent"] + m["traffic"]["dht"]["received"] for m in (merges[0], merges[-1])]
+    return (dht[1] - dht[0]) / (merges[-1]["elapsed_s"] - merges[0]["elapsed_s"])
 
 
 def add_ratios(runs: dict[str, dict]) -> None:
