@@ -187,8 +187,7 @@ class SwarmConfig(_Section):
     round_steps: int = 50
     """Inner steps per round (H in DiLoCo); used when round_seconds is 0."""
     round_seconds: float = 0.0
-    """If > 0, rounds are timed instead: a round ends at the next multiple of this many seconds of DHT time,
-    so peers of any speed submit on the swarm's cadence and a slow peer simply runs fewer steps."""
+    """If > 0, timed rounds end at each multiple of this many seconds of DHT time (a slow peer runs fewer steps)."""
     sync: bool = False
     """Synchronous DiLoCo (the baseline): wait for the merge, and wait for every live peer to be ready."""
     merge_window_s: float = 15.0
@@ -198,8 +197,7 @@ class SwarmConfig(_Section):
     min_window_s: float = 1.0
     """Lower bound of the adaptive merge window."""
     merge_timeout_s: float = 60.0
-    """Longest one exchange phase of a merge (Δ; then (θg, momentum) if members disagree) may take before
-    the merge is abandoned and not applied."""
+    """Longest one exchange phase of a merge (Δ, or (θg, momentum)) may take; past it the merge is not applied."""
     heartbeat_s: float = 5.0
     """Seconds between peer records in the DHT; a record expires after three of these."""
     group_size: int = 8
@@ -386,8 +384,8 @@ class Config(_Model):
 
     def fingerprint(self, tokenizer: str = "bytes") -> dict[str, Any]:
         """What must be equal on every peer of a swarm for their contributions to mean the same thing: the model,
-        the tokenizer, how payloads are encoded, the outer optimizer, the round cadence and merge mode, and the
-        rules that screen and combine contributions (every slice owner must apply the same ones).
+        the tokenizer, how payloads are encoded, the outer optimizer, the round cadence, merge mode and epochs,
+        and the rules that screen and combine contributions (every slice owner must apply the same ones).
 
         Args:
             tokenizer: the loaded tokenizer's digest (`Tokenizer.digest`): "bytes", or a hash of its file, which
@@ -398,6 +396,6 @@ class Config(_Model):
         return {"model": self.model.fingerprint(), "tokenizer": tokenizer,
                 "codec": {"codec": s.codec, "error_feedback": s.error_feedback, **sparse},
                 "outer": self.outer.model_dump(exclude={"eager", "alone_lr", "rebase_keep"}),
-                "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync,
-                           **({"epoch_s": s.epoch_s} if s.epoch_s != 30 else {})},  # older peers: 30, unnamed
+                "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync}
+                | ({"epoch_s": s.epoch_s} if s.epoch_s != 30 else {}),  # older peers: 30, unnamed
                 "guard": self.guard.model_dump(), "agreement": "catch-up"}  # older: int8-linear, fp32
