@@ -225,9 +225,8 @@ class SwarmConfig(_Section):
     """File with the private swarm's secret key (`p2pdiloco keygen`); empty: a public swarm."""
 
     def checks(self) -> Iterator[tuple[bool, str]]:
-        yield self.round_steps >= 1, "swarm.round_steps must be >= 1"
         yield self.merge_window_s > 0 and self.merge_timeout_s > 0, "merge times must be positive"
-        yield self.round_seconds >= 0, "swarm.round_seconds must be >= 0"
+        yield self.round_steps >= 1 and self.round_seconds >= 0, "need swarm.round_steps >= 1 and round_seconds >= 0"
         yield 0 < self.window_fraction <= 1, "swarm.window_fraction must be in (0, 1]"
         yield 0 < self.min_window_s <= self.merge_window_s, "need 0 < swarm.min_window_s <= merge_window_s"
         yield self.heartbeat_s > 0 and self.join_timeout_s > 0, "swarm.heartbeat_s and join_timeout_s must be > 0"
