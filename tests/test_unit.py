@@ -24,9 +24,9 @@ def _lines(path: Path, kind: str) -> list[dict]:
     return [r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip()) if r["kind"] == kind]
 
 
-def _start(run_dir: Path, steps: int) -> subprocess.Popen:
+def _start(run_dir: Path, steps: int, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "P2PDILOCO_UNIT_DIGESTS": "1"}
-    return subprocess.Popen([*UNIT, "--run-dir", str(run_dir), "--steps", str(steps)], env=env,
+    return subprocess.Popen([*UNIT, "--run-dir", str(run_dir), "--steps", str(steps), *extra], env=env,
                             stdout=(run_dir.parent / "out.txt").open("w"), stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL)
 
@@ -56,7 +56,9 @@ def _check_ranks_agree(run_dir: Path) -> None:
 def test_two_rank_unit_trains_in_step_and_merges(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    launcher = _start(run_dir, 30)
+    # sync: each round's merge lands before the next inner step, so 30 steps are exactly 3 rounds; decoupled, a
+    # first merge that lands after step 20 (CI under load) leaves 2 rounds of 10 + 20 steps
+    launcher = _start(run_dir, 30, "--set", "swarm.sync=true")
     try:
         descendants = _descendants(launcher)
         assert launcher.wait(timeout=150) == 0, (tmp_path / "out.txt").read_text()[-3000:]
