@@ -199,18 +199,30 @@ class P2PMerger:
         That state is the newest anchor every member named. Without one (members of groups that went apart
         several merges ago: 371 of 460 agreements in `bench scale` at 32 peers), the members first average their
         states themselves, int8-coded (tag 's', with the guards and robust rule of an agreement), and that average,
-        the same bits on every member, is the anchor: about 2 bytes a value in all where fp32 took 4 (8 for θg and
-        momentum together), and the second exchange takes back what the first one's coding lost, up to ~1/254
-        of the members' distance from it.
+        the same bits on every member, is the anchor of a second exchange, of θg only: it takes back what the
+        first one's coding lost of the model, up to ~1/254 of the members' distance from it. The momentum is the
+        first exchange's average as it is: its int8 error, 1/254 of a block's largest value, is ~1/250 of an outer
+        step's momentum term, where the model's own is tens of outer steps. Its half of the second exchange is
+        zeros (but for its first 256 values), which the deflated codec sends in a few hundred bytes (and a peer of the version before, which sent
+        its momentum's difference there too, still ends on the group's bits: owners average, members add the
+        same decoded average to the same anchor). 3 int8 values a parameter in all where the two full exchanges
+        took 4 and fp32 8.
         """
         state = torch.cat([c.global_params, c.momentum])
         if group.majority:  # most members hold one model: it is the answer, and only the others need it
             return await self.catch_up.agree(group, me, state)
         anchor = c.anchors.get(group.anchor) if group.anchor else None
-        if anchor is None:
-            anchor, _, _ = await self.allreduce.average(group, me, "s", state)
-        avg, _, shares = await self.allreduce.average(group, me, "a", state - anchor)
-        return anchor + avg, shares
+        if anchor is not None:
+            avg, _, shares = await self.allreduce.average(group, me, "a", state - anchor)
+            return anchor + avg, shares
+        first, _, _ = await self.allreduce.average(group, me, "s", state)
+        n = c.global_params.numel()
+        diff = state - first
+        # the momentum stays the first exchange's average, but for the one int8 block of it (blocks run from each
+        # slice's start) that may also hold the model's last values, and so the model's scale
+        diff[n + LinearInt8Codec.BLOCK:] = 0.0
+        avg, _, shares = await self.allreduce.average(group, me, "a", diff)
+        return first + avg, shares
 
 
 async def _nothing() -> tuple[None, list[float]]:
