@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run this peer as N processes (one per GPU, or CPU processes) training data-parallel; "
                    "only the first talks to the swarm. Under torchrun, leave it out")
     p.add_argument("--in-local", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--start-barrier", metavar="DIR", help=argparse.SUPPRESS)  # local's peers: see wait_for_peers
     add_config_args(p)
     p.set_defaults(func=cmd_peer)
 

@@ -94,7 +94,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
     stop = StopFlag()
     stop.install()
-    summary = run_peer(cfg, stop, announce=lambda line: print(line, flush=True))
+    summary = run_peer(cfg, stop, announce=lambda line: print(line, flush=True),
+                       start_barrier=Path(args.start_barrier) if args.start_barrier else None)
     if summary is None:  # a follower rank of a learner unit: rank 0 writes the results
         return 0
     run_dir = Path(cfg.run.run_dir)

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,13 +166,15 @@ class Chaos:
 
 
 def peer_command(i: int, n: int, cfg: Config, initial_peer: str, run_dir: Path, config_path: str | None,
-                 sets: list[str], slow_factor: float = 1.0) -> list[str]:
+                 sets: list[str], slow_factor: float = 1.0, start_barrier: Path | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "p2pdiloco", "peer", "--initial-peers", initial_peer, "--host", "127.0.0.1",
            "--run-dir", str(run_dir), "--name", f"peer{i}", "--in-local",
            "--set", f"data.shard={i}/{n}", "--set", f"run.seed={i}", "--set", f"run.total_steps={cfg.run.total_steps}",
            "--set", f"swarm.run_id={cfg.swarm.run_id}"]
     if cfg.swarm.wait_for_peers == 0:
         cmd += ["--set", f"swarm.wait_for_peers={n}"]  # start together, so the first rounds merge as a group
+    if start_barrier is not None:  # peers that see themselves in the census say so there (peer.wait_for_peers)
+        cmd += ["--start-barrier", str(start_barrier)]
     if cfg.run.threads == 0:
         cmd += ["--set", "run.threads=1"]  # N peers on a few cores: one thread each avoids oversubscription
     if config_path:
@@ -299,6 +302,9 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
 
             dashboard = BackgroundDashboard(dht, cfg.swarm.run_id, "127.0.0.1", dashboard_port)
             console.print(f"dashboard at {dashboard.url}")
+        barrier = run_dir / "started"  # peers waiting for each other list it, not the census (peer.wait_for_peers)
+        shutil.rmtree(barrier, ignore_errors=True)
+        barrier.mkdir()
         launched = time.time()  # the first fork waits on the fork server's imports, and the others on it
         for i in range(n_peers):
             pdir = run_dir / "peers" / f"peer{i}"
@@ -309,7 +315,7 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
                 stale.unlink()
             log = (pdir / "peer.log").open("w")
             cmd = peer_command(i, n_peers, cfg, maddr, pdir, config_path, sets + (peer_sets or {}).get(i, []),
-                               (slow or {}).get(i, 1.0))
+                               (slow or {}).get(i, 1.0), barrier)
             peer = PeerProc(f"peer{i}", pdir, None, log, cmd=cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                             prefork=prefork)
             peer.start(asked_at=launched)

@@ -186,19 +186,33 @@ def telemetry_snapshot(learner: Learner, static: dict) -> dict:
             "merge_wait_s": c.merge_wait_s}
 
 
-def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, peer_id: str, stop: StopFlag) -> int:
+def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, peer_id: str, stop: StopFlag,
+                   barrier: Path | None = None) -> int:
     """Block until `swarm.wait_for_peers` peers (this one included) are in matchmaking's census (or the wait
-    times out); returns how many are. Every peer's merger registers it there when it starts."""
+    times out); returns how many are. Every peer's merger registers it there when it starts.
+
+    With `barrier` (a folder `local` gives all its peers), a peer that has read itself in the census says so
+    there with an empty file named by its id, and then waits for the others' files instead of reading the census:
+    listing a folder costs no DHT bytes, where each census read carries every peer's record. One census read once
+    every file is there gives the count, and the polling goes on if it is short.
+    """
     want, deadline = cfg.swarm.wait_for_peers, time.monotonic() + cfg.swarm.wait_for_peers_s
-    pause = 0.25
+    pause, told = 0.25, False
     while True:
-        live = len(loop.run(registered_now(dht, cfg.swarm.run_id, epoch_s=cfg.swarm.epoch_s), timeout=30) | {peer_id})
+        if told and not stop() and time.monotonic() <= deadline and len(list(barrier.iterdir())) < want:
+            time.sleep(0.1)  # a listing of a local folder, not a DHT read
+            continue
+        registered = loop.run(registered_now(dht, cfg.swarm.run_id, epoch_s=cfg.swarm.epoch_s), timeout=30)
+        if barrier is not None and not told and peer_id in registered:
+            (barrier / peer_id).touch()
+            told = True
+        live = len(registered | {peer_id})
         if live >= want or stop() or time.monotonic() > deadline:
             return live
         # polling the census (one DHT key, whose read grows with the swarm), with a deadline: every peer waits for
         # the last. Polled every 0.25 s, 32 peers starting over ~35 s on 2 cores (bench scale) spent 41 % of their
         # DHT bytes before their first merge, while this poll was all a waiting peer read; backing off to 1 s costs
-        # a start at most 1 s after the last peer's
+        # a start at most 1 s after the last peer's; with 1 s, it was still half of them (hence the barrier)
         time.sleep(pause)
         pause = min(1.0, pause * 1.5)
 
@@ -218,7 +232,7 @@ def keep_previous(path: Path) -> None:
         path.rename(path.with_name(f"{path.stem}-{stamp}{path.suffix}"))
 
 
-def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
+def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | None = None) -> dict | None:
     """Join the swarm, train, write the run folder; returns the summary (None on a follower rank of a
     multi-process learner unit, see distributed.py).
 
@@ -226,6 +240,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         cfg: the run's config.
         stop: polled between steps.
         announce: where to print the lines a user needs (addresses); `print` for the CLI.
+        start_barrier: a folder shared by the peers of one `local` run (see `wait_for_peers`).
     """
     # from the real start of this process (interpreter and imports included)
     t_process_start = process_started_monotonic(psutil.Process().create_time())
@@ -346,7 +361,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print) -> dict | None:
         if together:
             learner.evaluate_global()  # the first eval (held if taken beside the DHT's start), before the wait
             say("waiting for %d peers to be live", cfg.swarm.wait_for_peers, tag=peer_id[-6:])
-            live = wait_for_peers(loop, dht, cfg, peer_id, stop)
+            live = wait_for_peers(loop, dht, cfg, peer_id, stop, start_barrier)
             logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)
         summary = learner.run()
         loop.run(learner.report.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's
