@@ -45,7 +45,10 @@ def _learner(cfg, merger, tmp_path, seed):
 
 
 def test_two_learners_merge_every_round_and_agree(tmp_path):
-    cfg = _cfg()
+    # steps padded to 0.1 s: unpadded (a few ms each), p1's thread fell 15 steps behind p0's in CI under load; p0
+    # reached its end with its first merge still waiting for p1, its last contribution met p1's second at step 11,
+    # far from p1's end, so p1 went on alone, and the in-memory fake, which never times out, waited for a partner
+    cfg = _cfg(**{"emulate.min_step_s": 0.1})
     hub = {"group_size": 2}
     learners = [_learner(cfg, InMemoryMerger(f"p{i}", hub), tmp_path, i) for i in range(2)]
     summaries = [None, None]
