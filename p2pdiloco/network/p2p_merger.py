@@ -202,11 +202,10 @@ class P2PMerger:
         the same bits on every member, is the anchor of a second exchange, of θg only: it takes back what the
         first one's coding lost of the model, up to ~1/254 of the members' distance from it. The momentum is the
         first exchange's average as it is: its int8 error, 1/254 of a block's largest value, is ~1/250 of an outer
-        step's momentum term, where the model's own is tens of outer steps. Its half of the second exchange is
-        zeros (but for its first 256 values), which the deflated codec sends in a few hundred bytes (and a peer of the version before, which sent
-        its momentum's difference there too, still ends on the group's bits: owners average, members add the
-        same decoded average to the same anchor). 3 int8 values a parameter in all where the two full exchanges
-        took 4 and fp32 8.
+        step's momentum term, where the model's is tens of outer steps. Its half of the second exchange is zeros
+        (deflated to a few hundred bytes) but for one block. 3 int8 values a parameter in all where two full
+        exchanges took 4 and fp32 8. A peer of the version before, which sent its momentum's difference there too,
+        still ends on the group's bits: owners average, and members add the same decoded average to one anchor.
         """
         state = torch.cat([c.global_params, c.momentum])
         if group.majority:  # most members hold one model: it is the answer, and only the others need it
