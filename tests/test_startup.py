@@ -269,7 +269,8 @@ def test_local_peers_waiting_for_each_other_list_a_folder_not_the_census(bootstr
         thread.join(timeout=60)  # the census holds 2 peers, not 3: polled until the wait's deadline
         assert not thread.is_alive() and out["live"] == 2 and len(reads) > told_after
 
-        reads.clear()
         short = Config(swarm=swarm.model_copy(update={"wait_for_peers_s": 2.0}))
-        wait(short, None)  # no folder: the census, polled all along the 2 s
-        assert out["live"] == 2 and len(reads) >= 3, reads
+        for folder in (None, tmp_path / "removed"):  # no folder, or one that is gone: the census all along the 2 s
+            reads.clear()
+            wait(short, folder)
+            assert out["live"] == 2 and len(reads) >= 3, (folder, reads)

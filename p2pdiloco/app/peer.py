@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -199,13 +200,17 @@ def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, peer_id: str, stop: S
     want, deadline = cfg.swarm.wait_for_peers, time.monotonic() + cfg.swarm.wait_for_peers_s
     pause, told = 0.25, False
     while True:
-        if told and not stop() and time.monotonic() <= deadline and len(list(barrier.iterdir())) < want:
+        if told and not stop() and time.monotonic() <= deadline and _files_in(barrier) < want:
             time.sleep(0.1)  # a listing of a local folder, not a DHT read
             continue
         registered = loop.run(registered_now(dht, cfg.swarm.run_id, epoch_s=cfg.swarm.epoch_s), timeout=30)
         if barrier is not None and not told and peer_id in registered:
-            (barrier / peer_id).touch()
-            told = True
+            try:
+                (barrier / peer_id).touch()
+                told = True
+            except OSError as e:  # the folder is gone (its run folder removed): the census alone, as without one
+                logger.warning("[%s] cannot write to %s (%s): waiting on the census alone", peer_id[-6:], barrier, e)
+                barrier = None
         live = len(registered | {peer_id})
         if live >= want or stop() or time.monotonic() > deadline:
             return live
@@ -215,6 +220,14 @@ def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, peer_id: str, stop: S
         # a start at most 1 s after the last peer's; with 1 s, it was still half of them (hence the barrier)
         time.sleep(pause)
         pause = min(1.0, pause * 1.5)
+
+
+def _files_in(folder: Path) -> int:
+    """How many entries `folder` holds; a folder that is gone holds as many as can be awaited (the census decides)."""
+    try:
+        return sum(1 for _ in folder.iterdir())
+    except OSError:
+        return sys.maxsize
 
 
 def join_address(maddrs: list[str]) -> str:
