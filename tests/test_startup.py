@@ -233,30 +233,30 @@ def test_a_peer_says_each_phase_imports_little_and_a_restart_reads_the_token_cac
 @pytest.mark.integration
 def test_local_peers_waiting_for_each_other_list_a_folder_not_the_census(bootstrap_dht, net_loop, tmp_path,
                                                                           monkeypatch):
-    """`local`'s peers wait for each other through a shared folder (peer.wait_for_peers): a peer reads the census
+    """`local`'s peers wait for each other through a shared folder (together.wait_for_peers): a peer reads the census
     until it sees itself there, says so with a file, and reads it again only once every peer has; the census, not
     the folder, says how many are live. Without the folder the census is read all along."""
     import threading
 
-    from p2pdiloco.app import peer as peer_module
+    from p2pdiloco.app import together
     from p2pdiloco.config import Config, SwarmConfig
     from tests.conftest import running_mergers, wait_for
 
     reads = []
-    real = peer_module.registered_now
+    real = together.registered_now
 
     async def counted(*args, **kwargs):
         reads.append(time.monotonic())
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(peer_module, "registered_now", counted)
+    monkeypatch.setattr(together, "registered_now", counted)
     swarm = SwarmConfig(run_id="barrier", wait_for_peers=3, wait_for_peers_s=8)
     with running_mergers(bootstrap_dht, net_loop, 2, swarm, 8) as mergers:  # 2 of the 3 awaited are registered
         me = mergers[0]
         out = {}
 
         def wait(cfg: Config, barrier: Path | None) -> None:
-            out["live"] = peer_module.wait_for_peers(net_loop, me.dht, cfg, me.peer_id, lambda: False, barrier)
+            out["live"] = together.wait_for_peers(net_loop, me.dht, cfg, me.peer_id, lambda: False, barrier)
 
         thread = threading.Thread(target=wait, args=(Config(swarm=swarm), tmp_path), daemon=True)
         thread.start()

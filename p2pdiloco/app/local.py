@@ -173,7 +173,7 @@ def peer_command(i: int, n: int, cfg: Config, initial_peer: str, run_dir: Path, 
            "--set", f"swarm.run_id={cfg.swarm.run_id}"]
     if cfg.swarm.wait_for_peers == 0:
         cmd += ["--set", f"swarm.wait_for_peers={n}"]  # start together, so the first rounds merge as a group
-    if start_barrier is not None:  # peers that see themselves in the census say so there (peer.wait_for_peers)
+    if start_barrier is not None:  # peers that see themselves in the census say so there (together.wait_for_peers)
         cmd += ["--start-barrier", str(start_barrier)]
     if cfg.run.threads == 0:
         cmd += ["--set", "run.threads=1"]  # N peers on a few cores: one thread each avoids oversubscription
@@ -302,7 +302,7 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
 
             dashboard = BackgroundDashboard(dht, cfg.swarm.run_id, "127.0.0.1", dashboard_port)
             console.print(f"dashboard at {dashboard.url}")
-        barrier = run_dir / "started"  # peers waiting for each other list it, not the census (peer.wait_for_peers)
+        barrier = run_dir / "started"  # peers waiting for each other list it, not the census (together.wait_for_peers)
         shutil.rmtree(barrier, ignore_errors=True)
         barrier.mkdir()
         launched = time.time()  # the first fork waits on the fork server's imports, and the others on it
