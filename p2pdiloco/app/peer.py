@@ -136,14 +136,19 @@ def resume_from_checkpoint(learner: Learner, sampler: BatchSampler, book: GuardB
 
 
 def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dht, cfg: Config, peer_id: str,
-                     metrics: MetricsLog) -> None:
+                     metrics: MetricsLog, every: dict[str, dict] | None = None) -> None:
     """If live peers' global models have absorbed more tokens than ours, download the freshest one first,
     so that a joiner (or a resumed peer that fell behind) continues the swarm's run instead of pulling it back.
 
     If no peer is live and one left having finished the run, the run is over: this peer ends at once
-    (`Learner.ended_with_swarm`) instead of training on alone."""
-    say("joining the swarm %s: reading its peer records", cfg.swarm.run_id, tag=peer_id[-6:])
-    every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
+    (`Learner.ended_with_swarm`) instead of training on alone.
+
+    Args:
+        every: the swarm's peer records as read at this peer's start (`read_peers`), or None to read them here."""
+    say("joining the swarm %s: %s its peer records", cfg.swarm.run_id, "reading" if every is None else "checking",
+        tag=peer_id[-6:])
+    if every is None:
+        every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
     finished = swarm_finished(every, peer_id, cfg.run.total_steps)
     if finished is not None:  # training on alone would only move this peer's model away from the swarm's result
         learner.ended_with_swarm = learner.report.arrived_after_end = True
@@ -281,7 +286,11 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | 
             announce(f"  {m}")
         announce("others can join with: p2pdiloco peer --initial-peers " + join_address(maddrs))
         fingerprint = cfg.fingerprint(tokenizer=tokenizer.digest)
-        check_fingerprint(fingerprint, loop.run(live_configs(dht, cfg.swarm.run_id), timeout=30))
+        # one read of every peer record serves both the config check and the join: at 32 peers the second read (8
+        # shards, each a walk over the nodes holding it) was ~50 kB of a peer's start-up DHT bytes (issue 17). One
+        # node's copy of each shard instead cost more: a fresh peer first looks up each shard's nearest nodes
+        every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
+        check_fingerprint(fingerprint, loop.run(live_configs(dht, cfg.swarm.run_id, peers=every), timeout=30))
 
         auth = swarm_auth(cfg.swarm)
         hooks = peer_hooks(cfg)  # no faults and no hostile wrapper unless a test or benchmark asked for them
@@ -309,7 +318,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | 
         loop.submit(learner.report.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
         if cfg.run.resume:
             resume_from_checkpoint(learner, sampler, merger.book, run_dir / "checkpoints", announce)
-        join_swarm_state(learner, state_sync, loop, dht, cfg, peer_id, metrics)
+        join_swarm_state(learner, state_sync, loop, dht, cfg, peer_id, metrics, every)
         # public: anyone who knows the run id reads it, so no host name or user (the name is opt-in)
         static = {
             "name": cfg.run.name, "version": __version__, "maddrs": maddrs,
