@@ -235,18 +235,24 @@ def test_local_peers_waiting_for_each_other_list_a_folder_not_the_census(bootstr
                                                                           monkeypatch):
     """`local`'s peers wait for each other through a shared folder (together.wait_for_peers): a peer reads the census
     until it sees itself there, says so with a file, and reads it again only once every peer has; the census, not
-    the folder, says how many are live. Without the folder the census is read all along."""
+    the folder, says how many are live. Without the folder the census is read all along.
+
+    The read that looks for the peer's own registration takes one node's copy (`near`); the counts walk, and the
+    count is handed to the peer's matchmaking census, whose first read then takes one node's copy too."""
     import threading
+
+    from hivemind.utils.timed_storage import get_dht_time
 
     from p2pdiloco.app import together
     from p2pdiloco.config import Config, SwarmConfig
+    from p2pdiloco.network.census import epoch_of
     from tests.conftest import running_mergers, wait_for
 
     reads = []
     real = together.registered_now
 
     async def counted(*args, **kwargs):
-        reads.append(time.monotonic())
+        reads.append((time.monotonic(), kwargs.get("near", False)))
         return await real(*args, **kwargs)
 
     monkeypatch.setattr(together, "registered_now", counted)
@@ -255,8 +261,11 @@ def test_local_peers_waiting_for_each_other_list_a_folder_not_the_census(bootstr
         me = mergers[0]
         out = {}
 
+        census = me.matchmaker.census
+        assert census.size == 0  # no read yet
+
         def wait(cfg: Config, barrier: Path | None) -> None:
-            out["live"] = together.wait_for_peers(net_loop, me.dht, cfg, me.peer_id, lambda: False, barrier)
+            out["live"] = together.wait_for_peers(net_loop, me.dht, cfg, me.peer_id, lambda: False, barrier, census)
 
         thread = threading.Thread(target=wait, args=(Config(swarm=swarm), tmp_path), daemon=True)
         thread.start()
@@ -268,6 +277,10 @@ def test_local_peers_waiting_for_each_other_list_a_folder_not_the_census(bootstr
             (tmp_path / other).touch()
         thread.join(timeout=60)  # the census holds 2 peers, not 3: polled until the wait's deadline
         assert not thread.is_alive() and out["live"] == 2 and len(reads) > told_after
+        assert reads[0][1] is True and not any(near for _, near in reads[1:]), reads  # only the first took one copy
+        assert census.size == 2  # the walks' count, handed over
+        members = net_loop.run(census.members(epoch_of(get_dht_time(), swarm.epoch_s)), 10)
+        assert members == {m.peer_id for m in mergers} and census.counts()["walks"] == 0  # one node's copy, whole
 
         short = Config(swarm=swarm.model_copy(update={"wait_for_peers_s": 2.0}))
         for folder in (None, tmp_path / "removed"):  # no folder, or one that is gone: the census all along the 2 s

@@ -339,7 +339,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | 
         if together:
             learner.evaluate_global()  # the first eval (held if taken beside the DHT's start), before the wait
             say("waiting for %d peers to be live", cfg.swarm.wait_for_peers, tag=peer_id[-6:])
-            live = wait_for_peers(loop, dht, cfg, peer_id, stop, start_barrier)
+            live = wait_for_peers(loop, dht, cfg, peer_id, stop, start_barrier, merger.matchmaker.census)
             logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)
         summary = learner.run()
         loop.run(learner.report.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's

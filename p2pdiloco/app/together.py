@@ -10,14 +10,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from p2pdiloco.config import Config
-from p2pdiloco.network.census import registered_now
+from p2pdiloco.network.census import Census, registered_now
 from p2pdiloco.network.swarm import BackgroundLoop
 
 logger = logging.getLogger(__name__)
 
 
 def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, peer_id: str, stop: Callable[[], bool],
-                   barrier: Path | None = None) -> int:
+                   barrier: Path | None = None, census: Census | None = None) -> int:
     """Block until `swarm.wait_for_peers` peers (this one included) are in matchmaking's census (or the wait
     times out); returns how many are. Every peer's merger registers it there when it starts.
 
@@ -25,14 +25,24 @@ def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, peer_id: str, stop: C
     there with an empty file named by its id, and then waits for the others' files instead of reading the census:
     listing a folder costs no DHT bytes, where each census read carries every peer's record. One census read once
     every file is there gives the count, and the polling goes on if it is short.
+
+    The first read, looking for this peer's own registration, takes one node's copy of the census (one of the
+    nodes the registration was stored on); if that copy lacks it, every later read walks. A count from a walk is
+    handed to `census` (this peer's matchmaking census, `Census.expect`), so that its first read need not walk
+    again.
     """
     want, deadline = cfg.swarm.wait_for_peers, time.monotonic() + cfg.swarm.wait_for_peers_s
-    pause, told = 0.25, False
+    pause, told, reads = 0.25, False, 0
     while True:
         if told and not stop() and time.monotonic() <= deadline and _files_in(barrier) < want:
             time.sleep(0.1)  # a listing of a local folder, not a DHT read
             continue
-        registered = loop.run(registered_now(dht, cfg.swarm.run_id, epoch_s=cfg.swarm.epoch_s), timeout=30)
+        near = barrier is not None and reads == 0
+        reads += 1
+        registered = loop.run(registered_now(dht, cfg.swarm.run_id, epoch_s=cfg.swarm.epoch_s, near=near),
+                              timeout=30)
+        if census is not None and not near:
+            census.expect(len(registered | {peer_id}))
         if barrier is not None and not told and peer_id in registered:
             try:
                 (barrier / peer_id).touch()

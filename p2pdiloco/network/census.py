@@ -104,12 +104,19 @@ def census_of(records: dict[str, object], epoch: int) -> set[str]:
     return {peer for peer, value in records.items() if in_epoch(value, epoch)}
 
 
-async def registered_now(dht: hivemind.DHT, run_id: str, timeout: float = 5.0, epoch_s: float = EPOCH_S) -> set[str]:
+async def registered_now(dht: hivemind.DHT, run_id: str, timeout: float = 5.0, epoch_s: float = EPOCH_S,
+                         near: bool = False) -> set[str]:
     """The peers registered for the current epoch, as one read of its census (a small key: one short record a
     peer). `wait_for_peers` polls this before training starts, where it used to read every shard of the
     heartbeat records every 0.2 s: in `bench scale` at 16 peers that start-up poll was 44 % of a peer's DHT
-    bytes (issue 17)."""
-    return census_of(await read_subkeys(dht, census_key(run_id), timeout), epoch_of(get_dht_time(), epoch_s))
+    bytes (issue 17).
+
+    Args:
+        near: read the copy of the key's nearest node only (`swarm.read_near_subkeys`, a third of a walk's bytes),
+            which may lack registrations stored elsewhere: for a peer looking for its own registration, which it
+            stored on those very nodes (`dht_store`), not for a count."""
+    read = read_near_subkeys if near else read_subkeys
+    return census_of(await read(dht, census_key(run_id), timeout), epoch_of(get_dht_time(), epoch_s))
 
 
 class Census:
@@ -146,6 +153,12 @@ class Census:
                 self._registered.setdefault(epoch, t)
                 self._registered[epoch + 1] = t
         self._registered = {e: t for e, t in self._registered.items() if e >= epoch}
+
+    def expect(self, size: int) -> None:
+        """A walk made elsewhere (`together.wait_for_peers`) counted `size` peers in the census, this one included:
+        the first read of an epoch may then take one node's copy when that copy holds as many (`_whole`), where
+        the first read of all walked. At 32 peers that walk was ~30 kB of a peer's start-up DHT bytes (issue 17)."""
+        self._last_size = max(self._last_size, size)
 
     def counts(self) -> dict[str, int]:
         """DHT requests made, for a peer's summary."""
