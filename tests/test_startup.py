@@ -237,8 +237,9 @@ def test_local_peers_waiting_for_each_other_list_a_folder_not_the_census(bootstr
     until it sees itself there, says so with a file, and reads it again only once every peer has; the census, not
     the folder, says how many are live. Without the folder the census is read all along.
 
-    The read that looks for the peer's own registration takes one node's copy (`near`); the counts walk, and the
-    count is handed to the peer's matchmaking census, whose first read then takes one node's copy too."""
+    Census reads take one node's copy (`near`) where a walk is not needed: the read that looks for the peer's own
+    registration, and a count whose copy holds every awaited peer; a copy short of the folder is counted again by
+    a walk. The count is handed to the peer's matchmaking census, whose first read then takes one node's copy too."""
     import threading
 
     from hivemind.utils.timed_storage import get_dht_time
@@ -277,10 +278,19 @@ def test_local_peers_waiting_for_each_other_list_a_folder_not_the_census(bootstr
             (tmp_path / other).touch()
         thread.join(timeout=60)  # the census holds 2 peers, not 3: polled until the wait's deadline
         assert not thread.is_alive() and out["live"] == 2 and len(reads) > told_after
-        assert reads[0][1] is True and not any(near for _, near in reads[1:]), reads  # only the first took one copy
+        kinds = [near for _, near in reads]
+        assert kinds[0] is True and kinds[1:] == [True, False] * ((len(kinds) - 1) // 2), kinds  # copy short: walked
         assert census.size == 2  # the walks' count, handed over
         members = net_loop.run(census.members(epoch_of(get_dht_time(), swarm.epoch_s)), 10)
         assert members == {m.peer_id for m in mergers} and census.counts()["walks"] == 0  # one node's copy, whole
+
+        # two awaited, both registered: one node's copy that holds both decides, with no walk
+        other, folder = mergers[1], tmp_path / "whole"
+        folder.mkdir()
+        reads.clear()
+        live = together.wait_for_peers(net_loop, other.dht, Config(swarm=swarm.model_copy(update={"wait_for_peers": 2})),
+                                       other.peer_id, lambda: False, folder, other.matchmaker.census)
+        assert live == 2 and [near for _, near in reads] == [True] and other.matchmaker.census.size == 2
 
         short = Config(swarm=swarm.model_copy(update={"wait_for_peers_s": 2.0}))
         for folder in (None, tmp_path / "removed"):  # no folder, or one that is gone: the census all along the 2 s

@@ -26,10 +26,11 @@ def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, peer_id: str, stop: C
     listing a folder costs no DHT bytes, where each census read carries every peer's record. One census read once
     every file is there gives the count, and the polling goes on if it is short.
 
-    The first read, looking for this peer's own registration, takes one node's copy of the census (one of the
-    nodes the registration was stored on); if that copy lacks it, every later read walks. A count from a walk is
-    handed to `census` (this peer's matchmaking census, `Census.expect`), so that its first read need not walk
-    again.
+    With `barrier`, census reads take one node's copy of the census (one of the nodes this peer's registration
+    was stored on, `swarm.read_near_subkeys`): the first read, looking for this peer's own registration (if that
+    copy lacks it, the next reads walk, until it is found), and the count once every file is there (if that copy
+    holds fewer peers than the folder, a walk counts). A count from a walk, or a copy that holds every awaited peer,
+    is handed to `census` (this peer's matchmaking census, `Census.expect`), so that its first read need not walk.
     """
     want, deadline = cfg.swarm.wait_for_peers, time.monotonic() + cfg.swarm.wait_for_peers_s
     pause, told, reads = 0.25, False, 0
@@ -37,11 +38,14 @@ def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, peer_id: str, stop: C
         if told and not stop() and time.monotonic() <= deadline and _files_in(barrier) < want:
             time.sleep(0.1)  # a listing of a local folder, not a DHT read
             continue
-        near = barrier is not None and reads == 0
+        near = barrier is not None and (reads == 0 or told)
         reads += 1
         registered = loop.run(registered_now(dht, cfg.swarm.run_id, epoch_s=cfg.swarm.epoch_s, near=near),
                               timeout=30)
-        if census is not None and not near:
+        if near and told and len(registered | {peer_id}) < want:  # that copy is short of the folder: walk
+            near = False
+            registered = loop.run(registered_now(dht, cfg.swarm.run_id, epoch_s=cfg.swarm.epoch_s), timeout=30)
+        if census is not None and (not near or len(registered | {peer_id}) >= want):
             census.expect(len(registered | {peer_id}))
         if barrier is not None and not told and peer_id in registered:
             try:
