@@ -297,3 +297,37 @@ def test_local_peers_waiting_for_each_other_list_a_folder_not_the_census(bootstr
             reads.clear()
             wait(short, folder)
             assert out["live"] == 2 and len(reads) >= 3, (folder, reads)
+
+
+@pytest.mark.integration
+def test_a_local_peer_does_not_start_before_its_own_file_is_in_the_folder(bootstrap_dht, net_loop, tmp_path):
+    """A census read that holds every other awaited peer, but not this peer's own registration (still on its way),
+    must not let it start: the others wait for its file in the folder. It starts once it has read itself there
+    and said so (together.wait_for_peers)."""
+    import threading
+
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from p2pdiloco.app import together
+    from p2pdiloco.config import Config, SwarmConfig
+    from p2pdiloco.network.census import Census, epoch_of
+    from tests.conftest import running_mergers, start_local_dht, wait_for
+
+    swarm = SwarmConfig(run_id="late-self", wait_for_peers=3, wait_for_peers_s=30)
+    with running_mergers(bootstrap_dht, net_loop, 2, swarm, 8) as mergers:  # the 2 others are registered
+        for m in mergers:
+            (tmp_path / m.peer_id).touch()
+        me = start_local_dht([str(a) for a in bootstrap_dht.get_visible_maddrs()])
+        try:
+            me_id, out = me.peer_id.to_base58(), {}
+            thread = threading.Thread(daemon=True, target=lambda: out.setdefault("live", together.wait_for_peers(
+                net_loop, me, Config(swarm=swarm), me_id, lambda: False, tmp_path)))
+            thread.start()
+            time.sleep(1.5)  # the window observed: the census holds both others (3 with this peer), not this peer
+            assert thread.is_alive() and not (tmp_path / me_id).exists()
+            net_loop.run(Census(me, swarm.run_id, me_id, swarm.epoch_s).register(epoch_of(get_dht_time(), swarm.epoch_s)),
+                         10)
+            wait_for(lambda: not thread.is_alive(), 20, what="the wait's end once this peer is registered")
+            assert out["live"] == 3 and (tmp_path / me_id).exists()
+        finally:
+            me.shutdown()
