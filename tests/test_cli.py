@@ -13,7 +13,7 @@ import psutil
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco.config import SwarmConfig
+from p2pdiloco.config import SwarmConfig, fingerprint_digest
 from p2pdiloco.network.swarm import config_key, peer_shard, peers_key, start_dht, write_subkey
 from tests.conftest import free_port, wait_for
 
@@ -66,8 +66,9 @@ def test_peer_with_different_model_is_refused(tmp_path, bootstrap_dht, net_loop)
     record = {"fingerprint": theirs}
     other = start_dht(SwarmConfig(host="127.0.0.1", initial_peers=[maddr]))  # records are signed by their peer
     try:
-        other_id = other.peer_id.to_base58()  # a live peer (its heartbeat) whose config record differs
-        net_loop.run(write_subkey(other, peers_key("fp", peer_shard(other_id)), other_id, {"step": 1},
+        other_id = other.peer_id.to_base58()  # a live peer (its heartbeat, with its config's digest) whose config differs
+        heartbeat = {"step": 1, "fingerprint": fingerprint_digest(theirs)}
+        net_loop.run(write_subkey(other, peers_key("fp", peer_shard(other_id)), other_id, heartbeat,
                                   get_dht_time() + 60), 10)
         net_loop.run(write_subkey(other, config_key("fp"), other_id, record, get_dht_time() + 60), 10)
         out = run_cli("peer", "--initial-peers", maddr, "--run-id", "fp", "--run-dir", str(tmp_path), *TINY)

@@ -9,7 +9,7 @@ import torch
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.algorithm.outer import weighted_average
-from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.config import GuardConfig, SwarmConfig, fingerprint_digest
 from p2pdiloco.network import census
 from p2pdiloco.network.allreduce import by_values, slice_bounds
 from p2pdiloco.network.matchmaking import Matchmaker
@@ -17,6 +17,7 @@ from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.swarm import (
     SwarmError,
     check_fingerprint,
+    configs_differ,
     peers_key,
     read_subkeys,
     start_dht,
@@ -75,6 +76,15 @@ def test_mismatched_fingerprint_is_refused():
     check_fingerprint(mine, {"p": {"fingerprint": dict(mine)}})
     with pytest.raises(SwarmError, match="model.n_layer: 2 here, 4 in the swarm"):
         check_fingerprint(mine, {"p": {"fingerprint": {"model": {"n_layer": 4}, "tokenizer": "bytes"}}})
+
+
+def test_config_records_are_read_only_when_a_live_peer_carries_another_digest():
+    mine = fingerprint_digest({"model": {"n_layer": 2}})
+    assert not configs_differ({}, mine)
+    assert not configs_differ({"a": {"fingerprint": mine}, "b": {"fingerprint": mine, "step": 5}}, mine)
+    assert not configs_differ({"a": {"fingerprint": mine}, "gone": {"left": True}}, mine)  # a peer that left
+    assert configs_differ({"a": {"fingerprint": mine}, "b": {"fingerprint": fingerprint_digest({})}}, mine)
+    assert configs_differ({"a": {"step": 5}}, mine)  # a record without a digest: read the configs to be sure
 
 
 def _contribution(vec, weight, digest="same", state_weight=1.0):

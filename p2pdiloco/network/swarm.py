@@ -298,6 +298,14 @@ async def live_configs(dht: hivemind.DHT, run_id: str, timeout: float = 5.0,
     return {p: r for p, r in configs.items() if p in live}
 
 
+def configs_differ(records: dict[str, dict], digest: str) -> bool:
+    """Whether a live peer's record (`read_peers`) carries a config digest other than `digest`, or none: only then
+    does a starting peer read the config records (`live_configs`), to say what differs (`check_fingerprint`). The
+    config key holds one full fingerprint a peer (~0.5 kB signed), read from each of the ~3 nodes holding it: a
+    joiner's read of it grows with the swarm, where the digests come with the peer records it reads anyway."""
+    return any(record.get("fingerprint") != digest for record in live_records(records).values())
+
+
 def check_fingerprint(mine: dict[str, Any], records: dict[str, dict]) -> None:
     """Raise SwarmError if any live peer's config record carries a different config fingerprint.
 
