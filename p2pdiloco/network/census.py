@@ -114,7 +114,8 @@ async def registered_now(dht: hivemind.DHT, run_id: str, timeout: float = 5.0, e
     Args:
         near: read the copy of the key's nearest node only (`swarm.read_near_subkeys`, a third of a walk's bytes),
             which may lack registrations stored elsewhere: for a peer looking for its own registration, which it
-            stored on those very nodes (`dht_store`), not for a count."""
+            stored on those very nodes (`dht_store`), or for a count that a short copy sends to a walk
+            (`together.wait_for_peers`)."""
     read = read_near_subkeys if near else read_subkeys
     return census_of(await read(dht, census_key(run_id), timeout), epoch_of(get_dht_time(), epoch_s))
 
@@ -155,9 +156,10 @@ class Census:
         self._registered = {e: t for e, t in self._registered.items() if e >= epoch}
 
     def expect(self, size: int) -> None:
-        """A walk made elsewhere (`together.wait_for_peers`) counted `size` peers in the census, this one included:
-        the first read of an epoch may then take one node's copy when that copy holds as many (`_whole`), where
-        the first read of all walked. At 32 peers that walk was ~30 kB of a peer's start-up DHT bytes (issue 17)."""
+        """A read made elsewhere (`together.wait_for_peers`: a walk, or one node's copy that held every awaited peer)
+        counted `size` peers in the census, this one included: the first read of an epoch may then take one node's
+        copy when that copy holds as many (`_whole`), where the first read of all walked. At 32 peers that walk was
+        ~30 kB of a peer's start-up DHT bytes (issue 17)."""
         self._last_size = max(self._last_size, size)
 
     def counts(self) -> dict[str, int]:
