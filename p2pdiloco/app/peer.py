@@ -292,7 +292,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | 
         # node's copy of each shard instead cost more: a fresh peer first looks up each shard's nearest nodes
         every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
         if configs_differ(every, fingerprint_digest(fingerprint)):
-            check_fingerprint(fingerprint, loop.run(live_configs(dht, cfg.swarm.run_id, peers=every), timeout=30))
+            check_fingerprint(fingerprint, loop.run(live_configs(dht, cfg.swarm.run_id, every), timeout=30))
 
         auth = swarm_auth(cfg.swarm)
         hooks = peer_hooks(cfg)  # no faults and no hostile wrapper unless a test or benchmark asked for them

@@ -285,15 +285,9 @@ def live_records(records: dict[str, dict]) -> dict[str, dict]:
     return {p: r for p, r in records.items() if not r.get("left")}
 
 
-async def live_configs(dht: hivemind.DHT, run_id: str, timeout: float = 5.0,
-                       peers: dict[str, dict] | None = None) -> dict[str, dict]:
-    """The config records (`config_key`) of the peers live now, by `peers` (a `read_peers` already made; read here
-    if None)."""
-    if peers is None:
-        peers, configs = await asyncio.gather(read_peers(dht, run_id, timeout),
-                                              read_subkeys(dht, config_key(run_id), timeout))
-    else:
-        configs = await read_subkeys(dht, config_key(run_id), timeout)
+async def live_configs(dht: hivemind.DHT, run_id: str, peers: dict[str, dict], timeout: float = 5.0) -> dict[str, dict]:
+    """The config records (`config_key`) of the peers live now, by `peers` (a `read_peers` already made)."""
+    configs = await read_subkeys(dht, config_key(run_id), timeout)
     live = live_records(peers)
     return {p: r for p, r in configs.items() if p in live}
 
