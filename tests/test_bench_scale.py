@@ -34,14 +34,14 @@ def _peer(name, dht, merge, wall_s, rounds, compute_cpu_s, eval_loss):
 
 
 def _rows(process_s, t_eval, merges, t_final, dht_per_s=0):
-    """A peer's metrics lines: start, initial eval, merges as (group_size, merge_s) one second apart, each with
-    the DHT bytes so far (`dht_per_s` a second after 500 at the first, half sent, half received), final eval."""
+    """A peer's metrics lines: start, initial eval, merges as (group_size, merge_s[, match_s]) one second apart, each
+    with the DHT bytes so far (`dht_per_s` a second after 500 at the first, half sent, half received), final eval."""
     def dht(i):
         return {"sent": (500 + i * dht_per_s) // 2, "received": (500 + i * dht_per_s) // 2}
 
     return ([{"kind": "start", "t": t_eval - 1, "process_s": process_s}, {"kind": "eval", "t": t_eval}]
-            + [{"kind": "merge", "group_size": g, "merge_s": s, "elapsed_s": 3.0 + i, "traffic": {"dht": dht(i)}}
-               for i, (g, s) in enumerate(merges)]
+            + [{"kind": "merge", "group_size": m[0], "merge_s": m[1], "elapsed_s": 3.0 + i, "traffic": {"dht": dht(i)},
+                **({"match_s": m[2]} if len(m) > 2 else {})} for i, m in enumerate(merges)]
             + [{"kind": "eval", "t": t_final, "final": True}])
 
 
@@ -50,7 +50,8 @@ SUMMARY = {"peers_finished": 2, "consensus_distance": 0.0, "global_models_identi
     _peer("peer1", dht=(1500, 1500), merge=(6000, 2000), wall_s=10, rounds=4, compute_cpu_s=2.0, eval_loss=3.0),
 ]}
 ROWS = {
-    "peer0": _rows(4.0, 101.0, [(2, 0.5), (1, 0.1), (2, 1.5), (2, 1.0)], 111.0, dht_per_s=40),
+    # peer1's merge lines carry no match_s (a peer of an older version): they are left out of its split only
+    "peer0": _rows(4.0, 101.0, [(2, 0.5, 0.25), (1, 0.1, 0.1), (2, 1.5, 0.5), (2, 1.0, 0.2)], 111.0, dht_per_s=40),
     "peer1": _rows(6.0, 102.0, [(2, 0.5), (1, 0.2), (2, 1.5), (3, 2.0)], 112.0, dht_per_s=80),
 }
 # CPU readings: peer0's inside its training (101..111) are 2.0 at 101.5 and 7.0 at 110.5, peer1's (102..112)
@@ -79,6 +80,9 @@ def test_run_figures_from_summary_and_metrics_rows():
     assert f["merge_bytes_per_round"] == 1500  # (4000/4 + 8000/4) / 2
     # group merges' times, sorted: 0.5 0.5 1.0 1.5 1.5 2.0
     assert f["merge_s_median"] == pytest.approx(1.25) and f["merge_s_p95"] == pytest.approx(1.875)
+    # peer0's group merges split: matchmaking 0.2 0.25 0.5, exchange (the rest) 0.25 0.8 1.0
+    assert f["match_s_median"] == pytest.approx(0.25) and f["match_s_p95"] == pytest.approx(0.475)
+    assert f["exchange_s_median"] == pytest.approx(0.8) and f["exchange_s_p95"] == pytest.approx(0.98)
     assert f["group_share"] == 6 / 8 and f["group_sizes"] == {"1": 2, "2": 5, "3": 1}
     assert f["consensus_distance"] == 0.0 and f["global_models_identical"] is True
     assert (f["eval_loss_mean"], f["eval_loss_min"], f["eval_loss_max"]) == (2.5, 2.0, 3.0)
@@ -159,6 +163,8 @@ def test_a_tiny_real_run_of_two_peers(tmp_path):
     assert run["peers_finished"] == 2 and run["rounds_mean"] >= 1 and run["group_share"] > 0
     assert run["dht_bytes_per_s_mean"] > 0 and run["merge_bytes_per_round"] > 0
     assert run["dht_census_bytes_per_s"] > 0 and run["dht_records_bytes_per_s"] > 0  # told apart by key
+    # a group merge's time splits into waiting for the group and the exchange, both measured by the peers
+    assert 0 < run["match_s_median"] <= run["merge_s_median"] and run["exchange_s_median"] > 0
     # CPU outside inner steps: process CPU read once a second minus the thread's exact inner-step CPU, so a
     # 20-step run can come out a few ms either side of its true value; here only that it was measured
     assert run["cpu_per_round_mean"] is not None and run["startup_s_median"] > 0

@@ -12,7 +12,10 @@ timed rounds of `ROUND_S`, groups of at most `swarm.group_size`. Figures, per ru
   bytes of the census keys and of the heartbeat shards (its summary's `dht_by_kind`), ÷ `wall_s` the same way.
 - merge bytes per peer per round: a peer's merge bytes sent + received (`traffic.merge`) ÷ its rounds; mean.
 - group merge time: `merge_s` (submit to result: matchmaking, exchange, averaging) of the merge lines with
-  `group_size` >= 2, all peers' pooled; median and p95 (linear interpolation between order statistics).
+  `group_size` >= 2, all peers' pooled; median and p95 (linear interpolation between order statistics). Beside
+  it the same of its two parts: `match_s` (submit until the group was formed: waiting for mates) and the rest
+  (the exchange and averaging: bytes, and the CPU of encoding, guards and the robust rule, which on a few cores
+  queues behind every other peer's merge of the same moment).
 - rounds in a group >= 2: merge lines with `group_size` >= 2 ÷ all merge lines, all peers' pooled (a peer-round
   each, so a group of k counts k times); beside it the histogram of `group_size` over the merge lines.
 - consensus distance of the final global models and whether their digests are identical (run summary).
@@ -76,6 +79,10 @@ FIGURES = (
     Figure("merge_bytes_per_round", "merge bytes per peer per round", "mean", "B"),
     Figure("merge_s_median", "group merge time", "median", "s"),
     Figure("merge_s_p95", "group merge time", "p95", "s"),
+    Figure("match_s_median", "group merge time", "of it matchmaking, median", "s"),
+    Figure("match_s_p95", "group merge time", "of it matchmaking, p95", "s"),
+    Figure("exchange_s_median", "group merge time", "of it exchange, median", "s"),
+    Figure("exchange_s_p95", "group merge time", "of it exchange, p95", "s"),
     Figure("group_share", "rounds merged in a group >= 2", "all peers", "share"),
     Figure("consensus_distance", "consensus distance, final models", "largest pair", ""),
     Figure("eval_loss_mean", "final eval loss", "mean", "loss"),
@@ -173,6 +180,8 @@ def run_figures(summary: dict, rows: dict[str, list[dict]], cpu: dict[str, list[
     merge_bytes = [both(p, "merge") / p["rounds"] for p in peers if p["rounds"] > 0]
     merges = [r for rs in rows.values() for r in rs if r.get("kind") == "merge"]
     group_merge_s = [r["merge_s"] for r in merges if r["group_size"] >= 2]
+    match_s = [r["match_s"] for r in merges if r["group_size"] >= 2 and "match_s" in r]
+    exchange_s = [r["merge_s"] - r["match_s"] for r in merges if r["group_size"] >= 2 and "match_s" in r]
     starts = [r["process_s"] for rs in rows.values() for r in rs if r.get("kind") == "start"]
     losses = [p["eval_loss_final"] for p in peers]
     trained = {p["name"]: cpu_while_training(cpu.get(p["name"], []), rows.get(p["name"], [])) for p in peers}
@@ -189,6 +198,8 @@ def run_figures(summary: dict, rows: dict[str, list[dict]], cpu: dict[str, list[
         "dht_records_bytes_per_s": statistics.mean(by_kind["peer records"]) if by_kind["peer records"] else None,
         "merge_bytes_per_round": statistics.mean(merge_bytes) if merge_bytes else None,
         "merge_s_median": percentile(group_merge_s, 0.5), "merge_s_p95": percentile(group_merge_s, 0.95),
+        "match_s_median": percentile(match_s, 0.5), "match_s_p95": percentile(match_s, 0.95),
+        "exchange_s_median": percentile(exchange_s, 0.5), "exchange_s_p95": percentile(exchange_s, 0.95),
         "group_share": len(group_merge_s) / len(merges) if merges else None,
         "group_sizes": {str(k): v for k, v in sorted(Counter(r["group_size"] for r in merges).items())},
         "consensus_distance": summary["consensus_distance"],

@@ -79,6 +79,9 @@ class MergeResult:
     """The agreement was the model a majority of the members held, fetched by the others (catch_up.py)."""
     duration_s: float = 0.0
     """Seconds from submit to result."""
+    match_s: float = 0.0
+    """Of `duration_s`, the seconds until the group was formed (matchmaking; all of it when no group formed): the
+    rest is the exchange, so a slow merge says whether it waited for mates or for its bytes and CPU."""
     group_id: str = ""
     """Identifier of the merge group ('' when alone)."""
     rejected: int = 0

@@ -127,6 +127,7 @@ class P2PMerger:
         t0, sent0, recv0 = time.monotonic(), self.counter.sent, self.counter.received
         rejected0 = sum(self.book.rejected.values())
         self.allreduce.round = self.sparse.round = c.round
+        matched: float | None = None  # monotonic time when the group was formed
 
         def finish(result: MergeResult) -> MergeResult:
             self.matchmaker.record(alone=result.alone)
@@ -138,11 +139,13 @@ class P2PMerger:
             result.bytes_sent = self.counter.sent - sent0
             result.bytes_received = self.counter.received - recv0
             result.duration_s = time.monotonic() - t0
+            result.match_s = result.duration_s if matched is None else matched - t0
             return result
 
         group = None
         try:
             group = await self.matchmaker.find_group(c)
+            matched = time.monotonic()
             if group is None:
                 return finish(alone_result(self.peer_id, c))
             me = group.members.index(self.peer_id)

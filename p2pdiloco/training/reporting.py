@@ -242,7 +242,7 @@ class Reporter:
         self.metrics.write(
             kind="merge", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round, tokens=self.c.tokens,
             group_size=len(result.group), group_id=result.group_id, merges=self.c.merges, failure=result.failure,
-            merge_s=result.duration_s, bytes_sent=self.bytes_io()[0], bytes_received=self.bytes_io()[1],
+            merge_s=result.duration_s, match_s=result.match_s, bytes_sent=self.bytes_io()[0], bytes_received=self.bytes_io()[1],
             global_digest=global_digest, adopted_state=result.global_state is not None, state_refused=result.state_refused, eval_loss=eval_loss,
             eval_loss_per_byte=self.per_byte(eval_loss),
             round_compute_s=round_compute_s, rebase_dropped_s=self.c.rebase_dropped_s, rejected=result.rejected,
