@@ -89,7 +89,7 @@ def stale_share_kept(new_global: torch.Tensor, local_at_submit: torch.Tensor, ke
     Those steps were taken from θ_at_submit (the eager update), not from the θg the merge produced, and with all of
     them kept decoupled peers trained 1–9 % worse than `--sync` at H = 10 in `bench parity`'s setting; keeping
     `keep` = `outer.rebase_keep` of them (0.5, as Streaming DiLoCo mixes a landed fragment half and half, arXiv
-    2501.18512) brought them to 1.003 × `--sync` at H = 10 (mean of 3 seeds) and 1.007 at H = 50 (mean of 5)
+    2501.18512) brought them to 1.003 × `--sync` at H = 10 (mean of 3 seeds) and 1.010 at H = 50 (mean of 10)
     (docs/benchmarks.md, "Steps taken while a merge is in flight"). Steps taken from the very model the merge
     landed on (a merge alone after an eager update) were not stale: all kept.
     """
