@@ -50,8 +50,8 @@ SUMMARY = {"peers_finished": 2, "consensus_distance": 0.0, "global_models_identi
     _peer("peer1", dht=(1500, 1500), merge=(6000, 2000), wall_s=10, rounds=4, compute_cpu_s=2.0, eval_loss=3.0),
 ]}
 ROWS = {
-    # peer1's merge lines carry no match_s (a peer of an older version): they are left out of its split only
     "peer0": _rows(4.0, 101.0, [(2, 0.5, 0.25), (1, 0.1, 0.1), (2, 1.5, 0.5), (2, 1.0, 0.2)], 111.0, dht_per_s=40),
+    # no match_s in peer1's merge lines (a peer of an older version): left out of the time's split only
     "peer1": _rows(6.0, 102.0, [(2, 0.5), (1, 0.2), (2, 1.5), (3, 2.0)], 112.0, dht_per_s=80),
 }
 # CPU readings: peer0's inside its training (101..111) are 2.0 at 101.5 and 7.0 at 110.5, peer1's (102..112)
