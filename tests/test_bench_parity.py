@@ -44,6 +44,8 @@ def test_a_failing_rank_fails_the_run_and_is_reaped(tmp_path):
     # at start while ranks 1 and 2 wait for it in the rendezvous
     sets = TINY_SETS + ["model.seq_len=64", "data.max_bytes=300", "data.val_fraction=0.5"]
     before = run_children()
-    with pytest.raises(RuntimeError, match="data-parallel ranks failed"):
+    with pytest.raises(RuntimeError, match="data-parallel ranks failed") as failure:
         run_data_parallel(sets, 3, tmp_path, timeout_s=120)
     assert run_children() == before
+    # the error says how far each rank got, from its log: rank 0 joined the group and failed before training
+    assert "rank0.log:\n" in str(failure.value) and "joined the group of 3 ranks" in str(failure.value)

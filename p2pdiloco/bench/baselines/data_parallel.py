@@ -9,6 +9,7 @@ Used by `bench parity` as the baseline that DiLoCo's eval loss is divided by.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import multiprocessing as mp
@@ -110,6 +111,7 @@ def train_rank(cfg: Config, rank: int, world: int, eval_every: int = 0) -> dict:
 
 def _rank_main(rank: int, world: int, init_file: str, sets: list[str], result_dir: str, eval_every: int) -> None:
     """Entry point of one spawned rank: join the group through `init_file`, train, write rank{r}.json."""
+    faulthandler.enable()  # an abort in gloo's C++ (SIGABRT) prints every thread's Python stack to stderr
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     torch.set_num_threads(1)  # N ranks on a few cores, as `local` gives each peer one thread
     logging.basicConfig(level=logging.INFO, filename=str(Path(result_dir) / f"rank{rank}.log"), filemode="w",
@@ -117,10 +119,14 @@ def _rank_main(rank: int, world: int, init_file: str, sets: list[str], result_di
     cfg = load_config(None, [parse_set(sets)])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
+    logger.info("joined the group of %d ranks", world)
     try:
         result = train_rank(cfg, rank, world, eval_every)
+        logger.info("trained; waiting for every rank before leaving the group")
+        dist.barrier()  # no rank tears the group down while another (rank 0 evaluating) may still use it
     finally:
         dist.destroy_process_group()
+    logger.info("left the group")
     path = Path(result_dir) / f"rank{rank}.json"
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(result))
@@ -163,10 +169,20 @@ def run_data_parallel(sets: list[str], ranks: int, out: Path, timeout_s: float =
         stop_ranks(procs)
     failed = {p.name: p.exitcode for p in procs if p.exitcode != 0}
     if failed:
-        raise RuntimeError(f"data-parallel ranks failed: {failed}")
+        logs = "".join(_log_tail(out / f"rank{r}.log") for r in range(ranks))
+        raise RuntimeError(f"data-parallel ranks failed: {failed}{logs}")
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
     return {**results[0], "ranks": ranks, "rank_digests": [r["params_digest"] for r in results],
             "max_train_s": max(r["train_s"] for r in results)}
+
+
+def _log_tail(path: Path, lines: int = 5) -> str:
+    """The last lines of a rank's log, for the error that says it failed (how far it got)."""
+    try:
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return f"\n{path.name}: none"
+    return f"\n{path.name}:\n" + "\n".join(f"  {line}" for line in tail)
 
 
 def stop_ranks(procs: list) -> None:
