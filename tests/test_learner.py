@@ -139,9 +139,8 @@ def test_decoupled_apply_rebases_steps_taken_during_the_merge(tmp_path, keep):
 
 def test_eager_update_moves_to_the_own_outer_step_at_submit_and_the_merge_by_the_difference(tmp_path):
     """Decoupled: at a submit θ jumps to outer_step(θg, m, Δ_own); the merge's rebase then moves it to θg_merged,
-    with `outer.rebase_keep` of the steps taken meanwhile. --sync (and outer.eager=false) keep θ where the round ended.
-    (Δ taken at the submit itself: `outer.train_until_matched` off; with it, the same happens when the group forms.)"""
-    cfg = _cfg(**{"outer.train_until_matched": "false"})
+    with `outer.rebase_keep` of the steps taken meanwhile. --sync (and outer.eager=false) keep θ where the round ended."""
+    cfg = _cfg()
     learner = _learner(cfg, InMemoryMerger("p0", {"group_size": 2}), tmp_path, 0)  # nobody else: stays in flight
     theta_g = learner.global_params.clone()
     for _ in range(3):
@@ -159,7 +158,7 @@ def test_eager_update_moves_to_the_own_outer_step_at_submit_and_the_merge_by_the
     learner.apply_merge(merged, flight.local_at_submit)
     new_g, _ = outer_step(theta_g, torch.zeros_like(theta_g), merged.pseudo_grad, 0.7, 0.9)
     torch.testing.assert_close(learner._local_params(), new_g + 0.25 * cfg.outer.rebase_keep)  # half of them, stale
-    for sets in ({"swarm.sync": "true"}, {"outer.eager": "false", "outer.train_until_matched": "false"}):
+    for sets in ({"swarm.sync": "true"}, {"outer.eager": "false"}):
         other = _learner(_cfg(**sets), InMemoryMerger("q0", {"group_size": 2}), tmp_path, 0)
         for _ in range(3):
             other.inner_step()
@@ -167,73 +166,6 @@ def test_eager_update_moves_to_the_own_outer_step_at_submit_and_the_merge_by_the
         other.submit_round()
         assert torch.equal(other._local_params(), at_end) and other.model_moved == 0
         other.in_flight.future.cancel()
-
-
-def test_an_open_round_trains_on_until_its_group_forms_then_goes_in_flight(tmp_path):
-    """Decoupled (`outer.train_until_matched`): at the submit θ stays and the round goes on; the steps until the group
-    forms are in its Δ and weight, the step in progress then is in flight, on top of the eager update."""
-    cfg = _cfg()
-    learner = _learner(cfg, InMemoryMerger("p0", {"group_size": 2}), tmp_path, 0)  # nobody else: stays in flight
-    theta_g = learner.global_params.clone()
-    for _ in range(3):
-        learner.inner_step()
-    step_tokens = learner.c.tokens_in_round // 3
-    at_submit = learner._local_params()
-    learner.submit_round()
-    flight, c = learner.in_flight, learner.in_flight.contribution
-    assert torch.equal(learner._local_params(), at_submit) and learner.model_moved == 0  # no eager jump yet
-    assert flight.open_round is not None and c.weight == 3 * step_tokens
-    for _ in range(2):  # mates not ready yet: these steps are the round's
-        learner.inner_step()
-        learner.poll_merge()
-    assert learner.c.steps_in_round == 5 and flight.open_round.open() and not learner.round_done()
-    at_group = learner._local_params()
-    learner.inner_step()  # in progress when the group forms: not in Δ
-    c.fix()  # the group forms (the merger's thread)
-    c.fix()  # later calls change nothing
-    torch.testing.assert_close(c.pseudo_grad, theta_g - at_group, rtol=0, atol=0)
-    assert c.weight == 5 * step_tokens
-    step_6 = learner._local_params() - at_group
-    learner.poll_merge()  # the learner's next boundary: the round closes
-    assert flight.open_round is None and learner.in_flight is flight
-    assert learner.last_round_steps == 5 and learner.c.steps_in_round == 1 and learner.c.tokens_in_round == step_tokens
-    eager, _ = outer_step(theta_g, torch.zeros_like(theta_g), c.pseudo_grad, 0.7, 0.9)
-    assert torch.equal(flight.local_at_submit, eager) and learner.model_moved == 1
-    torch.testing.assert_close(learner._local_params(), eager + step_6)
-    merged = MergeResult(group=["p0", "p1"], pseudo_grad=c.pseudo_grad / 2, total_weight=2.0)
-    learner.in_flight = None
-    flight.future.cancel()
-    learner.apply_merge(merged, flight.local_at_submit)
-    new_g, _ = outer_step(theta_g, torch.zeros_like(theta_g), merged.pseudo_grad, 0.7, 0.9)
-    torch.testing.assert_close(learner._local_params(), new_g + cfg.outer.rebase_keep * step_6)
-
-
-def test_a_round_is_not_left_open_near_the_end_nor_in_sync_mode(tmp_path):
-    """A run's last merges take Δ at the round's end, as the mates that wait for them expect; an open round is
-    taken by the learner itself once its end is near; --sync waits for every merge, so none is open."""
-    cfg = _cfg()  # rounds of 5 of 20 steps
-    learner = _learner(cfg, InMemoryMerger("p0", {"group_size": 2}), tmp_path, 0)
-    for _ in range(5):
-        learner.inner_step()
-    step_tokens = learner.c.tokens_in_round // 5
-    learner.submit_round()
-    flight = learner.in_flight
-    while flight.open_round is not None:  # nobody comes: it grows until the end is near (1.5 rounds of 5)
-        learner.inner_step()
-        learner.poll_merge()
-    assert learner.c.step == 13 and flight.contribution.weight == 13 * step_tokens and learner.c.steps_in_round == 0
-    flight.future.cancel()
-    learner.in_flight = None
-    for _ in range(2):
-        learner.inner_step()
-    learner.submit_round()
-    assert learner.in_flight.contribution.closing and learner.in_flight.open_round is None
-    learner.in_flight.future.cancel()
-    sync = _learner(_cfg(**{"swarm.sync": "true"}), InMemoryMerger("q0", {"group_size": 2}), tmp_path, 0)
-    sync.inner_step()
-    sync.submit_round()
-    assert sync.in_flight.open_round is None
-    sync.in_flight.future.cancel()
 
 
 def test_decoupled_learner_never_waits_for_a_slow_merge(tmp_path):

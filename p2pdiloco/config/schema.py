@@ -162,8 +162,6 @@ class OuterOptConfig(_Section):
     """Outer lr of steps on the own Δ alone (merges alone, eager updates); 0: `lr` (sparseloco's lr 3 overshoots)."""
     rebase_keep: float = 0.5
     """Decoupled: the share kept of the inner steps taken while a merge was in flight, when it lands (`rebase`)."""
-    train_until_matched: bool = True
-    """Decoupled: train on into the round while its merge group forms; Δ is taken then (training/open_round.py)."""
 
     def checks(self) -> Iterator[tuple[bool, str]]:
         yield self.lr > 0 and self.alone_lr >= 0, "learning rates must be positive"
@@ -396,7 +394,7 @@ class Config(_Model):
         sparse = {"sparse_keep": s.sparse_keep, "sparse_screen": "momentum"} if s.codec == "sparseloco" else {}
         return {"model": self.model.fingerprint(), "tokenizer": tokenizer,
                 "codec": {"codec": s.codec, "error_feedback": s.error_feedback, **sparse},
-                "outer": self.outer.model_dump(exclude={"eager", "alone_lr", "rebase_keep", "train_until_matched"}),
+                "outer": self.outer.model_dump(exclude={"eager", "alone_lr", "rebase_keep"}),
                 "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync}
                 | ({"epoch_s": s.epoch_s} if s.epoch_s != 30 else {}),  # older peers: 30, unnamed
                 "guard": self.guard.model_dump(), "agreement": "catch-up"}  # older: int8-linear, fp32

@@ -260,7 +260,6 @@ class Matchmaker:
         search.leading = True  # from here on, invites from others are declined
         gid = secrets.token_hex(8)
         c = search.contribution
-        c.fix()  # the group forms now: Δ and its weight are what this peer's training reached
         candidates = [p for p in candidates if p not in self.book.banned]
         invite = {"group_id": gid, "fp": self.fingerprint, "closing": c.last_merges()}
         replies = await asyncio.gather(*(self.rpc.request(p, "invite", invite) for p in candidates))
@@ -334,7 +333,6 @@ class Matchmaker:
             search.accepted_gid, search.leader = gid, leader
             self._changed.set()
             c = search.contribution
-            c.fix()  # its weight goes into the reply: from here on Δ is what this peer's training reached
             reply = {"accept": True, "weight": c.weight, "state_weight": c.state_weight, "digest": c.state_digest,
                      "round": c.round, "final": c.final, "anchors": list(c.anchors)}
         await self.rpc.reply(reader, writer, "invite", leader, reply)

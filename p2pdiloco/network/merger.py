@@ -6,7 +6,6 @@ The learner never sees a DHT or a socket. `P2PMerger` (in `p2p_merger.py`) imple
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -43,14 +42,6 @@ class Contribution:
     closing: bool = False
     """This peer is within about a round of its end, by its own counters (`Learner.near_end`): its search is dealt
     like a final one, so that peers whose last rounds are a little out of phase still meet (`Matchmaker.find_group`)."""
-    take: Callable[[], None] | None = field(default=None, repr=False, compare=False)
-    """Set where the peer trains on into this round while its group forms (training/in_flight.py): fixes
-    `pseudo_grad`, `weight` and `round_s` at the last step it finished. Call `fix()` before reading them."""
-
-    def fix(self) -> None:
-        """The group formed, or this peer merges alone: Δ and its weight are what they are now (idempotent)."""
-        if self.take is not None:
-            self.take()
 
     def last_merges(self) -> bool:
         """Whether this is one of the peer's last merges (`final` or `closing`): its search is dealt the whole census
@@ -119,7 +110,6 @@ class MergeResult:
 
 def alone_result(peer_id: str, contribution: Contribution, failure: str = "", **kwargs) -> MergeResult:
     """A merge with oneself: DiLoCo with one replica still applies its own outer step."""
-    contribution.fix()
     return MergeResult(
         group=[peer_id], pseudo_grad=contribution.pseudo_grad, total_weight=contribution.weight, failure=failure,
         final=contribution.final, **kwargs

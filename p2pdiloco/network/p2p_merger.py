@@ -146,7 +146,6 @@ class P2PMerger:
         try:
             group = await self.matchmaker.find_group(c)
             matched = time.monotonic()
-            c.fix()  # fixed by now where the group formed (`Matchmaker._lead`, `on_invite`); alone, fixed here
             if group is None:
                 return finish(alone_result(self.peer_id, c))
             me = group.members.index(self.peer_id)

@@ -43,8 +43,6 @@ class InMemoryMerger:
             del self.hub["pending"]
         group = sorted(rv.contributions)
         members = [rv.contributions[p] for p in group]
-        for c in members:  # the group formed: Δ is what each member's training reached (in_flight.py)
-            c.fix()
         avg = weighted_average([c.pseudo_grad for c in members], [c.weight for c in members])
         state, shares = None, [0.0] * len(members)
         if len({c.state_digest for c in members}) > 1:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,12 +34,53 @@ from p2pdiloco.training.checkpoint import (
 from p2pdiloco.training.evaluation import evaluate_flat
 from p2pdiloco.training.flat import flat_params, load_flat_
 from p2pdiloco.training.global_model import GlobalModel
-from p2pdiloco.training.in_flight import InFlight, OpenRound, RoundEnd
 from p2pdiloco.training.optim import InnerSchedule, build_inner_optimizer
 from p2pdiloco.training.reporting import Counters, MetricsLog, Reporter
 from p2pdiloco.training.rounds import RoundClock
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    """A submitted round whose merge has not been applied yet."""
+
+    future: Future
+    local_at_submit: torch.Tensor
+    contribution: Contribution
+    submitted_at: float
+    compute_s: float  # inner-step time that produced this contribution (lost if it never reaches a global model)
+    peer_id: str
+    bound_s: float  # no merge can legitimately take longer (`Learner.merge_bound`): past it the merger is hung
+
+    def result(self) -> MergeResult | None:
+        """The merge's result if it has finished, a merge alone if it hung, else None; never waits."""
+        if self.future.done():
+            return self.future.result()
+        return self._hung() if self._overdue() else None
+
+    def wait(self, should_stop: Callable[[], bool]) -> MergeResult | None:
+        """Block until `result` has one; None (the merge cancelled) if `should_stop()` turns true first."""
+        while True:
+            try:
+                return self.future.result(timeout=0.2)
+            except FutureTimeout:
+                if should_stop():
+                    self.future.cancel()
+                    return None
+                if self._overdue():
+                    return self._hung()
+
+    def _overdue(self) -> bool:
+        return time.monotonic() - self.submitted_at > self.bound_s
+
+    def _hung(self) -> MergeResult:
+        """A merger bug must not stop this peer from ever merging again: give up on it, keep our own update."""
+        logger.error("[%s] merge did not finish in %.0f s; merging alone", self.peer_id[-6:], self.bound_s)
+        self.future.cancel()
+        c = self.contribution
+        return MergeResult(group=[self.peer_id], pseudo_grad=c.pseudo_grad, total_weight=c.weight,
+                           failure="merger hung")
 
 
 class Learner:
@@ -181,57 +225,20 @@ class Learner:
             final: this is the peer's last contribution of the run (see `Contribution.final`).
         """
         local = self._local_params()
-        end = self._round_end(local)
         contribution = Contribution(
-            pseudo_grad=end.pseudo_grad, weight=float(end.tokens), global_params=self.g.params, momentum=self.g.momentum,
-            state_digest=self.g.digest(), state_weight=self.c.global_tokens, anchors=self.g.anchors(), round=self.c.round,
-            round_s=end.round_s, final=final, closing=self.near_end())
-        self.last_round_steps, self.last_round_s = end.steps, end.round_s  # what `near_end` counts in from here on
-        trains_on = (self.cfg.outer.train_until_matched and not self.cfg.swarm.sync and self.unit is None
-                     and not contribution.last_merges())  # a run's last merges are as they were: Δ at the round's end
-        open_round = OpenRound(contribution, end) if trains_on else None
+            pseudo_grad=pseudo_gradient(self.g.params, local), weight=float(self.c.tokens_in_round),
+            global_params=self.g.params, momentum=self.g.momentum, state_digest=self.g.digest(),
+            state_weight=self.c.global_tokens, anchors=self.g.anchors(), round=self.c.round, round_s=self.clock.round_s(), final=final,
+            closing=self.near_end())
         future = self.merger.submit(contribution)
-        self.in_flight = InFlight(future, local, contribution, time.monotonic(), end.compute_s, self.merger.peer_id,
-                                  self.merge_bound(), open_round)
-        if open_round is None:
-            self._close_round(end, local)
-
-    def _round_end(self, local: torch.Tensor) -> RoundEnd:
-        """The round as it stands, with the local model `local`: what its contribution would be if taken now."""
-        return RoundEnd(pseudo_gradient(self.g.params, local), self.c.tokens_in_round, self.c.compute_in_round,
-                        self.c.steps_in_round, self.clock.round_s())
-
-    def _close_round(self, end: RoundEnd, local_at_end: torch.Tensor) -> None:
-        """Start the next round where the one in flight was taken (`end`, with the local model `local_at_end`); steps
-        taken since (while it was open) are the new round's, and in flight: on top of the eager update, if any."""
-        flight, steps_since = self.in_flight, self.c.steps_in_round - end.steps
         if self.cfg.outer.eager and not self.cfg.swarm.sync:
-            since = self._local_params() - local_at_end if steps_since else None
-            flight.local_at_submit = self._eager(end.pseudo_grad)
-            if since is not None:
-                load_flat_(self.model, flight.local_at_submit + since)
-        else:
-            flight.local_at_submit = local_at_end
-        flight.compute_s = end.compute_s
-        self.last_round_steps, self.last_round_s = end.steps, end.round_s
-        self.c.tokens_in_round -= end.tokens
-        self.c.compute_in_round -= end.compute_s
+            local = self._eager(contribution.pseudo_grad)
+        self.in_flight = InFlight(future, local, contribution, time.monotonic(), self.c.compute_in_round,
+                                  self.merger.peer_id, self.merge_bound())
+        self.last_round_steps, self.last_round_s = self.c.steps_in_round, self.clock.round_s()
+        self.c.tokens_in_round = 0
+        self.c.compute_in_round = 0.0
         self.start_round()
-        self.c.steps_in_round = steps_since
-
-    def _close_taken(self) -> None:
-        """Close the open round in flight once the merger took it, or now if this peer is near its end (where
-        its last rounds must be as they were; see `submit_round`); after each step, an open round grows."""
-        flight = self.in_flight
-        if flight is None or flight.open_round is None:
-            return
-        if flight.open_round.open():
-            flight.open_round.step_done(self._round_end(self._local_params()))
-            if self.near_end():
-                flight.contribution.fix()
-        if (end := flight.open_round.taken) is not None:
-            flight.open_round = None
-            self._close_round(end, self.g.params - end.pseudo_grad)
 
     def _eager(self, own_delta: torch.Tensor) -> torch.Tensor:
         """Eager update (arXiv 2502.12996): go on from the outer step on this peer's own Δ, a stand-in for the Δ̄ in
@@ -245,7 +252,6 @@ class Learner:
 
     def poll_merge(self) -> None:
         """Apply the merge in flight if it has finished (or hung); never waits."""
-        self._close_taken()
         result = self.in_flight.result() if self.in_flight is not None else None
         if result is not None:
             self._apply_in_flight(result)
@@ -279,9 +285,6 @@ class Learner:
             self.wait_merge()
 
     def _apply_in_flight(self, result: MergeResult) -> None:
-        if self.in_flight.open_round is not None:  # the merger took it (every result is of a fixed contribution)
-            self.in_flight.contribution.fix()
-            self._close_taken()
         flight, self.in_flight = self.in_flight, None
         self.apply_merge(result, flight.local_at_submit)
         self.clock.shift(result.phase_shift_s)  # toward the mates' round ends (network/phase.py)
