@@ -90,6 +90,7 @@ def test_bad_values_in_every_section_are_one_line_config_errors():
         ("inner.optimizer=sgd", "inner.optimizer must be one of adamw, adamw8bit"),
         ("outer.lr=0", "learning rates must be positive"),
         ("outer.rebase_keep=1.5", r"outer.rebase_keep must be in \[0, 1\]"),
+        ("outer.land_wait=-0.1", r"outer.land_wait must be in \[0, 1\]"),
         ("run.cpu_affinity=a,b", "run.cpu_affinity must be comma-separated CPU ids"),
         ("swarm.min_window_s=20", "need 0 < swarm.min_window_s <= merge_window_s"),
         ("outer.nesterov=maybe", "config key 'outer.nesterov' expects bool"),

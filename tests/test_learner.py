@@ -168,6 +168,25 @@ def test_eager_update_moves_to_the_own_outer_step_at_submit_and_the_merge_by_the
         other.in_flight.future.cancel()
 
 
+def test_land_wait_lands_a_quick_merge_before_the_next_step_and_gives_up_on_a_slow_one(tmp_path):
+    """Decoupled with `outer.land_wait`: a merge that lands within that share of a round is applied before the next
+    step (no step in flight: θ is the new θg exactly, as in --sync); one that does not is waited for only that long."""
+    cfg = _cfg(**{"outer.land_wait": "0.5", "emulate.min_step_s": "0.05"})  # rounds of 5 steps of 0.05 s: wait ≤ ~0.13 s
+    quick = _learner(cfg, InMemoryMerger("p0", {"group_size": 1}), tmp_path, 0)  # merges alone, at once
+    quick.should_stop = lambda: quick.c.step >= 5  # one round, its merge, then stop
+    quick.run()
+    assert quick.c.round == 1 and torch.equal(quick._local_params(), quick.global_params)
+    default = _learner(_cfg(**{"emulate.min_step_s": "0.05"}), InMemoryMerger("q0", {"group_size": 1}), tmp_path, 0)
+    default.should_stop = lambda: default.c.step >= 5
+    default.run()  # its merge, done at the submit, would have been applied at the next step's poll: it was not
+    assert default.c.round == 0 and default.c.merge_wait_s == 0.0
+    slow = _learner(cfg, InMemoryMerger("r0", {"group_size": 2}), tmp_path, 0)  # nobody else: it never lands
+    slow.should_stop = lambda: slow.c.step >= 8
+    slow.run()
+    assert slow.c.round == 0 and slow.c.step == 8
+    assert 0.5 * 0.2 <= slow.c.merge_wait_s <= 0.5 * slow.last_round_s + 1.0  # waited once, about half a round
+
+
 def test_decoupled_learner_never_waits_for_a_slow_merge(tmp_path):
     """With a merge partner that never comes, inner steps go on; the round extends instead of blocking."""
     cfg = _cfg(**{"run.total_steps": 30})

@@ -162,10 +162,13 @@ class OuterOptConfig(_Section):
     """Outer lr of steps on the own Δ alone (merges alone, eager updates); 0: `lr` (sparseloco's lr 3 overshoots)."""
     rebase_keep: float = 0.5
     """Decoupled: the share kept of the inner steps taken while a merge was in flight, when it lands (`rebase`)."""
+    land_wait: float = 0.0
+    """Decoupled: wait up to this share of a round for each merge to land before training on (0: never; parity)."""
 
     def checks(self) -> Iterator[tuple[bool, str]]:
         yield self.lr > 0 and self.alone_lr >= 0, "learning rates must be positive"
         yield 0 <= self.rebase_keep <= 1, "outer.rebase_keep must be in [0, 1]"
+        yield 0 <= self.land_wait <= 1, "outer.land_wait must be in [0, 1]"
         yield 0 <= self.momentum < 1, "outer.momentum must be in [0, 1)"
 
 
@@ -394,7 +397,7 @@ class Config(_Model):
         sparse = {"sparse_keep": s.sparse_keep, "sparse_screen": "momentum"} if s.codec == "sparseloco" else {}
         return {"model": self.model.fingerprint(), "tokenizer": tokenizer,
                 "codec": {"codec": s.codec, "error_feedback": s.error_feedback, **sparse},
-                "outer": self.outer.model_dump(exclude={"eager", "alone_lr", "rebase_keep"}),
+                "outer": self.outer.model_dump(exclude={"eager", "alone_lr", "rebase_keep", "land_wait"}),
                 "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync}
                 | ({"epoch_s": s.epoch_s} if s.epoch_s != 30 else {}),  # older peers: 30, unnamed
                 "guard": self.guard.model_dump(), "agreement": "catch-up"}  # older: int8-linear, fp32

@@ -10,12 +10,12 @@ format is checkpoint.py's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,53 +34,12 @@ from p2pdiloco.training.checkpoint import (
 from p2pdiloco.training.evaluation import evaluate_flat
 from p2pdiloco.training.flat import flat_params, load_flat_
 from p2pdiloco.training.global_model import GlobalModel
+from p2pdiloco.training.in_flight import InFlight
 from p2pdiloco.training.optim import InnerSchedule, build_inner_optimizer
 from p2pdiloco.training.reporting import Counters, MetricsLog, Reporter
 from p2pdiloco.training.rounds import RoundClock
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class InFlight:
-    """A submitted round whose merge has not been applied yet."""
-
-    future: Future
-    local_at_submit: torch.Tensor
-    contribution: Contribution
-    submitted_at: float
-    compute_s: float  # inner-step time that produced this contribution (lost if it never reaches a global model)
-    peer_id: str
-    bound_s: float  # no merge can legitimately take longer (`Learner.merge_bound`): past it the merger is hung
-
-    def result(self) -> MergeResult | None:
-        """The merge's result if it has finished, a merge alone if it hung, else None; never waits."""
-        if self.future.done():
-            return self.future.result()
-        return self._hung() if self._overdue() else None
-
-    def wait(self, should_stop: Callable[[], bool]) -> MergeResult | None:
-        """Block until `result` has one; None (the merge cancelled) if `should_stop()` turns true first."""
-        while True:
-            try:
-                return self.future.result(timeout=0.2)
-            except FutureTimeout:
-                if should_stop():
-                    self.future.cancel()
-                    return None
-                if self._overdue():
-                    return self._hung()
-
-    def _overdue(self) -> bool:
-        return time.monotonic() - self.submitted_at > self.bound_s
-
-    def _hung(self) -> MergeResult:
-        """A merger bug must not stop this peer from ever merging again: give up on it, keep our own update."""
-        logger.error("[%s] merge did not finish in %.0f s; merging alone", self.peer_id[-6:], self.bound_s)
-        self.future.cancel()
-        c = self.contribution
-        return MergeResult(group=[self.peer_id], pseudo_grad=c.pseudo_grad, total_weight=c.weight,
-                           failure="merger hung")
 
 
 class Learner:
@@ -150,6 +109,8 @@ class Learner:
                 self.submit_round(final=self.at_end())
                 if self.cfg.swarm.sync:
                     self.wait_merge()
+                elif self.cfg.outer.land_wait > 0:  # a merge that lands within it leaves no step in flight
+                    self.poll_merge(wait_s=self.cfg.outer.land_wait * self.last_round_s)
         self.train_s = time.monotonic() - self.clock.t_train
         self.finish()
         self.checkpoints.wait()  # the run's checkpoints are on disk when it returns
@@ -250,8 +211,13 @@ class Learner:
         self.model_moved += 1  # a unit's other ranks take the new θ before their next step (distributed.py)
         return eager
 
-    def poll_merge(self) -> None:
-        """Apply the merge in flight if it has finished (or hung); never waits."""
+    def poll_merge(self, wait_s: float = 0.0) -> None:
+        """Apply the merge in flight if it has finished (or hung); waits up to `wait_s` for it to finish."""
+        if self.in_flight is not None and wait_s > 0:
+            t0 = time.monotonic()
+            with contextlib.suppress(FutureTimeout, CancelledError):
+                self.in_flight.future.result(timeout=wait_s)
+            self.c.merge_wait_s += time.monotonic() - t0
         result = self.in_flight.result() if self.in_flight is not None else None
         if result is not None:
             self._apply_in_flight(result)
