@@ -63,6 +63,12 @@ def test_local_prints_what_its_peers_do_until_they_all_train():
     assert lines.update(peers) is None  # a peer that finished is no start-up news
     peers[0].proc, peers[0].stage = _Proc(None), "starting"  # restarted (local --chaos)
     assert lines.update(peers) == "peers starting: 1/2 starting, 1/2 training"
+    # a short run: both trained and ended between two looks, one of them never seen training
+    quick = StartupLines()
+    peers = [_peer("waiting"), _peer("training")]
+    assert quick.update(peers) == "peers starting: 1/2 waiting, 1/2 training"
+    peers[0].proc, peers[0].stage, peers[1].proc = _Proc(0), "training", _Proc(0)
+    assert quick.update(peers) == "peers started: 2/2 training"
 
 
 def _fork_and_wait(seconds: float) -> None:

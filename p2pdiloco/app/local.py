@@ -207,8 +207,9 @@ def progress_table(peers: list[PeerProc], total_steps: int, started: float) -> T
 
 class StartupLines:
     """The line `local` prints while peers start, e.g. "peers starting: 1/4 loading, 2/4 DHT up, 1/4 training":
-    again each time it changes, until every running peer trains ("peers started: 4/4 training"); a chaos restart
-    starts it again."""
+    again each time it changes, until every peer trains ("peers started: 4/4 training"); a chaos restart starts it
+    again. A peer that has exited counts at the stage it reached: in a short run peers can finish between two
+    looks, before all of them were seen training at once."""
 
     def __init__(self) -> None:
         self.last = ""
@@ -216,8 +217,7 @@ class StartupLines:
 
     def update(self, peers: list[PeerProc]) -> str | None:
         """The line to print now, or None."""
-        running = [p for p in peers if p.proc is not None and p.proc.poll() is None]
-        counts = Counter(p.stage for p in running)
+        counts = Counter(p.stage for p in peers if p.proc is not None)
         starting = any(stage != "training" for stage in counts)
         order = ["starting", *dict.fromkeys(STAGES.values())]
         line = (f"peers {'starting' if starting else 'started'}: "
@@ -338,6 +338,9 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
                     time.sleep(0.5)  # a display refresh, not a wait for a condition
                 for p in peers:
                     p.poll_metrics()
+                    p.poll_log()
+                if (line := startup.update(peers)) is not None:  # peers that ended between two looks
+                    console.print(line, soft_wrap=True)
                 live.update(progress_table(peers, cfg.run.total_steps, started))
         except KeyboardInterrupt:
             interrupted = True
