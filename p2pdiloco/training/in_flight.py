@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
@@ -45,6 +46,13 @@ class InFlight:
                     return None
                 if self._overdue():
                     return self._hung()
+
+    def wait_up_to(self, seconds: float) -> float:
+        """Block until the merge has finished or `seconds` have passed (never cancels it); returns the time waited."""
+        t0 = time.monotonic()
+        with contextlib.suppress(FutureTimeout, CancelledError):
+            self.future.result(timeout=seconds)
+        return time.monotonic() - t0
 
     def _overdue(self) -> bool:
         return time.monotonic() - self.submitted_at > self.bound_s

@@ -10,12 +10,9 @@ format is checkpoint.py's.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import CancelledError
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import torch
@@ -214,10 +211,7 @@ class Learner:
     def poll_merge(self, wait_s: float = 0.0) -> None:
         """Apply the merge in flight if it has finished (or hung); waits up to `wait_s` for it to finish."""
         if self.in_flight is not None and wait_s > 0:
-            t0 = time.monotonic()
-            with contextlib.suppress(FutureTimeout, CancelledError):
-                self.in_flight.future.result(timeout=wait_s)
-            self.c.merge_wait_s += time.monotonic() - t0
+            self.c.merge_wait_s += self.in_flight.wait_up_to(wait_s)
         result = self.in_flight.result() if self.in_flight is not None else None
         if result is not None:
             self._apply_in_flight(result)
