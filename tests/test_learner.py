@@ -1,7 +1,9 @@
 """The learner loop with an in-memory merger: no network, real model and optimizer."""
 
 import json
+import math
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from p2pdiloco.training import learner as learner_module
 from p2pdiloco.training.checkpoint import load_latest
 from p2pdiloco.training.evaluation import evaluate_model
 from p2pdiloco.training.flat import load_flat_
+from p2pdiloco.training.in_flight import LandWait
 from p2pdiloco.training.learner import Learner
 from p2pdiloco.training.model import build_model
 from p2pdiloco.training.reporting import MetricsLog
@@ -185,6 +188,51 @@ def test_land_wait_lands_a_quick_merge_before_the_next_step_and_gives_up_on_a_sl
     slow.run()
     assert slow.c.round == 0 and slow.c.step == 8
     assert 0.5 * 0.2 <= slow.c.merge_wait_s <= 0.5 * slow.last_round_s + 1.0  # waited once, about half a round
+
+
+class _LateMerger(InMemoryMerger):
+    """Merges alone, but each merge lands `delay_s` after its submit (a merge slower than the wait's bound)."""
+
+    def __init__(self, peer_id, delay_s):
+        super().__init__(peer_id, {"group_size": 1})
+        self.delay_s, self.timers = delay_s, []
+
+    def submit(self, contribution):
+        done, late = super().submit(contribution), Future()
+        timer = threading.Timer(self.delay_s, lambda: late.set_result(done.result()))
+        self.timers.append(timer)
+        timer.start()
+        return late
+
+
+def test_land_wait_backs_off_while_merges_miss_it_and_waits_every_round_while_they_land(tmp_path):
+    """A peer whose merges never land within `outer.land_wait` stops spending it: after k misses in a row it skips
+    2^k - 1 rounds; one whose merges land waits (and lands) every round."""
+    sets = {"outer.land_wait": "0.05", "emulate.min_step_s": "0.02", "run.total_steps": 150}  # bound ~5 ms a round
+    late = _learner(_cfg(**sets), _LateMerger("late", delay_s=0.25), tmp_path, 0)
+    try:
+        late.run()
+    finally:
+        for timer in late.merger.timers:
+            timer.cancel()
+    assert late.c.round >= 8 and late.c.land_waits_landed == 0
+    # waits on rounds 1, 3, 7, 15, 31 …: at most 1 + log2(rounds) of them
+    assert 1 <= late.c.land_waits <= 1 + math.log2(late.c.round)
+    quick = _learner(_cfg(**sets), InMemoryMerger("quick", {"group_size": 1}), tmp_path, 0)
+    quick.run()
+    assert quick.c.land_waits == quick.c.land_waits_landed == quick.c.round == 30  # the last one too
+
+
+def test_land_wait_skips_two_to_the_misses_minus_one_rounds_and_resets_on_a_landing():
+    gate = LandWait(0.05, max_skip=7)
+    pattern = []
+    for landed in [False, False, False, False, True, False]:
+        while not gate.due():
+            pattern.append("-")
+        pattern.append("w")
+        gate.record(landed)
+    assert "".join(pattern) == "w" + "-w" + "---w" + "-------w" + "-------w" + "w"
+    assert not LandWait(0.0).due()
 
 
 def test_decoupled_learner_never_waits_for_a_slow_merge(tmp_path):

@@ -26,8 +26,8 @@ METRICS = [
     ("p2pdiloco_bytes_sent_total", "counter", "Bytes sent to other peers in merges.", "bytes_sent"),
     ("p2pdiloco_bytes_received_total", "counter", "Bytes received from other peers in merges.", "bytes_received"),
     ("p2pdiloco_compute_seconds_total", "counter", "Seconds spent in inner steps.", "compute_s"),
-    ("p2pdiloco_merge_wait_seconds_total", "counter", "Seconds the learner waited for merges (sync mode).",
-     "merge_wait_s"),
+    ("p2pdiloco_merge_wait_seconds_total", "counter",
+     "Seconds the learner waited for merges (sync; decoupled: outer.land_wait and the last merge).", "merge_wait_s"),
     ("p2pdiloco_tokens_per_second", "gauge", "Tokens per second over the last 30 seconds.", "tokens_per_s"),
     ("p2pdiloco_mfu", "gauge", "Model FLOPs utilization over the last 30 seconds: (6N + attention) FLOPs per token x "
      "tokens/s / the device's peak (NaN where the peak is unknown, e.g. CPUs).", "mfu"),

@@ -1,4 +1,5 @@
-"""A submitted round whose merge has not been applied yet: its future, what was submitted, and its time bound."""
+"""A submitted round whose merge has not been applied yet (its future, what was submitted, its time bound), and when
+a decoupled learner waits for one to land (`LandWait`)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,33 @@ class InFlight:
         c = self.contribution
         return MergeResult(group=[self.peer_id], pseudo_grad=c.pseudo_grad, total_weight=c.weight,
                            failure="merger hung")
+
+
+@dataclass
+class LandWait:
+    """When a decoupled learner waits, after a submit, for that merge to land (`outer.land_wait`): while such waits pay.
+
+    A wait that ends with the merge landed leaves no inner step in flight, which is what `--sync` gets per step; one
+    that ends without it is wall time lost. After k missed waits in a row the next 2^k - 1 rounds (at most
+    `max_skip`) do not wait, then one does again: where merges take longer than the bound (short rounds, slow
+    links) a peer spends about one wait in `max_skip` + 1 rounds, and it waits again once they come back within it.
+    """
+
+    share: float  # of the last round's wall time; 0: never wait
+    max_skip: int = 31
+    misses: int = 0  # missed waits in a row
+    skip: int = 0  # rounds left without a wait
+
+    def due(self) -> bool:
+        """Whether to wait for the merge just submitted (call once a round)."""
+        if self.share <= 0:
+            return False
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def record(self, landed: bool) -> None:
+        """The wait just done ended with the merge landed, or not."""
+        self.misses = 0 if landed else self.misses + 1
+        self.skip = min(2 ** self.misses - 1, self.max_skip)

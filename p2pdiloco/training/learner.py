@@ -31,7 +31,7 @@ from p2pdiloco.training.checkpoint import (
 from p2pdiloco.training.evaluation import evaluate_flat
 from p2pdiloco.training.flat import flat_params, load_flat_
 from p2pdiloco.training.global_model import GlobalModel
-from p2pdiloco.training.in_flight import InFlight
+from p2pdiloco.training.in_flight import InFlight, LandWait
 from p2pdiloco.training.optim import InnerSchedule, build_inner_optimizer
 from p2pdiloco.training.reporting import Counters, MetricsLog, Reporter
 from p2pdiloco.training.rounds import RoundClock
@@ -82,6 +82,7 @@ class Learner:
         if cfg.run.compile:
             self.train_model = compile_for_training(model, self.tag)
         self.in_flight: InFlight | None = None
+        self.land = LandWait(cfg.outer.land_wait)
         self.clock, self.train_s = RoundClock(cfg.swarm, cfg.run.time_limit_s), 0.0
         self.ended_with_swarm = False
         """A group merge included another peer's last contribution: the run is over (see `MergeResult.final`)."""
@@ -106,8 +107,8 @@ class Learner:
                 self.submit_round(final=self.at_end())
                 if self.cfg.swarm.sync:
                     self.wait_merge()
-                elif self.cfg.outer.land_wait > 0:  # a merge that lands within it leaves no step in flight
-                    self.poll_merge(wait_s=self.cfg.outer.land_wait * self.last_round_s)
+                else:
+                    self.await_landing()
         self.train_s = time.monotonic() - self.clock.t_train
         self.finish()
         self.checkpoints.wait()  # the run's checkpoints are on disk when it returns
@@ -208,13 +209,23 @@ class Learner:
         self.model_moved += 1  # a unit's other ranks take the new θ before their next step (distributed.py)
         return eager
 
-    def poll_merge(self, wait_s: float = 0.0) -> None:
-        """Apply the merge in flight if it has finished (or hung); waits up to `wait_s` for it to finish."""
-        if self.in_flight is not None and wait_s > 0:
-            self.c.merge_wait_s += self.in_flight.wait_up_to(wait_s)
+    def poll_merge(self) -> None:
+        """Apply the merge in flight if it has finished (or hung); never waits."""
         result = self.in_flight.result() if self.in_flight is not None else None
         if result is not None:
             self._apply_in_flight(result)
+
+    def await_landing(self) -> None:
+        """Decoupled: wait up to `outer.land_wait` of a round for the merge just submitted, while such waits pay
+        (`LandWait`): one that lands in time leaves no step in flight."""
+        if self.in_flight is None or not self.land.due():
+            return
+        self.c.merge_wait_s += self.in_flight.wait_up_to(self.land.share * self.last_round_s)
+        landed = self.in_flight.future.done()
+        self.land.record(landed)
+        self.c.land_waits += 1
+        self.c.land_waits_landed += landed
+        self.poll_merge()
 
     def merge_bound(self) -> float:
         """No merge can legitimately take longer: the window, two exchange phases, and slack."""

@@ -68,6 +68,9 @@ class Counters:
     the network thread, the DHT process or p2pd; all of a step's CPU where torch runs one thread, as under
     `local`)."""
     merge_wait_s: float = 0.0
+    land_waits: int = 0
+    """Decoupled: waits for a merge just submitted to land (`outer.land_wait`); of them, `land_waits_landed` did."""
+    land_waits_landed: int = 0
     global_tokens: float = 0.0
     """Tokens whose effect reached this peer's global model (its weight when global models are averaged)."""
     last_group_size: int = 1
@@ -296,6 +299,7 @@ class Reporter:
             "state_merges_caught_up": self.c.state_merges_caught_up, "state_bytes_sent": self.c.state_bytes_sent,
             "wall_s": self.elapsed(), "compute_s": self.c.compute_s,
             "compute_cpu_s": self.c.compute_cpu_s, "merge_wait_s": self.c.merge_wait_s,
+            "land_waits": self.c.land_waits, "land_waits_landed": self.c.land_waits_landed,
             "train_s": train_s, "steps_per_s": self.c.steps_run / train_s if train_s > 0 else 0.0,
             "mode": "sync" if self.cfg.swarm.sync else "decoupled",
             "eval_loss_initial": self.eval_loss_initial, "eval_loss_final": self.eval_loss_final,
