@@ -206,8 +206,8 @@ class _LateMerger(InMemoryMerger):
 
 
 def test_land_wait_backs_off_while_merges_miss_it_and_waits_every_round_while_they_land(tmp_path):
-    """A peer whose merges never land within `outer.land_wait` stops spending it: after k misses in a row it skips
-    2^k - 1 rounds; one whose merges land waits (and lands) every round."""
+    """A peer whose merges never land within `outer.land_wait` stops spending it: after k > 2 misses in a row it
+    skips 2^(k - 2) - 1 rounds; one whose merges land waits (and lands) every round."""
     sets = {"outer.land_wait": "0.05", "emulate.min_step_s": "0.02", "run.total_steps": 150}  # bound ~5 ms a round
     late = _learner(_cfg(**sets), _LateMerger("late", delay_s=0.25), tmp_path, 0)
     try:
@@ -216,22 +216,22 @@ def test_land_wait_backs_off_while_merges_miss_it_and_waits_every_round_while_th
         for timer in late.merger.timers:
             timer.cancel()
     assert late.c.round >= 8 and late.c.land_waits_landed == 0
-    # waits on rounds 1, 3, 7, 15, 31 …: at most 1 + log2(rounds) of them
-    assert 1 <= late.c.land_waits <= 1 + math.log2(late.c.round)
+    # waits on rounds 1, 2, 3, 5, 9, 17, 33 …: at most 3 + log2(rounds) of them
+    assert 3 <= late.c.land_waits <= 3 + math.log2(late.c.round)
     quick = _learner(_cfg(**sets), InMemoryMerger("quick", {"group_size": 1}), tmp_path, 0)
     quick.run()
     assert quick.c.land_waits == quick.c.land_waits_landed == quick.c.round == 30  # the last one too
 
 
-def test_land_wait_skips_two_to_the_misses_minus_one_rounds_and_resets_on_a_landing():
+def test_land_wait_tolerates_two_misses_then_skips_doubling_runs_of_rounds_and_resets_on_a_landing():
     gate = LandWait(0.05, max_skip=7)
     pattern = []
-    for landed in [False, False, False, False, True, False]:
+    for landed in [False, False, False, False, False, False, True, False, False, False]:
         while not gate.due():
             pattern.append("-")
         pattern.append("w")
         gate.record(landed)
-    assert "".join(pattern) == "w" + "-w" + "---w" + "-------w" + "-------w" + "w"
+    assert "".join(pattern) == "w" + "w" + "w" + "-w" + "---w" + "-------w" + "-------w" + "w" + "w" + "w"
     assert not LandWait(0.0).due()
 
 

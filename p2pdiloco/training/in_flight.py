@@ -72,12 +72,16 @@ class LandWait:
     """When a decoupled learner waits, after a submit, for that merge to land (`outer.land_wait`): while such waits pay.
 
     A wait that ends with the merge landed leaves no inner step in flight, which is what `--sync` gets per step; one
-    that ends without it is wall time lost. After k missed waits in a row the next 2^k - 1 rounds (at most
-    `max_skip`) do not wait, then one does again: where merges take longer than the bound (short rounds, slow
-    links) a peer spends about one wait in `max_skip` + 1 rounds, and it waits again once they come back within it.
+    that ends without it is wall time lost. A peer waits every round until `patience` waits in a row have missed;
+    after k > `patience` misses in a row the next 2^(k - patience) - 1 rounds (at most `max_skip`) do not wait,
+    then one does again. Where merges take longer than the bound (short rounds, slow links) a peer spends about one
+    wait in `max_skip` + 1 rounds, and it waits every round again once one lands. Backing off on the first miss
+    was measured to lock a swarm out of the wait (docs/benchmarks.md, parity): a peer that trains on while its
+    mates merge slows their merges, which then miss more.
     """
 
     share: float  # of the last round's wall time; 0: never wait
+    patience: int = 2
     max_skip: int = 31
     misses: int = 0  # missed waits in a row
     skip: int = 0  # rounds left without a wait
@@ -94,4 +98,4 @@ class LandWait:
     def record(self, landed: bool) -> None:
         """The wait just done ended with the merge landed, or not."""
         self.misses = 0 if landed else self.misses + 1
-        self.skip = min(2 ** self.misses - 1, self.max_skip)
+        self.skip = min(2 ** max(0, self.misses - self.patience) - 1, self.max_skip)
