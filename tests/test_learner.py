@@ -1,7 +1,7 @@
 """The learner loop with an in-memory merger: no network, real model and optimizer."""
 
+import dataclasses
 import json
-import math
 import threading
 from concurrent.futures import Future
 
@@ -179,10 +179,11 @@ def test_land_wait_lands_a_quick_merge_before_the_next_step_and_gives_up_on_a_sl
     quick.should_stop = lambda: quick.c.step >= 5  # one round, its merge, then stop
     quick.run()
     assert quick.c.round == 1 and torch.equal(quick._local_params(), quick.global_params)
-    default = _learner(_cfg(**{"emulate.min_step_s": "0.05"}), InMemoryMerger("q0", {"group_size": 1}), tmp_path, 0)
-    default.should_stop = lambda: default.c.step >= 5
-    default.run()  # its merge, done at the submit, would have been applied at the next step's poll: it was not
-    assert default.c.round == 0 and default.c.merge_wait_s == 0.0
+    off = _learner(_cfg(**{"emulate.min_step_s": "0.05", "outer.land_wait": "0"}), InMemoryMerger("q0", {"group_size": 1}),
+                   tmp_path, 0)
+    off.should_stop = lambda: off.c.step >= 5
+    off.run()  # its merge, done at the submit, would have been applied at the next step's poll: it was not
+    assert off.c.round == 0 and off.c.merge_wait_s == 0.0
     slow = _learner(cfg, InMemoryMerger("r0", {"group_size": 2}), tmp_path, 0)  # nobody else: it never lands
     slow.should_stop = lambda: slow.c.step >= 8
     slow.run()
@@ -190,49 +191,62 @@ def test_land_wait_lands_a_quick_merge_before_the_next_step_and_gives_up_on_a_sl
     assert 0.5 * 0.2 <= slow.c.merge_wait_s <= 0.5 * slow.last_round_s + 1.0  # waited once, about half a round
 
 
-class _LateMerger(InMemoryMerger):
-    """Merges alone, but each merge lands `delay_s` after its submit (a merge slower than the wait's bound)."""
+class _SlowExchangeMerger(InMemoryMerger):
+    """Each merge lands `exchange_s` after its submit, reported as a group merge whose exchange took that long
+    (group formed at once): a merge slower than the wait's bound however well the round ends meet."""
 
-    def __init__(self, peer_id, delay_s):
+    def __init__(self, peer_id, exchange_s):
         super().__init__(peer_id, {"group_size": 1})
-        self.delay_s, self.timers = delay_s, []
+        self.exchange_s, self.timers = exchange_s, []
 
     def submit(self, contribution):
         done, late = super().submit(contribution), Future()
-        timer = threading.Timer(self.delay_s, lambda: late.set_result(done.result()))
+
+        def land():
+            late.set_result(dataclasses.replace(done.result(), group=[self.peer_id, "mate"], match_s=0.0,
+                                                duration_s=self.exchange_s))
+
+        timer = threading.Timer(self.exchange_s, land)
         self.timers.append(timer)
         timer.start()
         return late
 
 
-def test_land_wait_backs_off_while_merges_miss_it_and_waits_every_round_while_they_land(tmp_path):
-    """A peer whose merges never land within `outer.land_wait` stops spending it: after k > 2 misses in a row it
-    skips 2^(k - 2) - 1 rounds; one whose merges land waits (and lands) every round."""
+def test_land_wait_is_not_spent_where_exchanges_take_longer_than_it_and_lands_every_merge_where_they_are_quick(
+        tmp_path):
+    """A peer whose group merges' exchanges take longer than `outer.land_wait` of a round waits only before it has
+    seen one; one whose merges land at once waits (and lands) every round."""
     sets = {"outer.land_wait": "0.05", "emulate.min_step_s": "0.02", "run.total_steps": 150}  # bound ~5 ms a round
-    late = _learner(_cfg(**sets), _LateMerger("late", delay_s=0.25), tmp_path, 0)
+    slow = _learner(_cfg(**sets), _SlowExchangeMerger("slow", exchange_s=0.25), tmp_path, 0)
     try:
-        late.run()
+        slow.run()
     finally:
-        for timer in late.merger.timers:
+        for timer in slow.merger.timers:
             timer.cancel()
-    assert late.c.round >= 8 and late.c.land_waits_landed == 0
-    # waits on rounds 1, 2, 3, 5, 9, 17, 33 …: at most 3 + log2(rounds) of them
-    assert 3 <= late.c.land_waits <= 3 + math.log2(late.c.round)
+    assert slow.c.round >= 8 and slow.c.land_waits == 1 and slow.c.land_waits_landed == 0
+    assert slow.c.merge_wait_s < 0.05 * 0.25 + 0.5  # the one wait, at most its bound (the last merge: no wait)
     quick = _learner(_cfg(**sets), InMemoryMerger("quick", {"group_size": 1}), tmp_path, 0)
     quick.run()
     assert quick.c.land_waits == quick.c.land_waits_landed == quick.c.round == 30  # the last one too
 
 
-def test_land_wait_tolerates_two_misses_then_skips_doubling_runs_of_rounds_and_resets_on_a_landing():
-    gate = LandWait(0.05, max_skip=7)
-    pattern = []
-    for landed in [False, False, False, False, False, False, True, False, False, False]:
-        while not gate.due():
-            pattern.append("-")
-        pattern.append("w")
-        gate.record(landed)
-    assert "".join(pattern) == "w" + "w" + "w" + "-w" + "---w" + "-------w" + "-------w" + "w" + "w" + "w"
-    assert not LandWait(0.0).due()
+def _group_merge(duration_s, match_s):
+    return MergeResult(group=["a", "b"], pseudo_grad=torch.zeros(1), total_weight=2.0, duration_s=duration_s,
+                       match_s=match_s)
+
+
+def test_land_wait_is_due_while_the_median_recent_exchange_fits_its_bound_whatever_the_matchmaking():
+    gate = LandWait(0.05, window=3)  # bound: 0.05 s of a 1 s round
+    assert gate.due(1.0) and not gate.due(0.0) and not LandWait(0.0).due(1.0)
+    gate.record(_group_merge(duration_s=1.03, match_s=1.0))  # a long wait for mates, a 0.03 s exchange
+    assert gate.due(1.0)
+    gate.record(_group_merge(duration_s=0.2, match_s=0.1))
+    gate.record(_group_merge(duration_s=0.2, match_s=0.1))  # median of 0.03, 0.1, 0.1
+    assert not gate.due(1.0) and gate.due(3.0)  # 0.1 s ≥ 0.05 s, < 0.15 s
+    gate.record(MergeResult(group=["a"], pseudo_grad=torch.zeros(1), total_weight=1.0, duration_s=5.0))  # alone
+    gate.record(_group_merge(duration_s=0.02, match_s=0.0))
+    gate.record(_group_merge(duration_s=0.51, match_s=0.5))  # the window: 0.1, 0.02, 0.01
+    assert gate.due(1.0)
 
 
 def test_decoupled_learner_never_waits_for_a_slow_merge(tmp_path):

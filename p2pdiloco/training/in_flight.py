@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -69,33 +71,34 @@ class InFlight:
 
 @dataclass
 class LandWait:
-    """When a decoupled learner waits, after a submit, for that merge to land (`outer.land_wait`): while such waits pay.
+    """When a decoupled learner waits, after a submit, for that merge to land (`outer.land_wait`): where it can.
 
     A wait that ends with the merge landed leaves no inner step in flight, which is what `--sync` gets per step; one
-    that ends without it is wall time lost. A peer waits every round until `patience` waits in a row have missed;
-    after k > `patience` misses in a row the next 2^(k - patience) - 1 rounds (at most `max_skip`) do not wait,
-    then one does again. Where merges take longer than the bound (short rounds, slow links) a peer spends about one
-    wait in `max_skip` + 1 rounds, and it waits every round again once one lands. Backing off on the first miss
-    was measured to lock a swarm out of the wait (docs/benchmarks.md, parity): a peer that trains on while its
-    mates merge slows their merges, which then miss more.
+    that ends without it is wall time lost. A merge cannot land before its exchange is done, however well the
+    members' round ends meet, so a peer waits only while its recent group merges' exchanges (result less
+    matchmaking: the median of the last `window`) took less than the bound: where merges are slower than it
+    (short rounds, slow links) it does not wait at all. Its misses are no signal: a peer that submits before its
+    mates waits through their matchmaking and misses, and only its waiting moves its round ends onto theirs;
+    backing off on misses was measured to leave such peers out of the wait for good (docs/benchmarks.md, parity).
     """
 
     share: float  # of the last round's wall time; 0: never wait
-    patience: int = 2
-    max_skip: int = 31
-    misses: int = 0  # missed waits in a row
-    skip: int = 0  # rounds left without a wait
+    window: int = 5
+    exchanges: deque = field(default_factory=deque)  # seconds of the last `window` group merges' exchanges
 
-    def due(self) -> bool:
-        """Whether to wait for the merge just submitted (call once a round)."""
-        if self.share <= 0:
-            return False
-        if self.skip > 0:
-            self.skip -= 1
-            return False
-        return True
+    def bound_s(self, round_s: float) -> float:
+        return self.share * round_s
 
-    def record(self, landed: bool) -> None:
-        """The wait just done ended with the merge landed, or not."""
-        self.misses = 0 if landed else self.misses + 1
-        self.skip = min(2 ** max(0, self.misses - self.patience) - 1, self.max_skip)
+    def due(self, round_s: float) -> bool:
+        """Whether to wait for the merge just submitted, in a round of `round_s`."""
+        if self.share <= 0 or round_s <= 0:
+            return False
+        return not self.exchanges or statistics.median(self.exchanges) < self.bound_s(round_s)
+
+    def record(self, result: MergeResult) -> None:
+        """A merge landed (waited for or not); a group merge's exchange time goes into the window."""
+        if result.alone:
+            return
+        self.exchanges.append(max(0.0, result.duration_s - result.match_s))
+        while len(self.exchanges) > self.window:
+            self.exchanges.popleft()

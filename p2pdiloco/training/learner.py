@@ -216,13 +216,12 @@ class Learner:
             self._apply_in_flight(result)
 
     def await_landing(self) -> None:
-        """Decoupled: wait up to `outer.land_wait` of a round for the merge just submitted, while such waits pay
-        (`LandWait`): one that lands in time leaves no step in flight."""
-        if self.in_flight is None or not self.land.due():
+        """Decoupled: wait up to `outer.land_wait` of a round for the merge just submitted, where merges can land
+        within it (`LandWait`): one that lands in time leaves no step in flight."""
+        if self.in_flight is None or not self.land.due(self.last_round_s):
             return
-        self.c.merge_wait_s += self.in_flight.wait_up_to(self.land.share * self.last_round_s)
+        self.c.merge_wait_s += self.in_flight.wait_up_to(self.land.bound_s(self.last_round_s))
         landed = self.in_flight.future.done()
-        self.land.record(landed)
         self.c.land_waits += 1
         self.c.land_waits_landed += landed
         self.poll_merge()
@@ -257,6 +256,7 @@ class Learner:
 
     def _apply_in_flight(self, result: MergeResult) -> None:
         flight, self.in_flight = self.in_flight, None
+        self.land.record(result)
         self.apply_merge(result, flight.local_at_submit)
         self.clock.shift(result.phase_shift_s)  # toward the mates' round ends (network/phase.py)
         if result.final and not result.alone and not flight.contribution.final:
