@@ -162,8 +162,9 @@ class OuterOptConfig(_Section):
     """Outer lr of steps on the own Δ alone (merges alone, eager updates); 0: `lr` (sparseloco's lr 3 overshoots)."""
     rebase_keep: float = 0.5
     """Decoupled: the share kept of the inner steps taken while a merge was in flight, when it lands (`rebase`)."""
-    land_wait: float = 0.0
-    """Decoupled: wait up to this share of a round for each merge to land before training on (0: never; parity)."""
+    land_wait: float = 0.05
+    """Decoupled: wait up to this share of a round for each merge to land before training on, while such waits land
+    (`LandWait`; 0: never). A merge that lands in time leaves no step in flight (docs/benchmarks.md, parity)."""
 
     def checks(self) -> Iterator[tuple[bool, str]]:
         yield self.lr > 0 and self.alone_lr >= 0, "learning rates must be positive"
