@@ -163,8 +163,7 @@ class OuterOptConfig(_Section):
     rebase_keep: float = 0.5
     """Decoupled: the share kept of the inner steps taken while a merge was in flight, when it lands (`rebase`)."""
     land_wait: float = 0.05
-    """Decoupled: wait up to this share of a round for each merge to land before training on, where recent merges'
-    exchanges fit in it (`LandWait`; 0: never). One that lands in time leaves no step in flight (benchmarks.md)."""
+    """Decoupled: wait ≤ this share of a round for a merge to land, where recent exchanges fit it (`LandWait`)."""
 
     def checks(self) -> Iterator[tuple[bool, str]]:
         yield self.lr > 0 and self.alone_lr >= 0, "learning rates must be positive"

@@ -84,7 +84,10 @@ class LandWait:
 
     share: float  # of the last round's wall time; 0: never wait
     window: int = 5
-    exchanges: deque = field(default_factory=deque)  # seconds of the last `window` group merges' exchanges
+    exchanges: deque = field(init=False)  # seconds of the last `window` group merges' exchanges
+
+    def __post_init__(self) -> None:
+        self.exchanges = deque(maxlen=self.window)
 
     def bound_s(self, round_s: float) -> float:
         return self.share * round_s
@@ -100,5 +103,3 @@ class LandWait:
         if result.alone:
             return
         self.exchanges.append(max(0.0, result.duration_s - result.match_s))
-        while len(self.exchanges) > self.window:
-            self.exchanges.popleft()
