@@ -50,6 +50,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML config (see peers/tiny.toml); flags override it")
     p.add_argument("--preset", metavar="NAME",
                    help="a shipped config instead of --config: tiny (CPU), small (~125M, one GPU), medium (~1B, 24 GB GPU)")
+    p.add_argument("--recipe", metavar="NAME", help="settings that only work together, over the config and under "
+                   "--set: sparseloco (sparse pseudo-gradients with their outer step; p2pdiloco/config/recipes.py)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set model.n_layer=4 (repeatable)")
     p.add_argument("--run-dir", metavar="DIR", help="folder for metrics, summary, checkpoint and plots")

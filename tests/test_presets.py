@@ -58,3 +58,30 @@ def test_every_preset_names_every_config_key():
             for key in info.annotation.model_fields:
                 if key not in ("resume", "hostile"):  # one restart; a test and bench role: not a swarm property
                     assert f"\n{key} = " in text, f"{name}.toml lacks {section}.{key}"
+
+
+def _args(*argv: str):
+    from p2pdiloco.cli import build_parser
+
+    return build_parser().parse_args(["local", *argv])
+
+
+def test_recipe_sets_its_settings_over_the_config_and_under_set():
+    from p2pdiloco.app.commands import config_from_args, user_sets
+
+    cfg = config_from_args(_args("--preset", "small", "--recipe", "sparseloco"))
+    assert (cfg.swarm.codec, cfg.swarm.error_feedback_decay, cfg.outer.momentum, cfg.outer.lr, cfg.outer.eager,
+            cfg.outer.rebase_keep) == ("sparseloco", 0.95, 0.0, 3.0, False, 1.0)
+    assert (cfg.model.d_model, cfg.swarm.round_steps) == (768, 500)  # the rest is the preset's
+    over = _args("--recipe", "sparseloco", "--set", "outer.lr=4", "--set", "swarm.round_steps=20")
+    cfg = config_from_args(over)
+    assert (cfg.outer.lr, cfg.swarm.round_steps, cfg.outer.momentum) == (4.0, 20, 0.0)
+    # `local` hands its peers the recipe's settings first, so a --set still wins there too
+    assert user_sets(over)[-2:] == ["outer.lr=4", "swarm.round_steps=20"]
+    assert "swarm.codec=sparseloco" in user_sets(over)
+    assert config_from_args(_args()).swarm.codec == "int4"  # no recipe, no change
+
+
+def test_cli_unknown_recipe_is_refused(capsys):
+    assert main(["peer", "--recipe", "dense"]) == 2
+    assert "unknown recipe 'dense' (known: sparseloco)" in capsys.readouterr().err

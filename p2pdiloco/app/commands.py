@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 from p2pdiloco.config import HOSTILE_KINDS, Config, ConfigError, DataConfig, load_config, parse_set
+from p2pdiloco.config.recipes import recipe_sets
 
 logger = logging.getLogger("p2pdiloco")
 
@@ -29,6 +30,11 @@ def config_path(args: argparse.Namespace) -> str | None:
             raise ConfigError("give --config or --preset, not both")
         return str(preset_path(args.preset))
     return args.config
+
+
+def user_sets(args: argparse.Namespace) -> list[str]:
+    """The `section.key=value` settings given on the command line: --recipe's, then the --set flags over them."""
+    return [*recipe_sets(args.recipe), *args.sets]
 
 
 def config_from_args(args: argparse.Namespace, extra: dict | None = None) -> Config:
@@ -47,7 +53,7 @@ def config_from_args(args: argparse.Namespace, extra: dict | None = None) -> Con
         flags.setdefault("swarm", {})["swarm_key"] = str(Path(args.swarm_key).resolve())
     for section, values in (extra or {}).items():
         flags.setdefault(section, {}).update(values)
-    cfg = load_config(config_path(args), [flags, parse_set(args.sets)])
+    cfg = load_config(config_path(args), [parse_set(recipe_sets(args.recipe)), flags, parse_set(args.sets)])
     if cfg.data.tokenizer not in ("", "bytes") and Path(cfg.data.tokenizer).expanduser().is_file():
         # recorded as found from here, so that `sample` and `export` find it again from any folder
         cfg.data.tokenizer = str(Path(cfg.data.tokenizer).expanduser().resolve())
@@ -196,7 +202,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         raise ConfigError("--peers must be >= 1")
     extra = {"run": {"total_steps": args.steps}} if args.steps is not None else {}
     cfg = config_from_args(args, extra)
-    sets = list(args.sets)
+    sets = user_sets(args)
     if args.data:
         sets.append("data.paths=" + ",".join(str(Path(p).resolve()) for p in args.data))
     if args.device:

@@ -20,22 +20,12 @@ from rich.console import Console
 from p2pdiloco.app.local import run_local
 from p2pdiloco.bench.common import BENCH_MODEL_SETS, machine, write_results
 from p2pdiloco.config import CODECS, load_config, parse_set
+from p2pdiloco.config.recipes import RECIPES
 
 HS = (50, 100, 250, 500)
 LOSS_TOLERANCE = 0.02
 """The issue's bar: eval loss within 2% of uncompressed DiLoCo at the same H."""
 TARGET_RATIO = 1000.0
-RECIPES = {"sparseloco": ["swarm.error_feedback_decay=0.95", "outer.momentum=0", "outer.lr=3", "outer.eager=false",
-                          "outer.rebase_keep=1"]}
-"""Settings a codec is run with. SparseLoCo (arXiv 2508.15706) replaces the outer momentum with a decayed error
-feedback accumulator (β = 0.95) and steps by the plain average; the outer lr was picked by single runs here (4
-decoupled peers, 1000 steps; eval loss at H = 10 with lr 1, 2, 3, 4: 2.31, 2.15, 2.08, 2.15; at H = 50 with lr 1,
-2, 4, 6: 2.41, 2.38, 2.37, 2.49; fp32 DiLoCo 2.23 and 2.16). With the Nesterov outer step of fp32 DiLoCo
-(lr 0.7, momentum 0.9) sparseloco reached 2.70 at H = 50: an average of sparse parts that mostly do not overlap
-moves each value by a fraction of one member's, and only the larger step makes up for it. Eager updates (on by
-default) jump by that lr times the peer's own dense Δ, three times its own progress: at H = 10 sparseloco reached
-2.2857 with them and 2.0576 without (single runs at e3659c3). It was measured keeping all the steps taken while a
-merge is in flight (`outer.rebase_keep` = 1, the default before it became 0.5) and keeps them."""
 
 
 def _cell(out: Path, codec: str, h: int, steps: int, quiet: Console, peers: int = 2, sync: bool = True) -> dict:
