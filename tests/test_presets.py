@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from p2pdiloco.cli import main
-from p2pdiloco.config import Config, ConfigError, load_config
+from p2pdiloco.config import Config, ConfigError, load_config, parse_set
 from p2pdiloco.config.presets import preset_names, preset_path
 from p2pdiloco.training.llama import Llama
 from p2pdiloco.training.model import GPT, count_params
@@ -77,11 +77,19 @@ def test_recipe_sets_its_settings_over_the_config_and_under_set():
     cfg = config_from_args(over)
     assert (cfg.outer.lr, cfg.swarm.round_steps, cfg.outer.momentum) == (4.0, 20, 0.0)
     # `local` hands its peers the recipe's settings first, so a --set still wins there too
-    assert user_sets(over)[-2:] == ["outer.lr=4", "swarm.round_steps=20"]
-    assert "swarm.codec=sparseloco" in user_sets(over)
+    peers_cfg = load_config(None, [parse_set(user_sets(over))])
+    assert (peers_cfg.outer, peers_cfg.swarm) == (cfg.outer, cfg.swarm)
     assert config_from_args(_args()).swarm.codec == "int4"  # no recipe, no change
 
 
 def test_cli_unknown_recipe_is_refused(capsys):
     assert main(["peer", "--recipe", "dense"]) == 2
     assert "unknown recipe 'dense' (known: sparseloco)" in capsys.readouterr().err
+
+
+def test_every_recipe_names_known_keys_and_good_values():
+    from p2pdiloco.config.recipes import RECIPES, recipe_sets
+
+    for name in RECIPES:
+        cfg = load_config(None, [parse_set(recipe_sets(name))])
+        assert cfg != Config(), name
