@@ -6,7 +6,7 @@ on. Command-line flags and ``--set section.key=value`` override what the file sa
 - `base.py`: coercion of TOML and flag values, one-line errors, the `_Section` base that runs `checks`.
 - `schema.py`: the models, the allowed values, and every check on a value.
 - `load.py`: TOML files, ``--set`` flags, and the old keys that still work (`ALIASES`).
-- `fingerprint.py`: comparing what every peer of a swarm must agree on.
+- `fingerprint.py`: what every peer of a swarm must agree on (the fingerprint), and comparing it.
 """
 
 from p2pdiloco.config.fingerprint import fingerprint_diff, fingerprint_digest

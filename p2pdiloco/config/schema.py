@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 
 from p2pdiloco.algorithm.names import AGGREGATORS, ARCHS, CODECS, HOSTILE_KINDS, OPTIMIZERS, PRECISIONS
 from p2pdiloco.config.base import ConfigError, _Model, _Section
+from p2pdiloco.config.fingerprint import config_fingerprint
 
 __all__ = ["AGGREGATORS", "ARCHS", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "Config",
            "ConfigError", "DataConfig", "EmulateConfig", "GuardConfig", "InnerOptConfig", "ModelConfig",
@@ -385,19 +386,6 @@ class Config(_Model):
         return self.model_dump()
 
     def fingerprint(self, tokenizer: str = "bytes") -> dict[str, Any]:
-        """What must be equal on every peer of a swarm for their contributions to mean the same thing: the model,
-        the tokenizer, how payloads are encoded, the outer optimizer, the round cadence, merge mode and epochs,
-        and the rules that screen and combine contributions (every slice owner must apply the same ones).
-
-        Args:
-            tokenizer: the loaded tokenizer's digest (`Tokenizer.digest`): "bytes", or a hash of its file, which
-                only the peer that loaded it knows (two machines may keep one tokenizer.json at different paths).
-        """
-        s = self.swarm  # sparse peers without the momentum screen (before adae655) would reduce parts differently
-        sparse = {"sparse_keep": s.sparse_keep, "sparse_screen": "momentum"} if s.codec == "sparseloco" else {}
-        return {"model": self.model.fingerprint(), "tokenizer": tokenizer,
-                "codec": {"codec": s.codec, "error_feedback": s.error_feedback, **sparse},
-                "outer": self.outer.model_dump(exclude={"eager", "alone_lr", "rebase_keep", "land_wait"}),
-                "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync}
-                | ({"epoch_s": s.epoch_s} if s.epoch_s != 30 else {}),  # older peers: 30, unnamed
-                "guard": self.guard.model_dump(), "agreement": "catch-up"}  # older: int8-linear, fp32
+        """What must be equal on every peer of a swarm (`fingerprint.config_fingerprint`); `tokenizer` is the loaded
+        tokenizer's digest (`Tokenizer.digest`)."""
+        return config_fingerprint(self, tokenizer)
