@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -268,3 +269,20 @@ def test_an_invite_accepted_while_the_census_is_read_is_a_group_not_a_merge_alon
                                                momentum=torch.zeros(8), state_digest="same", state_weight=1.0))
 
     assert asyncio.run(search()) == "the group x leads"
+
+
+def test_a_closed_merger_leaves_no_p2p_socket_file_behind(net_loop):
+    """The p2p client's unix socket (hivemind's replica of the DHT's P2P, which a peer's protocols share) is removed
+    when the merger closes: before, it outlived every peer's run, one file in /tmp a peer."""
+    from p2pdiloco.network.p2p_merger import P2PMerger
+
+    dht = start_local_dht()
+    try:
+        merger = P2PMerger(dht, SwarmConfig(run_id="sockets", merge_timeout_s=5), net_loop, 8)
+        path = str(merger.rpc._p2p._client_listen_maddr).removeprefix("/unix")  # hivemind's own (private) name for it
+        assert path.startswith("/tmp/") and os.path.exists(path)  # served: its handlers listen there
+        merger.close()
+        assert not os.path.exists(path)
+        merger.close()  # twice is harmless
+    finally:
+        dht.shutdown()

@@ -114,7 +114,14 @@ class P2PMerger:
         return self._loop.submit(self._merge(contribution))
 
     def close(self) -> None:
+        """Stop looking for groups, and stop serving (`Rpc.close`: the p2p client's socket file goes with it)."""
         self.matchmaker.close()
+        if not self._loop.loop.is_running():
+            return  # its loop was closed first: nothing can run the shutdown, and the socket file stays
+        try:
+            self._loop.run(self.rpc.close(), timeout=5)
+        except Exception as e:  # shutting down: log, never raise
+            logger.debug("[%s] closing the p2p client: %r", self.peer_id[-6:], e)
 
     async def _on_ready(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if request.header.get("looking") is True:  # when its round ended, as this peer's clock saw it
