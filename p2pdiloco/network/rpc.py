@@ -73,9 +73,9 @@ class Rpc:
     async def close(self) -> None:
         """Stop serving and remove the p2p client's socket file from /tmp. The client is hivemind's replica of the
         DHT's P2P, which the DHT object caches, so every protocol served through this DHT (`StateSync`'s too) stops
-        with it: call it when the peer shuts down. Without it the socket file outlived every peer's run (5,022 of
-        them in this machine's /tmp, one a peer: hivemind removes it only when the replica is shut down or
-        garbage-collected, and a peer exits holding it)."""
+        with it: call it when the peer shuts down. Without it the socket file outlived every peer's run, one file a
+        peer (hivemind removes it only when the replica is shut down or garbage-collected, and a peer exits holding
+        it): thousands of them in a test machine's /tmp."""
         if self._p2p is not None:
             p2p, self._p2p = self._p2p, None
             await p2p.shutdown()
