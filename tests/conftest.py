@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,6 +16,27 @@ import psutil
 import pytest
 
 from p2pdiloco.network.swarm import BackgroundLoop
+
+# What a marked test needs beyond `pip install -e ".[dev]"`, and how to get it. Such a test is skipped with that
+# reason where it is missing; .ci/run installs each and runs the marked tests in a step of their own (-m hf, -m browser).
+HF_EXTRA = ("datasets", "transformers")
+
+
+def chromium() -> str | None:
+    """The headless browser the dashboard's browser test drives, or None."""
+    return next((p for p in ("/usr/bin/chromium", shutil.which("chromium"), shutil.which("chromium-browser"))
+                 if p and os.access(p, os.X_OK)), None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    missing_hf = [m for m in HF_EXTRA if importlib.util.find_spec(m) is None]
+    hf = pytest.mark.skip(reason=f"needs the hf extra ({', '.join(missing_hf)} not installed): pip install -e '.[hf]'")
+    browser = pytest.mark.skip(reason="needs Chromium for the headless browser test: apt-get install chromium")
+    for item in items:
+        if missing_hf and item.get_closest_marker("hf"):
+            item.add_marker(hf)
+        if item.get_closest_marker("browser") and chromium() is None:
+            item.add_marker(browser)
 
 
 def wait_for(condition, timeout: float, interval: float = 0.1, what: str = "condition"):

@@ -17,7 +17,7 @@ from p2pdiloco.cli import main
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only")
 needs_root = pytest.mark.skipif(
     not sys.platform.startswith("linux") or os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
-    reason="needs root and iproute2 (ip, tc) to create network namespaces")
+    reason="needs root and iproute2 (ip, tc) to create network namespaces: run as root with iproute2 installed")
 
 
 @linux
@@ -110,7 +110,7 @@ def test_only_leftovers_of_dead_runs_are_removed():
     dead.wait()  # its pid names a run that no longer exists
     leftover, live = f"p2pdsl{dead.pid}-hub", f"p2pdsl{os.getppid()}-hub"  # our parent: alive
     if Path(f"/proc/{dead.pid}").exists():
-        pytest.skip("the dead process's pid was reused at once")
+        pytest.skip("the dead process's pid was reused at once (a rare race: running it again runs it)")
     try:
         for ns in (leftover, live):
             subprocess.run(["ip", "netns", "add", ns], check=True, timeout=10)

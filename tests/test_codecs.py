@@ -97,7 +97,8 @@ def test_error_feedback_disabled_or_mismatched_shape_passes_through():
 def test_blockwise_codes_are_bitsandbytes_maps_nearest_code_and_its_layout(name):
     """The plain-torch blockwise codec uses bitsandbytes' maps and byte layout: bitsandbytes' own dequantizer
     reads our bytes to our values, and each code is the nearest one (|error| ≤ half the gap around it)."""
-    F = pytest.importorskip("bitsandbytes.functional")
+    import bitsandbytes.functional as F  # a core dependency: a broken install fails here, it does not skip
+
     from p2pdiloco.algorithm.codecs import DYNAMIC_MAP, NF4_MAP, BlockwiseCodec
 
     assert torch.equal(DYNAMIC_MAP, F.create_dynamic_map().float())

@@ -24,8 +24,6 @@ from p2pdiloco.training.data import is_val_file  # noqa: E402
 from p2pdiloco.training.datasets import iter_documents  # noqa: E402
 from p2pdiloco.training.tokenizer import ByteTokenizer, HFTokenizer, train_bpe  # noqa: E402
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="needs the hf extra")
-
 
 def docs(n: int, offset: int = 0) -> list[str]:
     return [f"document {i}: " + f"the value of item {i} is {i * 7}. " * (3 + i % 5) + "ünïcode ✓\n"
@@ -59,6 +57,7 @@ def _expected_split(keyed: list[tuple[str, str]], val_fraction: float) -> tuple[
     return train, val
 
 
+@pytest.mark.hf
 def test_jsonl_folder_loads_splits_by_document_and_shards_deterministically(tmp_path, bpe):
     a, b = docs(60), docs(60, offset=60)
     write_jsonl(tmp_path / "ds" / "part-b.jsonl", b)
@@ -87,6 +86,7 @@ def test_jsonl_folder_loads_splits_by_document_and_shards_deterministically(tmp_
     assert torch.equal(again[0], x)
 
 
+@pytest.mark.hf
 def test_a_tokenizer_saved_in_the_data_folder_is_not_read_as_documents(tmp_path, bpe):
     texts = docs(12)
     write_jsonl(tmp_path / "data" / "docs.jsonl", texts)
@@ -97,6 +97,7 @@ def test_a_tokenizer_saved_in_the_data_folder_is_not_read_as_documents(tmp_path,
     assert [t for _, t in keyed][:12] == texts
 
 
+@pytest.mark.hf
 def test_parquet_file_reads_rows_in_order(tmp_path):
     texts = docs(30)
     path = write_parquet(tmp_path / "d.parquet", texts)
@@ -110,6 +111,7 @@ def test_parquet_file_reads_rows_in_order(tmp_path):
     assert data.tokens_per_byte == 1.0
 
 
+@pytest.mark.hf
 def test_max_bytes_and_the_tail_fallback(tmp_path, bpe):
     path = write_jsonl(tmp_path / "one.jsonl", ["x" * 5000 + " end"])
     data = load_corpus(DataConfig(dataset=str(path), max_bytes=3000, cache_dir=""), ByteTokenizer(), 2 * 129)
@@ -118,7 +120,8 @@ def test_max_bytes_and_the_tail_fallback(tmp_path, bpe):
     assert tokens.val.numel() >= 17 and tokens.train.numel() >= 17 and 0 < tokens.val_bytes < tokens.n_bytes
 
 
-def test_dataset_errors_are_one_line(tmp_path, monkeypatch):
+@pytest.mark.hf
+def test_dataset_errors_are_one_line(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", docs(3), field="content")
     with pytest.raises(ConfigError, match=r"data.text_field 'text' is not a field of .*d.jsonl \(fields: content, id\)"):
         load_corpus(DataConfig(dataset=str(path), cache_dir=""), ByteTokenizer())
@@ -128,6 +131,10 @@ def test_dataset_errors_are_one_line(tmp_path, monkeypatch):
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(ConfigError, match="unknown format"):
         load_corpus(DataConfig(dataset=str(tmp_path / "notes.txt"), cache_dir=""), ByteTokenizer())
+
+
+def test_without_the_hf_extra_a_dataset_says_which_extra_to_install(tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / "d.jsonl", docs(3), field="content")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else real(name, *a))
     with pytest.raises(ConfigError, match=r"^data.dataset needs Hugging Face datasets: pip install p2pdiloco\[hf\]$"):
@@ -138,6 +145,7 @@ def _no_tokenizing(*_args, **_kwargs):
     raise AssertionError("tokenized again although the cache holds these tokens")
 
 
+@pytest.mark.hf
 def test_cache_hit_and_a_damaged_cache_rebuilt(tmp_path, bpe, monkeypatch, caplog):
     ds = write_jsonl(tmp_path / "ds" / "a.jsonl", docs(80))
     cfg = DataConfig(dataset=str(ds), cache_dir=str(tmp_path / "cache"), val_fraction=0.1)

@@ -63,9 +63,11 @@ def _tiny_tokenizer(path: Path) -> Path:
     return path
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("tie", [True, False])
 def test_transformers_loads_the_export_and_its_logits_match(tmp_path: Path, tie: bool) -> None:
-    transformers = pytest.importorskip("transformers", reason="the hf extra (pip install p2pdiloco[hf]) is not installed")
+    import transformers
+
     cfg = _cfg(arch="llama", tie_embeddings=tie)
     _peer_folder(tmp_path / "run", cfg)
     done = export_run(tmp_path / "run", tmp_path / "hf")
@@ -89,8 +91,10 @@ def test_transformers_loads_the_export_and_its_logits_match(tmp_path: Path, tie:
     assert tok.decode(ByteTokenizer().encode(text)) == text
 
 
+@pytest.mark.hf
 def test_export_copies_a_tokenizer_json(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers", reason="the hf extra (pip install p2pdiloco[hf]) is not installed")
+    import transformers
+
     path = _tiny_tokenizer(tmp_path / "tok.json")
     vocab = load_tokenizer(str(path)).vocab_size
     cfg = _cfg(arch="llama", vocab_size=vocab, tokenizer=str(path))

@@ -141,7 +141,7 @@ def test_config_fields_checks_and_fingerprint() -> None:
 def test_compiled_llama_trains_one_step_on_cpu(tmp_path) -> None:
     """run.compile = true: the learner's inner steps run through torch.compile (inductor, a C++ compiler on CPU)."""
     if not hasattr(torch, "compile"):
-        pytest.skip("this torch has no torch.compile")
+        pytest.skip("this torch has no torch.compile (torch >= 2.0 has it)")
     sets = ["model.arch=llama", "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16",
             "data.batch_size=2", "run.total_steps=10", "run.compile=true", "inner.warmup_steps=0"]
     cfg = load_config(None, [parse_set(sets)])
@@ -153,7 +153,8 @@ def test_compiled_llama_trains_one_step_on_cpu(tmp_path) -> None:
     before = flat_params(model)
     first = learner.inner_step()
     if learner.train_model.failed:
-        pytest.skip(f"torch.compile is not usable on this machine: {learner.train_model.failed}")
+        pytest.skip(f"torch.compile is not usable on this machine ({learner.train_model.failed}); on CPU its "
+                    "inductor backend needs a C++ compiler (apt-get install g++)")
     assert not torch.equal(flat_params(model), before)
     with torch.no_grad():  # the compiled model computes what the eager one does, at the new weights
         torch.testing.assert_close(learner.train_model(x, y)[0], model(x, y)[0], rtol=1e-4, atol=1e-5)

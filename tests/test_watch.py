@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import signal
 import subprocess
 import urllib.request
@@ -14,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import free_port, interrupt_and_reap, wait_for
+from tests.conftest import chromium, free_port, interrupt_and_reap, wait_for
 from tests.test_cli import CLI, TINY, run_cli
 from tests.test_telemetry import check_exposition, parse_families
 
@@ -22,8 +21,7 @@ pytestmark = pytest.mark.integration
 
 RUN_ID = "watch"
 N_PEERS = 3
-CHROMIUM = next((p for p in ("/usr/bin/chromium", shutil.which("chromium") or "", shutil.which("chromium-browser") or "")
-                 if p and Path(p).exists()), None)
+CHROMIUM = chromium()
 
 
 class Swarm:
@@ -184,7 +182,7 @@ def _chromium(url: str, out_dir: Path, *mode: str) -> subprocess.CompletedProces
     )
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium; .ci/run does)")
+@pytest.mark.browser
 def test_headless_chromium_renders_the_charts_with_data(swarm, tmp_path):
     wait_for(lambda: _live_with_points(swarm, 3), 90, interval=1.0, what="3 readings of every peer")
     out = _chromium(swarm.dashboard, tmp_path, "--dump-dom")
