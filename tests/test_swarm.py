@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -158,6 +159,26 @@ def test_member_frozen_mid_merge_fails_the_merge_for_everyone(bootstrap_dht, net
             assert r.failure, "a merge with a frozen member must be reported as failed"
             assert r.alone and torch.equal(r.pseudo_grad, v)  # own update kept, no partial average applied
         futures[2].cancel()
+
+
+def test_a_dial_that_fails_mid_merge_is_a_warning_and_a_merge_alone_not_an_error(bootstrap_dht, net_loop, caplog):
+    cfg = SwarmConfig(run_id="dial", merge_window_s=8, merge_timeout_s=4, codec="none")
+    guard = GuardConfig(aggregate="mean", min_cosine=-1, trust_decay=-1)
+    cut_off = Faults({("exchange", 7): "dial_fails"})
+    with (running_mergers(bootstrap_dht, net_loop, 1, cfg, 1001, guard=guard) as (other,),
+          running_mergers(bootstrap_dht, net_loop, 1, cfg, 1001, guard=guard, faults=cut_off) as (natted,),
+          caplog.at_level(logging.WARNING, logger="p2pdiloco.network.p2p_merger")):
+        futures = []
+        for m, value in ((other, 1.0), (natted, 2.0)):
+            c = _contribution(torch.full((1001,), value), 1.0)
+            c.round = 7
+            futures.append(m.submit(c))
+        r = futures[1].result(timeout=60)
+        assert r.alone and r.failure.startswith("ControlFailure: Connect failed") and "i/o timeout" in r.failure
+        assert torch.equal(r.pseudo_grad, torch.full((1001,), 2.0))
+        assert futures[0].result(timeout=60).alone  # its mate never sent: nothing partial applied
+    assert "unexpected error" not in caplog.text and "Traceback" not in caplog.text
+    assert f"[{natted.peer_id[-6:]}] merge of round 7 failed, merging alone: ControlFailure" in caplog.text
 
 
 def test_a_finishing_peer_waits_the_whole_window_and_its_group_ends_the_run(bootstrap_dht, net_loop):

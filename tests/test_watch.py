@@ -100,11 +100,18 @@ def test_status_sees_all_three_peers_with_advancing_counters(swarm):
     later = wait_for(advanced, 90, interval=1.0, what="every peer's steps and tokens to advance")
     assert later["totals"]["round"] >= first["totals"]["round"]
 
+    def dialed_back():  # on loopback every peer is reachable: another node dialed each back and said so
+        now = three_peers()
+        return now if now is not None and all(p["reachable"] is True for p in now["peers"]) else None
+
+    wait_for(dialed_back, 60, interval=1.0, what="every peer's record to say another node dialed it back")
+
     table = swarm.status()  # the human-readable table
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
     assert lines[0].startswith("peer ") and all(any(line.startswith(f"peer{i} ") for line in lines) for i in range(N_PEERS))
     assert lines[-1].startswith(f"swarm '{RUN_ID}': {N_PEERS} peers,")
+    assert lines[0].split()[4] == "reach" and all(line.split()[4] == "yes" for line in lines[1:1 + N_PEERS])
 
 
 def test_dashboard_serves_page_and_api_with_live_data(swarm):

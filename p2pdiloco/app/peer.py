@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from p2pdiloco import __version__
 from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.app.heartbeat import Heartbeat, swarm_finished
+from p2pdiloco.app.reach import start_reachability
 from p2pdiloco.app.startup import StartupClock, process_started_monotonic, say
 from p2pdiloco.app.together import wait_for_peers
 from p2pdiloco.config import Config, fingerprint_digest
@@ -317,6 +318,9 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | 
         state_sync = StateSync(dht, cfg.swarm.run_id, n_params, hooks.wrap_state(lambda: learner.shared),
                                learner.report.traffic.state, auth=auth, gate=merger.rpc.gate)
         loop.run(state_sync.start(), timeout=30)
+        # its bytes count with the state downloads' (both are start-up traffic), not in any merge's
+        reach = start_reachability(loop, dht, cfg.swarm.run_id, cfg.swarm.initial_peers, maddrs, merger.rpc.gate,
+                                   learner.report.traffic.state, announce)
         loop.submit(learner.report.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
         if cfg.run.resume:
             resume_from_checkpoint(learner, sampler, merger.book, run_dir / "checkpoints", announce)
@@ -327,7 +331,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | 
             "device": str(device) if unit.world_size == 1 else f"{device} x{unit.world_size}",
             "fingerprint": fingerprint_digest(fingerprint), "started": time.time(),
         }
-        heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer_id, lambda: {**static, **learner.report.record()},
+        heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer_id, lambda: {**static, **reach, **learner.report.record()},
                               cfg.swarm.heartbeat_s)
         loop.submit(heartbeat.run(fingerprint))
         if cfg.run.metrics_port:

@@ -28,6 +28,7 @@ from concurrent.futures import Future
 
 import hivemind
 import torch
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from p2pdiloco.algorithm.codecs import DeflatedCodec, ErrorFeedback, LinearInt8Codec, get_codec
 from p2pdiloco.algorithm.guards import GuardBook
@@ -190,7 +191,8 @@ class P2PMerger:
                     state_caught_up=state is not None and bool(group.majority),
                 )
             )
-        except (MergeFailed, WireError, TimeoutError, ConnectionError, OSError) as e:
+        except (MergeFailed, WireError, TimeoutError, ConnectionError, OSError, P2PDaemonError) as e:
+            # a mate that left, froze or cannot be dialed (P2PDaemonError: the daemon's dial failed) is normal
             reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             logger.warning("[%s] merge of round %d failed, merging alone: %s", self.peer_id[-6:], c.round, reason)
             return finish(alone_result(self.peer_id, c, failure=reason))

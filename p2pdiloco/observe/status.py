@@ -47,6 +47,9 @@ def peer_row(peer_id: str, record: dict, now: float) -> dict:
         eval_loss=_loss(record.get("eval_loss")),
         mfu=_loss(record.get("mfu")),  # None where the peer's device peak is unknown (CPUs)
         maddrs=[m for m in maddrs[:8] if isinstance(m, str)] if isinstance(maddrs, list) else [],
+        # what another node's dial-back told the peer (network/reachability.py): advice it reports, shown as such
+        reachable=record.get("reachable") if isinstance(record.get("reachable"), bool) else None,
+        reach_detail=record.get("reach_detail")[:200] if isinstance(record.get("reach_detail"), str) else "",
         age_s=max(0.0, now - row["time"]) if row["time"] else None,
     )
     return row
@@ -97,7 +100,7 @@ def _ago(seconds: float | None) -> str:
 
 def format_status(status: dict) -> str:
     """A plain-text table (no colours, fixed columns) that reads the same in a terminal and in a log."""
-    header = ("peer", "id", "device", "version", "round", "step", "tokens", "tok/s", "MFU", "loss", "eval",
+    header = ("peer", "id", "device", "version", "reach", "round", "step", "tokens", "tok/s", "MFU", "loss", "eval",
               "sent", "recv", "last merge", "seen")
     rows = []
     now = status["time"]
@@ -106,7 +109,8 @@ def format_status(status: dict) -> str:
         if p["last_merge_time"]:
             merge = f"{_ago(now - p['last_merge_time'])}, {p['last_group_size']:.0f} peers, {p['last_merge_s']:.1f} s"
         rows.append((
-            p["name"] or "-", p["peer_id"][-8:], p["device"], p["version"], f"{p['round']:.0f}", f"{p['step']:.0f}",
+            p["name"] or "-", p["peer_id"][-8:], p["device"], p["version"], _fmt_reach(p.get("reachable")),
+            f"{p['round']:.0f}", f"{p['step']:.0f}",
             human(p["tokens"]), human(p["tokens_per_s"]), _fmt_mfu(p.get("mfu")), _fmt_loss(p["loss"]), _fmt_loss(p["eval_loss"]),
             human(p["bytes_sent"], "B"), human(p["bytes_received"], "B"), merge, _ago(p["age_s"]),
         ))
@@ -118,7 +122,16 @@ def format_status(status: dict) -> str:
     lines.append(f"swarm {status['run_id']!r}: {t['peers']} peers, {human(t['tokens_per_s'])} tokens/s, "
                  f"{human(t['tokens'])} tokens, latest round {t['round']:.0f}, loss {_fmt_loss(t['loss'])}, "
                  f"eval loss {_fmt_loss(t['eval_loss'])}")
+    unreachable = [p for p in status["peers"] if p.get("reachable") is False]
+    if unreachable:
+        lines.append(f"{len(unreachable)} peer(s) cannot be dialed by others (behind NAT or a firewall): they merge "
+                     "only where they dial out, often alone (docs/operations.md, Behind a home router)")
+        lines += [f"  {p['name'] or p['peer_id'][-8:]}: {p['reach_detail'] or 'no detail'}" for p in unreachable]
     return "\n".join(lines)
+
+
+def _fmt_reach(value: bool | None) -> str:
+    return "?" if value is None else ("yes" if value else "NO")
 
 
 def _fmt_mfu(value: float | None) -> str:

@@ -11,6 +11,8 @@ import logging
 import os
 import signal
 
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
+
 logger = logging.getLogger(__name__)
 
 STALL_S = 3600.0
@@ -24,7 +26,8 @@ class Faults(dict[tuple[str, int | str], str]):
     Stages: 'exchange' (the merger, before this peer sends its slices), 'serve_part' (the merger, inside the
     reducer, on each part received from another member: a kill or stall acts on the first), 'checkpoint' (the learner reads
     `faults.get(("checkpoint", round))` itself and dies mid-write). Actions: 'stall' freezes this peer's side
-    of the merge (as SIGSTOP would) until the merge is abandoned; 'kill' SIGKILLs this process on the spot.
+    of the merge (as SIGSTOP would) until the merge is abandoned; 'kill' SIGKILLs this process on the spot;
+    'dial_fails' raises what the p2p daemon raises when a dial to a group mate times out (behind NAT).
     """
 
     async def fire(self, stage: str, round_: int, peer: str = "") -> None:
@@ -42,6 +45,8 @@ class Faults(dict[tuple[str, int | str], str]):
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "stall":
             await asyncio.sleep(STALL_S)
+        elif action == "dial_fails":
+            raise ControlFailure("Connect failed. msg=failed to dial: dial tcp4 10.0.0.2:4001: i/o timeout")
 
     def _onward(self, stage: str, round_: int) -> str:
         for (s, r), action in list(self.items()):

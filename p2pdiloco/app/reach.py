@@ -1,0 +1,76 @@
+"""A peer's side of the dial-back check (network/reachability.py): serve it to others, ask it of itself at start,
+and say loudly, in the log and in `status`, when nobody can dial this peer."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from hivemind import DHT
+
+from p2pdiloco.network.admission import StreamGate
+from p2pdiloco.network.reachability import Reachability, ReachService, find_reachability, peer_ids_of
+from p2pdiloco.network.swarm import BackgroundLoop, live_records, read_peers
+from p2pdiloco.network.wire import ByteCounter
+
+logger = logging.getLogger(__name__)
+
+CHECKERS = 3
+"""Nodes asked, at most, in one attempt: the initial peers first, then live peers picked at random."""
+
+
+def unreachable_message(found: Reachability, maddrs: list[str]) -> str:
+    """What a peer that others cannot dial prints: why, what it costs, and what fixes it."""
+    port = next((m.split("/tcp/")[1].split("/")[0] for m in maddrs if "/tcp/" in m), "PORT")
+    return (f"others cannot dial this peer: {found.detail}. Merge groups are formed and carried by peers dialing "
+            f"each other, so it will merge rarely or never and train mostly alone. Forward TCP port {port} on "
+            f"your router to this machine and pass --port {port} --announce /ip4/<public address>/tcp/{port} "
+            f"(docs/operations.md, Behind a home router)")
+
+
+def start_reachability(loop: BackgroundLoop, dht: DHT, run_id: str, initial_peers: list[str], maddrs: list[str],
+                       gate: StreamGate, counter: ByteCounter, announce=print) -> dict:
+    """Serve the dial-back check on this peer's p2p daemon and, in the background, have others check this peer.
+
+    Args:
+        loop: the peer's network loop.
+        dht: its DHT (the check runs on hivemind's replica of its P2P, shared with the merger's protocols).
+        run_id: the swarm's run id (live peers are read from its records when no initial peer can check).
+        initial_peers: the multiaddrs the peer joined through (asked first).
+        maddrs: the addresses the peer announces (their ports are dialed back).
+        gate, counter: the peer's bounds on incoming streams and its byte counter.
+        announce: where the line for a peer nobody can dial is printed besides the log.
+
+    Returns:
+        The fields the peer's heartbeat record carries, filled in when the check has an answer.
+    """
+    fields = Reachability(None).record()
+    p2p = loop.run(dht.replicate_p2p(), timeout=10)
+    me = dht.peer_id.to_base58()
+    loop.run(ReachService(me, gate, counter).start(p2p), timeout=10)
+    first = peer_ids_of(initial_peers)
+
+    asked = 0
+
+    async def candidates() -> list[str]:
+        nonlocal asked
+        asked += 1
+        if first and asked == 1:  # the common case reads no record: a bootstrap node checks
+            return first[:CHECKERS]
+        live = [p for p in live_records(await read_peers(dht, run_id)) if p != me and p not in first]
+        return (first + random.sample(live, len(live)))[:CHECKERS]
+
+    async def check() -> None:
+        found = await find_reachability(p2p, maddrs, candidates, counter)
+        fields.update(found.record())
+        if found.reachable:
+            logger.info("[%s] reachable: %s dialed back %s", me[-6:], found.checker[-6:], found.observed_ip)
+        elif found.reachable is False:
+            message = unreachable_message(found, maddrs)
+            logger.warning("[%s] %s", me[-6:], message)
+            announce(f"WARNING: {message}")
+        else:
+            logger.warning("[%s] could not learn whether others can dial this peer: %s", me[-6:], found.detail)
+
+    loop.submit(check())
+    return fields
