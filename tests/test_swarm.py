@@ -16,6 +16,7 @@ from p2pdiloco.network import census
 from p2pdiloco.network.allreduce import by_values, slice_bounds
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.merger import Contribution
+from p2pdiloco.network.reachability import tcp_endpoint
 from p2pdiloco.network.swarm import (
     SwarmError,
     check_fingerprint,
@@ -23,6 +24,7 @@ from p2pdiloco.network.swarm import (
     peers_key,
     read_subkeys,
     start_dht,
+    visible_maddrs,
     write_subkey,
 )
 from p2pdiloco.testing.faults import Faults
@@ -307,3 +309,27 @@ def test_a_closed_merger_leaves_no_p2p_socket_file_behind(net_loop):
         merger.close()  # twice is harmless
     finally:
         dht.shutdown()
+
+
+def test_a_peer_dials_out_from_an_ephemeral_port_not_its_listening_one(net_loop):
+    # Dials from the listening port cross when two mates dial each other at once over a delayed link (TCP
+    # simultaneous open), and the handshake fails on both sides: see P2PD_TCP_REUSEPORT
+    first = start_dht(SwarmConfig(host="127.0.0.1", port=0))
+    second = None
+    try:
+        second = start_dht(SwarmConfig(host="127.0.0.1", port=0, initial_peers=visible_maddrs(first)))
+        listening = {tcp_endpoint(m)[1] for m in visible_maddrs(second)}
+        p2p = net_loop.run(first.replicate_p2p(), timeout=10)
+        try:
+            def dialed_from():
+                peers = net_loop.run(p2p.list_peers(), timeout=10)
+                return [tcp_endpoint(str(a)) for p in peers if p.peer_id == second.peer_id for a in p.addrs]
+
+            seen = wait_for(dialed_from, 10, what="the second peer's connection")
+            assert all(ip == "127.0.0.1" and port not in listening for ip, port in seen), (seen, listening)
+        finally:
+            net_loop.run(p2p.shutdown(), timeout=10)
+    finally:
+        if second is not None:
+            second.shutdown()
+        first.shutdown()

@@ -78,6 +78,13 @@ P2PD_GOGC = "25"
 default and 48 MB at 25 (docs/security.md), nearly all of it p2pd. Its CPU for three 2-peer fp32 merges of 20M
 parameters: 2.05-2.26 s at 25, 1.77-2.09 s at 100, the merges as fast (docs/security.md)."""
 
+P2PD_TCP_REUSEPORT = "false"
+"""go-libp2p's TCP transport dials out from its listening port by default (SO_REUSEPORT, for hole punching, which
+p2pdiloco does not use). Timed rounds make group mates dial each other at the same instant; over a link with
+delay the two opens then cross, TCP joins them into one connection that both sides initiated, and libp2p's noise
+handshake fails on both ("noise: message is too short"). From an ephemeral port each dial is a connection of its
+own. Loopback never shows it: its round trip is too short for the opens to cross."""
+
 
 def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: bool = False) -> hivemind.DHT:
     """Start this process's DHT node and join the swarm through `cfg.initial_peers` (if any).
@@ -111,6 +118,7 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
     t0 = time.monotonic()
     install_dht_counter()  # before the DHT process forks, so that it counts its own traffic
     os.environ.setdefault("GOGC", P2PD_GOGC)  # p2pd inherits this process's environment (a user's GOGC wins)
+    os.environ.setdefault("LIBP2P_TCP_REUSEPORT", P2PD_TCP_REUSEPORT)
     # The DHT process is a fork of this one: the pages of everything made so far (torch, hivemind, the data) stay
     # shared with it until either process writes to them, and a full garbage collection writes to every object it
     # visits. Frozen objects are never visited (CPython's advice for a fork without exec, see `gc.freeze`); they
