@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 
 from hivemind import DHT
 
@@ -22,14 +23,16 @@ CHECKERS = 3
 def unreachable_message(found: Reachability, maddrs: list[str]) -> str:
     """What a peer that others cannot dial prints: why, what it costs, and what fixes it."""
     port = next((m.split("/tcp/")[1].split("/")[0] for m in maddrs if "/tcp/" in m), "PORT")
-    return (f"others cannot dial this peer: {found.detail}. Merge groups are formed and carried by peers dialing "
-            f"each other, so it will merge rarely or never and train mostly alone. Forward TCP port {port} on "
+    return (f"others cannot dial this peer: {found.detail}. It will neither lead a merge group nor own a slice "
+            f"of one, so it merges only in groups led by a peer others can dial, and alone where there is none. "
+            f"Forward TCP port {port} on "
             f"your router to this machine and pass --port {port} --announce /ip4/<public address>/tcp/{port} "
             f"(docs/operations.md, Behind a home router)")
 
 
 def start_reachability(loop: BackgroundLoop, dht: DHT, run_id: str, initial_peers: list[str], maddrs: list[str],
-                       gate: StreamGate, counter: ByteCounter, announce=print) -> dict:
+                       gate: StreamGate, counter: ByteCounter, announce=print,
+                       on_verdict: Callable[[Reachability], None] | None = None) -> dict:
     """Serve the dial-back check on this peer's p2p daemon and, in the background, have others check this peer.
 
     Args:
@@ -40,6 +43,7 @@ def start_reachability(loop: BackgroundLoop, dht: DHT, run_id: str, initial_peer
         maddrs: the addresses the peer announces (their ports are dialed back).
         gate, counter: the peer's bounds on incoming streams and its byte counter.
         announce: where the line for a peer nobody can dial is printed besides the log.
+        on_verdict: called with what the check found (on the network loop), e.g. `P2PMerger.set_dialable`.
 
     Returns:
         The fields the peer's heartbeat record carries, filled in when the check has an answer.
@@ -63,6 +67,8 @@ def start_reachability(loop: BackgroundLoop, dht: DHT, run_id: str, initial_peer
     async def check() -> None:
         found = await find_reachability(p2p, maddrs, candidates, counter)
         fields.update(found.record())
+        if on_verdict is not None:
+            on_verdict(found)
         if found.reachable:
             logger.info("[%s] reachable: %s dialed back %s", me[-6:], found.checker[-6:], found.observed_ip)
         elif found.reachable is False:

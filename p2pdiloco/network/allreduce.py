@@ -60,10 +60,24 @@ def owned_slice(group_id: str, member: int, parts: int) -> int:
     return (member + r) % parts
 
 
+def slices_owned(group: Group) -> dict[int, int]:
+    """{member index: the slice it owns} for the group's slice owners (`Group.slice_owners`): the vector is cut into
+    one slice per owner, and owner number p (in group order) owns slice `owned_slice(group_id, p, owners)`. Where
+    every member owns one, member j owns `owned_slice(group_id, j, members)`."""
+    owners = group.slice_owners
+    return {j: owned_slice(group.group_id, p, len(owners)) for p, j in enumerate(owners)}
+
+
 def group_slice(group: Group, tag: str, member: int) -> tuple[int, int]:
-    """[start, end) of the slice of vector `tag` that member `member` of `group` owns."""
-    n = len(group.members)
-    return slice_bounds(group.lengths[tag], n)[owned_slice(group.group_id, member, n)]
+    """[start, end) of the slice of vector `tag` that member `member` of `group` owns.
+
+    Raises:
+        MergeFailed: that member owns no slice.
+    """
+    owned = slices_owned(group)
+    if member not in owned:
+        raise MergeFailed(f"member {member} owns no slice of this group")
+    return slice_bounds(group.lengths[tag], len(owned))[owned[member]]
 
 
 def by_values(per_slice: list[float], length: int) -> float:
@@ -206,10 +220,11 @@ class AllReduce:
         codec = self.codecs[tag]
         phase_bytes(group.slots, tag)  # this task's frames are this phase's (see wire.PHASE_BYTES)
         n_members = len(group.members)
-        slices = torch.tensor_split(vector, n_members)  # the wire layout: see slice_bounds
-        owned = [owned_slice(group.group_id, j, n_members) for j in range(n_members)]  # member j owns slices[owned[j]]
-        slot = self._slot(group, tag, me)
-        slot.add(me, self._own_part(tag, slices[owned[me]]))
+        owned = slices_owned(group)  # owner j owns slices[owned[j]]
+        slices = torch.tensor_split(vector, len(owned))  # the wire layout: see slice_bounds
+        if me in owned:
+            slot = self._slot(group, tag, me)
+            slot.add(me, self._own_part(tag, slices[owned[me]]))
         sent = list(slices)
 
         async def exchange(j: int) -> tuple[torch.Tensor, float]:
@@ -238,8 +253,8 @@ class AllReduce:
             self.reducer.accept(group, j, averaged, slices[k])  # the owner of a slice could return anything
             return averaged, _share(reply.get("share"))
 
-        results = await asyncio.gather(*(exchange(j) for j in range(n_members)))
-        by_slice = sorted(zip(owned, results, strict=True), key=lambda x: x[0])
+        results = await asyncio.gather(*(exchange(j) for j in owned))
+        by_slice = sorted(zip(owned.values(), results, strict=True), key=lambda x: x[0])
         return torch.cat([a for _, (a, _) in by_slice]), torch.cat(sent), [share for _, (_, share) in by_slice]
 
     def _own_part(self, tag: str, part: torch.Tensor) -> torch.Tensor:
@@ -314,7 +329,7 @@ class AllReduce:
             raise MergeFailed("sender is not that member of the group")
         check_terms(group, header)
         me = group.members.index(self.rpc.peer_id)
-        return group, tag, index, me, group_slice(group, tag, me)
+        return group, tag, index, me, group_slice(group, tag, me)  # raises if this peer owns no slice
 
     async def _reduce_part(self, group: Group, tag: str, index: int, me: int, sender: str,
                            payload: bytes) -> tuple[bytes, float]:

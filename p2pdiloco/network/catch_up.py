@@ -66,10 +66,12 @@ def holders_of(group: Group) -> list[int]:
 
 
 def dealt_holder(group: Group, fetcher: int) -> int:
-    """The holder that serves member `fetcher`: fetchers and holders paired round-robin, in group order."""
+    """The holder that serves member `fetcher`: fetchers and holders paired round-robin, in group order. Only
+    holders others can dial serve where there is one (`Group.slice_owners`): a fetcher opens the stream."""
     holders = holders_of(group)
+    serving = [j for j in holders if j in group.slice_owners] or holders
     fetchers = [j for j in range(len(group.members)) if j not in holders]
-    return holders[fetchers.index(fetcher) % len(holders)]
+    return serving[fetchers.index(fetcher) % len(serving)]
 
 
 class CatchUp:

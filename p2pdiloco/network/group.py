@@ -50,6 +50,10 @@ class Group:
     members' pseudo-gradients against (guards.cosines_to); None: no reference."""
     digests: list[str] = field(default_factory=list)
     """Each member's global-model digest as it offered it; `need_state` is whether they differ."""
+    owners: list[int] | None = None
+    """Indices of the members that own slices: those others can dial (network/reachability.py), since every member
+    opens a stream to each owner and a member nobody can dial could not receive its slice's parts. The leader is
+    always one. None: every member (a group whose members all said they can be dialed)."""
 
     def __post_init__(self) -> None:
         # claims, as every member counts them: the same function of the same notice on every member
@@ -62,6 +66,8 @@ class Group:
         the same notice, different on a member told another group."""
         terms = [self.group_id, self.members, self.weights, self.state_weights, self.need_state, self.final,
                  self.anchor, self.digests]
+        if self.owners is not None:
+            terms.append(self.owners)
         return hashlib.blake2b(json.dumps(terms).encode(), digest_size=16).hexdigest()
 
     @cached_property
@@ -79,6 +85,11 @@ class Group:
             voters = list(self.digests)
         digest, count = Counter(voters).most_common(1)[0]
         return digest if 2 * count > len(voters) else ""
+
+    @property
+    def slice_owners(self) -> list[int]:
+        """Indices of the members that own slices, in group order."""
+        return list(range(len(self.members))) if self.owners is None else list(self.owners)
 
     def agreed_state_weight(self) -> float:
         """What the group's agreed θg stands for, in tokens: the lower median of the members' (capped) claims, so
@@ -113,12 +124,23 @@ def valid_notice(h: dict, me: str, group_size: int) -> bool:
         and all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
                 for w in weights + sw)
         and h.get("need_state") is (len(set(digests)) > 1)
+        and valid_owners(h.get("owners"), len(members))
     )
 
 
-def own_claims_kept(h: dict, me: str, c: Contribution) -> bool:
+def valid_owners(owners: object, n_members: int) -> bool:
+    """A notice's `owners`: absent (every member owns a slice), or unique member indices in group order that
+    include the leader (index 0)."""
+    return owners is None or (
+        isinstance(owners, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in owners)
+        and owners == sorted(set(owners)) and owners[:1] == [0] and owners[-1] < n_members)
+
+
+def own_claims_kept(h: dict, me: str, c: Contribution, dialable: bool = True) -> bool:
     """The leader wrote down this peer's weights and digest as this peer offered them (it could raise or zero the
-    weights, or make the group skip or force an agreement), and names an anchor this peer holds, or none."""
+    weights, or make the group skip or force an agreement), names an anchor this peer holds, or none, and makes
+    this peer own a slice only if others can dial it (`dialable`: what it told the leader)."""
     i = h["members"].index(me)
     return (float(h["weights"][i]) == float(c.weight) and float(h["state_weights"][i]) == float(c.state_weight)
-            and h["digests"][i] == c.state_digest and h.get("anchor", "") in ("", *c.anchors))
+            and h["digests"][i] == c.state_digest and h.get("anchor", "") in ("", *c.anchors)
+            and (dialable or i not in (h.get("owners") or range(len(h["members"])))))

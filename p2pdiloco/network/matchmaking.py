@@ -100,6 +100,12 @@ class Matchmaker:
         """Mates that announced a deadline no honest window reaches: not counted as live, even between searches."""
         self._changed = asyncio.Event()
         """Set when a mate's readiness changed or an invite came: the search looks again at once."""
+        self.dialable = True
+        """Whether other peers can open connections to this one (network/reachability.py; the peer sets it from the
+        dial-back check). A peer they cannot dial never leads and owns no slice: it only opens streams, and answers
+        on those and on the connections it opened."""
+        self._undialable: set[str] = set()
+        """Mates that said others cannot dial them: never followed as leaders, never given a slice."""
 
     def close(self) -> None:
         """Stop looking: a search in progress ends alone."""
@@ -165,12 +171,15 @@ class Matchmaker:
                                                          and p not in silent and p not in search.unreachable)}
                 live = sum(p not in search.unreachable and p not in self._liars for p in mates)
                 only_closers = self._follows_only_closers(c)
-                leader = next(p for p in mates if p in ready and (p == me or (
-                    p not in passed_over and (not only_closers or p in self._closers))))
+                leader = next((p for p in mates if p in ready and self._can_lead(p) and (p == me or (
+                    p not in passed_over and (not only_closers or p in self._closers)))), None)
                 if followed and followed != leader and followed not in ready:
                     self._passed_over[followed] = SILENT_ROUNDS  # it stopped looking without inviting us
-                followed = leader if leader != me else ""
-                if leader == me:
+                followed = leader if leader not in (me, None) else ""
+                if leader is None:  # nobody ready can lead (this peer cannot be dialed): wait for one who can
+                    if now >= search.deadline:
+                        return None
+                elif leader == me:
                     if len(ready) > 1 and (len(ready) >= live or now >= search.deadline):
                         return await self._lead(search, sorted(p for p in ready if p != me))
                     if now >= search.deadline or (live <= 1 and self.census.settled(search.epoch)):
@@ -194,12 +203,18 @@ class Matchmaker:
             self._search = None
             self._announce(search, sorted(search.told), False)  # in the background: the exchange must not wait
 
+    def _can_lead(self, peer: str) -> bool:
+        """A leader dials every member: only a peer others can dial leads (it said so, or this is that peer)."""
+        return self.dialable if peer == self.peer_id else peer not in self._undialable
+
     def _announce(self, search: _Search, peers: list[str], looking: bool) -> None:
         """Tell `peers` (group mates) that this peer is looking for a group until its deadline, or no longer is.
         Sent in the background; a mate that cannot be reached is not waited for in this search."""
         search.told.update(peers)
         header = {"looking": looking, "deadline": search.deadline, "epoch": search.epoch,
                   "closing": search.contribution.last_merges()}
+        if not self.dialable:
+            header["dialable"] = False
 
         async def tell(peer: str) -> None:
             if await self.rpc.request(peer, "ready", header) is None and looking:
@@ -264,7 +279,7 @@ class Matchmaker:
         invite = {"group_id": gid, "fp": self.fingerprint, "closing": c.last_merges()}
         replies = await asyncio.gather(*(self.rpc.request(p, "invite", invite) for p in candidates))
         members, weights, state_weights, digests = [self.peer_id], [c.weight], [c.state_weight], [c.state_digest]
-        rounds, finals, anchors = [c.round], [c.final], [list(c.anchors)]
+        rounds, finals, anchors, dialable = [c.round], [c.final], [list(c.anchors)], [True]
         for peer, reply in zip(candidates, replies, strict=True):
             if reply and reply.get("accept") is True:
                 try:
@@ -280,24 +295,28 @@ class Matchmaker:
                     rounds.append(r)
                     finals.append(reply.get("final") is True)
                     anchors.append(reply["anchors"] if isinstance(reply.get("anchors"), list) else [])
+                    dialable.append(reply.get("dialable") is not False and peer not in self._undialable)
         if self.guard.enabled:  # members far behind the group contribute stale updates: leave them out
             stale = stale_members(rounds, self.guard.max_round_lag)
             for i in reversed(range(1, len(members))):
                 if stale[i]:
                     self.book.reject(members[i], STALE, gid, f"round {rounds[i]}", strike=False)
-                    for column in (members, weights, state_weights, digests, finals, anchors):
+                    for column in (members, weights, state_weights, digests, finals, anchors, dialable):
                         del column[i]
         if len(members) == 1:
             return None
         final = any(finals)
         need_state = len(set(digests)) > 1  # the newest state all hold, if any, is what they send differences from
         anchor = next((a for a in anchors[0] if need_state and all(a in held for held in anchors[1:])), "")
+        owners = None if all(dialable) else [i for i, d in enumerate(dialable) if d]
         group = Group(gid, members, weights, state_weights, need_state, dict(self.lengths), final, anchor,
-                      digests=digests)
+                      digests=digests, owners=owners)
         self._group_future(gid).set_result(group)
         notice = {"group_id": gid, "members": members, "weights": weights, "state_weights": state_weights,
                   "need_state": need_state, "final": final, "anchor": anchor, "closing": c.last_merges(),
                   "digests": digests}
+        if owners is not None:
+            notice["owners"] = owners
         await asyncio.gather(*(self.rpc.request(p, "group", notice) for p in members[1:]))
         logger.info("[%s] leading merge group %s of %d peers", self.peer_id[-6:], gid, len(members))
         return group
@@ -335,6 +354,8 @@ class Matchmaker:
             c = search.contribution
             reply = {"accept": True, "weight": c.weight, "state_weight": c.state_weight, "digest": c.state_digest,
                      "round": c.round, "final": c.final, "anchors": list(c.anchors)}
+            if not self.dialable:
+                reply["dialable"] = False
         await self.rpc.reply(reader, writer, "invite", leader, reply)
 
     async def on_ready(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -353,6 +374,12 @@ class Matchmaker:
             self._liars.add(peer)
         if isinstance(header.get("epoch"), int):
             self.census.saw(peer, header["epoch"])
+        if header.get("dialable") is False:
+            self._undialable.add(peer)
+        else:
+            self._undialable.discard(peer)
+        if self._search is not None:  # it reached this peer: streams to it ride its connection, whoever opens them
+            self._search.unreachable.discard(peer)
         self._changed.set()
         await self.rpc.reply(reader, writer, "ready", peer, {"ok": True})
 
@@ -365,13 +392,14 @@ class Matchmaker:
         ok = (
             search is not None and gid == search.accepted_gid and request.sender == search.leader
             and valid_notice(header, self.peer_id, self.cfg.group_size)
-            and own_claims_kept(header, self.peer_id, search.contribution)
+            and own_claims_kept(header, self.peer_id, search.contribution, self.dialable)
         )
         if ok:
             group = Group(
                 gid, [str(m) for m in header["members"]], [float(w) for w in header["weights"]],
                 [float(w) for w in header["state_weights"]], bool(header["need_state"]), dict(self.lengths),
                 header.get("final") is True, str(header.get("anchor", "")), digests=list(header["digests"]),
+                owners=header.get("owners"),
             )
             fut = self._group_future(gid)
             if not fut.done():

@@ -114,6 +114,11 @@ class P2PMerger:
     def submit(self, contribution: Contribution) -> Future[MergeResult]:
         return self._loop.submit(self._merge(contribution))
 
+    def set_dialable(self, dialable: bool) -> None:
+        """Whether other peers can open connections to this one (the dial-back check's verdict): one they cannot
+        never leads a group and owns no slice of one; it opens every stream itself (matchmaking.py)."""
+        self.matchmaker.dialable = dialable
+
     def close(self) -> None:
         """Stop looking for groups, and stop serving (`Rpc.close`: the p2p client's socket file goes with it)."""
         self.matchmaker.close()
