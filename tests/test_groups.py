@@ -1,4 +1,4 @@
-"""Bounded merge groups (issue 17): ready peers split into groups of at most `swarm.group_size`, redrawn every
+"""Bounded merge groups: ready peers split into groups of at most `swarm.group_size`, redrawn every
 epoch, and every peer computes the same split from the same ready records."""
 
 from __future__ import annotations
