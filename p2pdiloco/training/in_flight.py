@@ -80,7 +80,7 @@ class LandWait:
     (short rounds, slow links) it does not wait at all. Its misses are no signal: a peer that submits before its
     mates waits through their matchmaking and misses, and only its waiting moves its round ends onto theirs;
     backing off on misses was measured to leave such peers out of the wait for good (docs/experiments.md,
-    "`outer.land_wait`").
+    "`outer.land_wait`: when to wait").
     """
 
     share: float  # of the last round's wall time; 0: never wait
