@@ -1,4 +1,4 @@
-"""`bench dht` (issue 17): both store paths run on real DHT nodes, every node's heartbeat stays findable, and the
+"""`bench dht`: both store paths run on real DHT nodes, every node's heartbeat stays findable, and the
 per-request split adds up to the total."""
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def test_blockwise_codes_are_bitsandbytes_maps_nearest_code_and_its_layout(name)
 
 
 def test_a_peer_merging_with_int4_does_not_import_bitsandbytes():
-    """bitsandbytes pulls in torch._dynamo (5–12 s of a peer's start-up, issue 14): the codecs need none of it."""
+    """bitsandbytes pulls in torch._dynamo (5–12 s of a peer's start-up): the codecs need none of it."""
     import subprocess
     import sys
 

@@ -201,8 +201,8 @@ def test_sampler_is_deterministic_per_seed_and_differs_between_seeds() -> None:
 
 
 def test_a_skipping_sampler_continues_where_one_that_drew_left_off() -> None:
-    """A resumed peer skips the batches its tokens say it drew (issue 14: it used to replay its order from the
-    start after every restart), across epoch ends and a batch straddling one."""
+    """A resumed peer skips the batches its tokens say it drew (rather than replaying its order from
+    the start after every restart), across epoch ends and a batch straddling one."""
     tokens = torch.arange(50 * 17)
     for drawn in (0, 3, 12, 13, 37):  # 4-chunk batches of 50 chunks: 12.5 batches an epoch
         drew, skipped = (BatchSampler(tokens, seq_len=16, batch_size=4, seed=5) for _ in range(2))

@@ -1,4 +1,4 @@
-"""Bounded merge groups (issue 17): ready peers split into groups of at most `swarm.group_size`, redrawn every
+"""Bounded merge groups: ready peers split into groups of at most `swarm.group_size`, redrawn every
 epoch, and every peer computes the same split from the same ready records."""
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ def test_a_finishing_peer_does_not_end_in_the_group_of_a_leader_that_is_not_near
 def test_an_epochs_first_census_read_takes_one_nodes_copy_only_when_it_looks_whole(monkeypatch):
     """`Census.members`: an epoch's first read asks the census key's nearest node (a third of a walk's bytes), and
     walks instead when that copy lacks this peer or holds fewer peers than the last view; the first read of all and
-    every re-read walk (a copy from one node once hid the others for 22 s: docs/benchmarks.md, Scale)."""
+    every re-read walk (a copy from one node once hid the others for 22 s: docs/experiments.md, "The census read
+    from one node")."""
     from p2pdiloco.network import census as census_module
 
     calls, copies, reading = [], {}, {}

@@ -1,4 +1,5 @@
-"""Strangers inside the swarm (issue 18): peers that hold the key but lie about themselves.
+"""Strangers inside the swarm: peers that hold the key but lie about themselves (docs/security.md, "Insiders who
+lie about themselves").
 
 Each attack that worked against a real swarm is reproduced here, and the refusal itself is asserted: the
 weights a group counts, the global model a member keeps, a run that goes on, a leader that is passed over.

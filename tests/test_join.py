@@ -93,7 +93,7 @@ def test_joiner_downloads_bit_identical_state_and_skips_a_bad_donor(bootstrap_dh
 
 
 def test_joiner_refuses_a_state_no_other_live_peer_holds(bootstrap_dht, net_loop):
-    """Issue 18, poisoned joiners: a donor serving a model of its own (digest in its own record only) and claiming
+    """Poisoned joiners: a donor serving a model of its own (digest in its own record only) and claiming
     step 10⁹ is refused; the joiner takes the state two live peers hold, with counters as the records say."""
     maddrs = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
     dhts = [start_local_dht(maddrs) for _ in range(4)]

@@ -1,4 +1,4 @@
-"""A peer is light (issue 17): guards for what keeps a peer's host memory small.
+"""A peer is light: guards for what keeps a peer's host memory small.
 
 Each guard stands for tens of MB a peer, measured with `p2pdiloco.bench.proctree` on the benchmark model: the
 inner AdamW without torch._dynamo (~70 MB in the peer, more in the DHT process whose pages it then stops

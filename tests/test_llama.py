@@ -119,11 +119,10 @@ def test_named_weights_round_trip_keeps_untied_head(tie: bool) -> None:
 
 
 def test_config_fields_checks_and_fingerprint() -> None:
-    # the default (gpt) config's fingerprint did not change when arch came (old and new gpt peers still matched);
-    # it changed with guard.trust_decay (issue 18), on purpose: peers from before it cut slices by another owner
-    # rule (allreduce.owned_slice) and must not merge with these; and with the int8 agreement (p2p_merger._agree),
-    # on purpose too: peers from before it send fp32 states in an agreement, which these refuse; and with the catch-up
-    # (network/catch_up.py): peers from before it would average where these fetch the majority's model
+    # the default (gpt) config's fingerprint is pinned: arch = gpt adds nothing to it, and it names what peers must
+    # share to merge: guard.trust_decay (peers cutting slices by another owner rule, allreduce.owned_slice, must not
+    # merge with these) and how members agree on (θg, momentum) (p2p_merger._agree, network/catch_up.py: peers that
+    # send fp32 states, or average where these fetch the majority's model, must not either)
     assert fingerprint_digest(load_config(None, []).fingerprint()) == "504b97f806b7da1b"
     llama = load_config(None, [{"model": {"arch": "llama"}}])
     assert llama.fingerprint()["model"]["arch"] == "llama"

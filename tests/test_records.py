@@ -1,4 +1,5 @@
-"""Owner-bound peer records (issue 18, attack 4): only the peer a subkey names can write its records.
+"""Owner-bound peer records: only the peer a subkey names can write its records (docs/security.md, "Forged peer
+records").
 
 The unit tests sign and check records with `PeerRecordValidator` alone; the integration tests run real hivemind
 DHTs on loopback, with an attacker node that overwrites a victim's heartbeat by a 'left, finished' record."""
@@ -210,7 +211,7 @@ def test_own_records_round_trip_across_a_restart_with_the_same_identity(swarm, n
 
 @pytest.mark.integration
 def test_heartbeats_go_straight_to_the_nearest_nodes_and_stay_readable(swarm, net_loop):
-    """`store_near` (issue 17): the first store of a key walks the DHT, the next ones send the signed record
+    """`store_near`: the first store of a key walks the DHT, the next ones send the signed record
     straight to the nodes that walk found; readers on other nodes see every one, and an older record is refused."""
     from p2pdiloco.network.traffic import Traffic
 
@@ -246,7 +247,7 @@ def test_heartbeats_go_straight_to_the_nearest_nodes_and_stay_readable(swarm, ne
 def test_the_walk_before_a_first_store_does_not_download_the_keys_records(swarm, net_loop):
     """The walk that finds a key's nearest nodes asks for an id beside the key (`beside`), so the nodes on the way
     answer with contacts only: with hivemind's walk for the key itself, each node holding it sent every record
-    under it (issue 17: a census registration downloaded the whole census)."""
+    under it (so a census registration would download the whole census)."""
     from p2pdiloco.network.traffic import Traffic
 
     reader, victim = swarm["reader"], swarm["victim"]
@@ -325,7 +326,7 @@ def test_the_id_beside_a_key_has_the_keys_nearest_nodes():
 @pytest.mark.integration
 def test_a_peer_restarted_under_its_id_registers_again_for_an_epoch_it_had_registered_for(swarm, net_loop):
     """The census refused the second registration of (epoch, peer id) when it expired with the first: a peer
-    restarted under its id (issue 14) then waited out two epochs unmatched."""
+    restarted under its id (`--resume`) then waited out two epochs unmatched."""
     from p2pdiloco.network.census import EPOCH_S, Census, epoch_of, registration_expiry
 
     epoch = epoch_of(get_dht_time())

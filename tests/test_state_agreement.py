@@ -1,4 +1,4 @@
-"""Members whose global models differ agree on one (issue 19, section 3): through the real merger (hivemind DHTs,
+"""Members whose global models differ agree on one: through the real merger (hivemind DHTs,
 p2p daemons, loopback), as int8 differences from a state all members hold (an anchor) when there is one, else
 from the int8 average of their models; members end bit-identical either way, and either costs a fraction of an
 fp32 exchange's bytes."""

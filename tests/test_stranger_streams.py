@@ -1,4 +1,5 @@
-"""Streams from strangers and slow readers (issue 18, attacks 1 and 7), with real p2p daemons on loopback.
+"""Streams from strangers and slow readers, with real p2p daemons on loopback (docs/security.md, "Strangers'
+streams and slow readers").
 
 A stranger without the swarm key must not make a peer read or allocate a payload, nor hold more than a bounded
 number of streams; a joiner that never reads must not keep other joiners from the state.

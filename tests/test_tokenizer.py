@@ -130,8 +130,8 @@ def test_vocab_mismatch_is_a_one_line_error(tmp_path, bpe):
 
 def test_fingerprint_holds_the_tokenizer_digest(tmp_path, bpe):
     cfg = Config()
-    # "bytes" adds nothing to the fingerprint; its digest is the default config's (changed by guard.trust_decay,
-    # issue 18, by the int8 agreement and by the catch-up)
+    # "bytes" adds nothing to the fingerprint; its digest is the default config's (test_llama.py says what it
+    # covers)
     assert fingerprint_digest(cfg.fingerprint()) == "504b97f806b7da1b"
     assert cfg.fingerprint(tokenizer=load_tokenizer("bytes").digest) == cfg.fingerprint()
     other = train_bpe(["some other text entirely, " * 50], 300, tmp_path / "other.json", progress=lambda _: None)

@@ -48,8 +48,8 @@ def test_trust_is_a_moving_average_of_cosines_from_the_first_seen():
 
 
 def test_trust_saved_in_a_checkpoint_comes_back_and_garbage_does_not(tmp_path):
-    """A restarted peer remembers what its guards learned of the others (issue 14: every member was a stranger
-    again after a restart, and a first part pointing away from the momentum was left out for a dozen rounds)."""
+    """A restarted peer remembers what its guards learned of the others (else every member is a stranger again
+    after a restart, and a first part pointing away from the momentum is left out for a dozen rounds)."""
     from p2pdiloco.config import load_config
     from p2pdiloco.training.checkpoint import GlobalState, load_latest, save_learner_checkpoint
 

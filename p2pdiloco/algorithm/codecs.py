@@ -135,9 +135,9 @@ class BlockwiseCodec(Codec):
     each value ÷ absmax, in bitsandbytes' 8-bit dynamic map (int8) or the NF4 map (int4, two codes a byte, the
     first in the high nibble). Layout: absmax (fp32 × blocks), then the codes.
 
-    bitsandbytes once did this; importing it pulled in torch._dynamo and cost every peer 5–12 s of start-up
-    (issue 14), for a few lines of arithmetic. The maps are the same numbers; the codes are the nearest ones
-    (bitsandbytes' CPU kernel sometimes picked the second nearest).
+    The maps are bitsandbytes' numbers, computed here so that a peer need not import bitsandbytes (which pulls in
+    torch._dynamo: seconds of every peer's start-up) for a few lines of arithmetic. Each value takes the nearest
+    code (bitsandbytes' CPU kernel sometimes picks the second nearest).
     """
 
     name: str = "int8"
@@ -208,9 +208,9 @@ class LinearInt8Codec(Codec):
     """int8 on a linear grid: per block of 256 values one fp32 scale (absmax ÷ 127) and round(x ÷ scale); every
     value is off by at most absmax ÷ 254 of its block. For (θg, momentum) and their differences in agreements
     (p2p_merger.py), where no error feedback follows and each member encodes and decodes every part of its slice:
-    ~30× less CPU to encode than the dynamic map's nearest code (a bucketize over 256 codes, 0.86 ms for 30,000
-    values on this 2-core machine), whose CPU made bench scale's 32-peer agreements twice as slow (44796c4), and a
-    smaller worst error (1/254 of a 256-value block against 0.007 of a 4096-value one); the dynamic map's finer
+    far less CPU to encode than the dynamic map's nearest code (a bucketize over 256 codes), whose CPU would slow
+    agreements where many peers share few cores (docs/experiments.md, "Agreements"), and a smaller worst error
+    (1/254 of a 256-value block against 0.007 of a 4096-value one); the dynamic map's finer
     steps near zero are what a pseudo-gradient's few large values need, not a state."""
 
     name: str = "int8-linear"

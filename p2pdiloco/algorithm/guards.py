@@ -139,7 +139,8 @@ def bounded_weights(weights: Sequence[object], cap: float = WEIGHT_CAP) -> list[
 
     A weight is what a member says about itself (tokens in its round, tokens its θg has absorbed) and nothing
     can check it. Capped, a member claiming 1e30 counts at most `cap` times the median member, so it cannot
-    take the average over (issue 18's takeover: `state_weight = 1e30` replaced a whole group's model). The
+    take the average over (uncapped, a `takeover` member's `state_weight = 1e30` would replace a whole group's
+    model). The
     median is the lower middle of the positive claims, so in a group of two the larger claim is capped at
     `cap` times the smaller; an honest fast peer paired with a slow one loses some of its weight, which costs
     less than letting a claim decide. Claims of 0 stay 0 (a fresh peer's θg counts for nothing); negative,

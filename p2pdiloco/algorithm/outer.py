@@ -64,12 +64,12 @@ def state_within_reach(own: torch.Tensor, adopted: torch.Tensor, own_step: torch
 
     Global models of honest peers differ by the outer steps they took apart (a merge alone, a failed merge),
     so a difference of more than `reach` of them did not come from honest divergence: a member that offered
-    −θg, or one whose model drifted far off. Averaging models that far apart is not agreement (issue 17's
-    16-peer run ended worse than its initialization that way), and the length of this peer's own steps is a
-    scale no other peer can claim. The unit is the longer of this round's step and `longest_recent`, the
-    longest of this peer's recent ones: steps shrink as the inner lr decays, while the divergence was taken in
-    the longer steps before (measured with this round's alone, 3 of 8 members refused a run's last agreement as
-    out of reach and the run ended apart; docs/benchmarks.md, Scale, bsc-epoch).
+    −θg, or one whose model drifted far off. Averaging models that far apart is not agreement (it can leave the
+    global model worse than its initialization), and the length of this peer's own steps is a scale no other
+    peer can claim. The unit is the longer of this round's step and `longest_recent`, the longest of this peer's
+    recent ones: steps shrink as the inner lr decays, while the divergence was taken in the longer steps before
+    (with this round's step alone as the unit, honest members would refuse a run's last agreement, taken in its
+    shortest steps, and the run would end apart).
 
     Args:
         own: flat fp32 θg of this peer before the merge.
@@ -86,12 +86,11 @@ def state_within_reach(own: torch.Tensor, adopted: torch.Tensor, own_step: torch
 def stale_share_kept(new_global: torch.Tensor, local_at_submit: torch.Tensor, keep: float) -> float:
     """The share of the inner steps taken while a merge was in flight that `rebase` keeps when it lands.
 
-    Those steps were taken from θ_at_submit (the eager update), not from the θg the merge produced, and with all of
-    them kept decoupled peers trained 1–9 % worse than `--sync` at H = 10 in `bench parity`'s setting; keeping
-    `keep` = `outer.rebase_keep` of them (0.5, as Streaming DiLoCo mixes a landed fragment half and half, arXiv
-    2501.18512) brought them to 1.003 × `--sync` at H = 10 (mean of 3 seeds) and 1.010 at H = 50 (mean of 10)
-    (docs/benchmarks.md, "Steps taken while a merge is in flight"). Steps taken from the very model the merge
-    landed on (a merge alone after an eager update) were not stale: all kept.
+    Those steps were taken from θ_at_submit (the eager update), not from the θg the merge produced: they are
+    stale, and kept whole they cost decoupled peers eval loss against `--sync`. `keep` = `outer.rebase_keep` of
+    them is kept (0.5 by default, as Streaming DiLoCo mixes a landed fragment half and half, arXiv 2501.18512;
+    docs/benchmarks.md, "Steps taken while a merge is in flight", has how it was chosen). Steps taken from the
+    very model the merge landed on (a merge alone after an eager update) are not stale: all kept.
     """
     return 1.0 if torch.equal(new_global, local_at_submit) else keep
 

@@ -91,10 +91,10 @@ def far_from_majority(parts: Sequence[torch.Tensor], factor: float = FAR_FACTOR)
     parts' distances to it (CenteredClip's start and radius). None is far where τ is 0: a majority agree
     exactly, and CenteredClip already returns their bits.
 
-    For agreements on global models (issue 18's takeover). CenteredClip bounds a far part's pull by τ per
-    iteration, but always in that part's direction: with honest models a few rounds apart (τ their spread) and 2
-    of 5 members offering −θg, the result moved 0.7–1.8× the honest spread along −θg (cosine 0.998) at every
-    such agreement, and `bench byzantine` ended 11–13 % worse in half of its decoupled takeover runs. Left out,
+    For agreements on global models, against members that offer −θg (a `takeover`). CenteredClip bounds a far
+    part's pull by τ per iteration, but always in that part's direction: with honest models a few rounds apart (τ
+    their spread) and 2 of 5 members offering −θg, the result moves along −θg by about the honest spread at every
+    such agreement (docs/security.md, "Insiders who lie about themselves", has the measurement). Left out,
     such a part pulls nothing; an honest model that far from the rest is one the robust rule would clip anyway.
     Parts are left out only where those kept are a strict majority.
     """

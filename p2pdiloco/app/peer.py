@@ -227,9 +227,9 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | 
         torch.set_num_threads(cfg.run.threads)
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    # a resumed peer keeps its peer id, and with it what others learned of it (its guards' trust, issue 14: a
-    # restarted peer under a new id was a stranger whose first unusual part was rejected for a dozen rounds);
-    # a fresh run takes a fresh id
+    # a resumed peer keeps its peer id, and with it what others learned of it (their guards' trust: under a new
+    # id a restarted peer is a stranger, whose first unusual parts the trust screen rejects); a fresh run takes a
+    # fresh id
     identity = run_dir / IDENTITY_FILE
     if not cfg.run.resume:
         identity.unlink(missing_ok=True)
@@ -288,8 +288,8 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | 
             announce(f"  {m}")
         announce("others can join with: p2pdiloco peer --initial-peers " + join_address(maddrs))
         fingerprint = cfg.fingerprint(tokenizer=tokenizer.digest)
-        # one read of every peer record serves both the config check and the join: at 32 peers the second read (8
-        # shards, each a walk over the nodes holding it) was ~50 kB of a peer's start-up DHT bytes (issue 17). One
+        # one read of every peer record serves both the config check and the join: a second read would walk all 8
+        # shards again, each over the nodes holding it (docs/benchmarks.md, Scale, start-up DHT bytes). One
         # node's copy of each shard instead cost more: a fresh peer first looks up each shard's nearest nodes
         every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
         if configs_differ(every, fingerprint_digest(fingerprint)):

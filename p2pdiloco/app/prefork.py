@@ -1,7 +1,7 @@
 """Peer processes forked from one that has already imported what a peer needs (`p2pdiloco local`).
 
-A fresh interpreter spends most of a peer's start-up importing torch, hivemind and p2pdiloco: 70-77 % of a
-restart in `bench churn` (issue 14), and the README's four peers pay it four times at once on two cores.
+A fresh interpreter spends most of a peer's start-up importing torch, hivemind and p2pdiloco (most of a restart
+in `bench churn`, docs/benchmarks.md, Churn), and the README's four peers pay it four times at once on two cores.
 `p2pdiloco local` instead starts multiprocessing's fork server once per run: a fresh process that imports what a
 peer needs (app/forkbase.py, which says why forking after it is safe) and forks each peer from itself, so a peer
 begins with its imports done and shares their pages with the others. Linux only (macOS's frameworks are not

@@ -24,14 +24,15 @@ def config_fingerprint(cfg: Config, tokenizer: str = "bytes") -> dict[str, Any]:
         tokenizer: the loaded tokenizer's digest (`Tokenizer.digest`): "bytes", or a hash of its file, which
             only the peer that loaded it knows (two machines may keep one tokenizer.json at different paths).
     """
-    s = cfg.swarm  # sparse peers without the momentum screen (before adae655) would reduce parts differently
+    s = cfg.swarm  # sparse parts are screened against the momentum; peers that screened them otherwise would
+    # reduce the same parts to different averages
     sparse = {"sparse_keep": s.sparse_keep, "sparse_screen": "momentum"} if s.codec == "sparseloco" else {}
     return {"model": cfg.model.fingerprint(), "tokenizer": tokenizer,
             "codec": {"codec": s.codec, "error_feedback": s.error_feedback, **sparse},
             "outer": cfg.outer.model_dump(exclude={"eager", "alone_lr", "rebase_keep", "land_wait"}),
             "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync}
-            | ({"epoch_s": s.epoch_s} if s.epoch_s != 30 else {}),  # older peers: 30, unnamed
-            "guard": cfg.guard.model_dump(), "agreement": "catch-up"}  # older: int8-linear, fp32
+            | ({"epoch_s": s.epoch_s} if s.epoch_s != 30 else {}),  # named only when not 30 s: unnamed means 30
+            "guard": cfg.guard.model_dump(), "agreement": "catch-up"}  # how members agree on (θg, momentum)
 
 
 def fingerprint_digest(fingerprint: dict[str, Any]) -> str:

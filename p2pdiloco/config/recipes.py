@@ -9,7 +9,7 @@ sparseloco reached 2.70 at H = 50: an average of sparse parts that mostly do not
 fraction of one member's, and only the larger step makes up for it. Eager updates (on by default) jump by that lr
 times the peer's own dense Δ, three times its own progress: at H = 10 sparseloco reached 2.2857 with them and
 2.0576 without (single runs at e3659c3). It was measured keeping all the steps taken while a merge is in flight
-(`outer.rebase_keep` = 1, the default before it became 0.5) and keeps them. docs/benchmarks.md, "Sparse
+(`outer.rebase_keep` = 1) and keeps them: with the default's 0.5 it did worse. docs/benchmarks.md, "Sparse
 pseudo-gradients", has what it gives at each H.
 """
 

@@ -1,10 +1,10 @@
-"""Where most members of a merge group hold one global model, the others fetch it instead of averaging (issue 17).
+"""Where most members of a merge group hold one global model, the others fetch it instead of averaging.
 
 An agreement of (θg, momentum) where more than half the members offered one digest (`Group.majority`) returns
 that model: the robust rule's answer where a majority agrees exactly is theirs (robust.py). Averaging sent every
-member's state out and back to find it, twice where the members held no common anchor, and added int8 rounding
-to it, so that afterwards no member held its old model any more. In `bench scale` at 32 peers, agreements were
-82 % of merge bytes and about half of them were in groups with such a majority (docs/benchmarks.md, Scale).
+member's state out and back to find it, twice where the members hold no common anchor, and adds int8 rounding
+to it, so that afterwards no member holds its old model any more. At 32 peers agreements are most of a peer's
+merge bytes, and many of them are in groups with such a majority (docs/benchmarks.md, Scale).
 
 Here the members outside the majority (fetchers) each fetch that model, exact fp32, from one member holding it
 (holders are dealt to fetchers round-robin in group order), and check it against the majority's digest before

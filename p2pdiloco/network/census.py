@@ -8,8 +8,8 @@ key). It reads an epoch's census once (from its key's nearest node when that cop
 `Census.members`), and reads it again, by a walk, only when a peer it has not seen announces itself
 (rate-limited). Matchmaking's groups of an epoch are dealt from its census (`my_group`), and readiness travels
 peer to peer within a group: a peer's DHT work per epoch is a store and a read or two, whatever the swarm's size
-(a read's bytes do grow with it), where it used to read every peer's records every 0.25 s while looking for a
-group (issue 17: 211 kB/s of DHT traffic sent and received per peer at 8 peers, 64 kB/s with the census).
+(a read's bytes do grow with it), instead of reading every peer's records while looking for a group
+(docs/benchmarks.md, Scale and DHT, has the bytes).
 
 How a census record is kept honest: its subkey is the peer's id, so only that peer can write it
 (`PeerRecordValidator`); it carries nothing a reader trusts but its existence.
@@ -44,8 +44,8 @@ def leader_rank(run_id: str, peer: str, epoch: int) -> bytes:
     """A peer's place in the order of `epoch`: groups are dealt in it and the first ready mate leads.
 
     A hash of (run id, peer id, epoch), so the order changes every epoch and nobody can choose an id that leads
-    every group (issue 18: with `min(ready)`, an id generated to sort first led every group it was in, and
-    by never inviting stopped all merging). Every peer computes the same order from the same census; a search
+    every group (with `min(ready)`, an id generated to sort first would lead every group it is in, and by never
+    inviting stop all merging). Every peer computes the same order from the same census; a search
     still going at an epoch's end is dealt again in the new order (`Matchmaker.find_group`), so two peers
     disagree only while their clocks straddle the end (an invite from either is accepted).
     """
@@ -73,12 +73,11 @@ def registration_expiry(epoch: int, now: float, epoch_s: float = EPOCH_S) -> flo
     that began in it may still read it), plus a millisecond per second since the epoch before it began.
 
     The DHT keeps, per subkey, the record that expires last and refuses an equal one, so a later registration
-    must expire later: a peer restarted under the same id (issue 14) re-registers for epochs its killed process
-    had registered for, and with equal expirations it was refused and waited out two epochs unmatched (120 s
-    sync merges alone in `bench churn`). Registrations for an epoch happen within the two epochs before its end,
-    so the extra is under 0.2 % of two epochs (0.06 s with 30 s epochs) and grows with `now`. Hours-long epochs
-    (the small and medium presets) store registrations hours ahead: checked to store and read back on hivemind
-    1.1.12 with 4 h to go."""
+    must expire later: a peer restarted under the same id (`--resume`) re-registers for epochs its killed process
+    had registered for, and with equal expirations it would be refused and wait out two epochs unmatched.
+    Registrations for an epoch happen within the two epochs before its end, so the extra is under 0.2 % of two
+    epochs (0.06 s with 30 s epochs) and grows with `now`. Hours-long epochs (the small and medium presets)
+    store registrations hours ahead: checked to store and read back on hivemind 1.1.12 with 4 h to go."""
     return (epoch + 2) * epoch_s + max(0.0, now - (epoch - 1) * epoch_s) * 1e-3
 
 
@@ -107,9 +106,8 @@ def census_of(records: dict[str, object], epoch: int) -> set[str]:
 async def registered_now(dht: hivemind.DHT, run_id: str, timeout: float = 5.0, epoch_s: float = EPOCH_S,
                          near: bool = False) -> set[str]:
     """The peers registered for the current epoch, as one read of its census (a small key: one short record a
-    peer). `wait_for_peers` polls this before training starts, where it used to read every shard of the
-    heartbeat records every 0.2 s: in `bench scale` at 16 peers that start-up poll was 44 % of a peer's DHT
-    bytes (issue 17).
+    peer). `wait_for_peers` polls this before training starts instead of every shard of the heartbeat records,
+    which would be most of a peer's start-up DHT bytes in a large swarm.
 
     Args:
         near: read the copy of the key's nearest node only (`swarm.read_near_subkeys`, a third of a walk's bytes),
@@ -158,8 +156,8 @@ class Census:
     def expect(self, size: int) -> None:
         """A read made elsewhere (`together.wait_for_peers`: a walk, or one node's copy that held every awaited peer)
         counted `size` peers in the census, this one included: the first read of an epoch may then take one node's
-        copy when that copy holds as many (`_whole`), where the first read of all walked. At 32 peers that walk was
-        ~30 kB of a peer's start-up DHT bytes (issue 17)."""
+        copy when that copy holds as many (`_whole`), instead of walking again (a walk costs a few times one node's
+        copy: docs/benchmarks.md, Scale, start-up DHT bytes)."""
         self._last_size = max(self._last_size, size)
 
     def counts(self) -> dict[str, int]:
@@ -199,10 +197,10 @@ class Census:
         this peer's own registration (when there is one) and at least as many peers as the last view.
 
         An epoch's first read takes one node's copy of the census (`swarm.read_near_subkeys`), a third of a walk's
-        bytes (the walk merges the whole copy of each of the ~3 nodes holding it): at 32 peers census reads were
-        half of a peer's DHT bytes (issue 17). One node's copy may lack registrations that a writer, its routing
-        table still filling, stored elsewhere: reading only that node once kept three of a run's four peers from
-        seeing the others for 22 s, and the run ended apart (the README's run, since reverted). So the first read
+        bytes (the walk merges the whole copy of each of the ~3 nodes holding it), and census reads are much of a
+        large swarm's DHT bytes. One node's copy may lack registrations that a writer, its routing table still
+        filling, stored elsewhere: peers that read only that node can miss each other for many seconds at
+        start-up and end apart (docs/experiments.md, "The census read from one node"). So the first read
         of all, any copy smaller than the last view, any copy without this peer, and every re-read (an unknown peer
         announced itself, or the view was read too soon after registering) walk."""
         return (epoch not in self._registered or self.peer_id in near) and len(near | {self.peer_id}) >= self._last_size

@@ -3,7 +3,7 @@
 hivemind's `DHTNode.store` finds a key's nearest nodes by a lookup (`rpc_find`) on every store, and every node the
 lookup visits answers with the key's whole value, every subkey of it: a heartbeat into a shard holding k peers'
 records moved those k records from each of ~8 nodes every 5 s, and a census registration the whole census. Both
-grow with the swarm (issue 17: 19.3 kB/s of DHT traffic a peer at 32 peers, 2.8 at 4).
+grow with the swarm (docs/benchmarks.md, DHT, compares the two).
 
 `store_near` remembers a key's nearest nodes for `NEAREST_TTL_S` and sends the signed record straight to them
 (`rpc_store`: the record and its key, nothing else), walking again only when that time is up or one of them did

@@ -7,7 +7,7 @@ models differ (`need_state`) exactly when the digests it lists do (`valid_notice
 A leader could still tell each member a different group: other weights, other members, `need_state` false to one
 and true to another. So every part of the merge carries the digest of the notice its sender acts on
 (`Group.terms`), and a part sent under other terms is refused (`check_terms`): such a merge fails for the members
-told different things, who merge alone, instead of averaging under terms they never agreed on (issue 18).
+told different things, who merge alone, instead of averaging under terms they never agreed on.
 """
 
 from __future__ import annotations

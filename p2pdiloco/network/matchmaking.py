@@ -4,7 +4,7 @@
    peer) are dealt into groups of at most `swarm.group_size` by the hash of their ids with the epoch
    (`my_group`, `leader_rank`): groups change every epoch, and no peer id leads every group.
 2. **Ready.** A peer looking for a group tells its mates so, peer to peer, with its deadline; nothing is polled
-   from the DHT (issue 17: a peer's DHT work does not grow with the swarm).
+   from the DHT, so a peer's DHT work does not grow with the swarm.
 3. **Group.** The first ready mate in the epoch's order leads: it invites the ready mates as soon as every
    reachable mate is ready, or at its deadline with whoever is. Each peer accepts at most one invite per
    merge; the leader then sends the final member list, the members' weights, whether their global models
@@ -236,7 +236,7 @@ class Matchmaker:
 
     def _plausible(self, deadline: object, now: float) -> bool:
         """A deadline an honest peer could have announced: no window is longer than `merge_window_s`, so a
-        deadline further off is a claim meant to be waited for (issue 18)."""
+        deadline further off is a claim meant to make mates wait (a hostile `leader`)."""
         return (isinstance(deadline, int | float) and not isinstance(deadline, bool) and math.isfinite(deadline)
                 and deadline <= now + self.cfg.merge_window_s + RPC_TIMEOUT_S)
 
@@ -360,7 +360,7 @@ class Matchmaker:
 
     async def on_ready(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A mate's word that it is looking for a group until its deadline, or no longer is (its tag already
-        checked). A deadline further off than any honest window is not believed (issue 18)."""
+        checked). A deadline further off than any honest window is not believed (`_plausible`)."""
         await self.rpc.receive_payload(reader, 0)  # it carries none
         header, peer = request.header, request.sender
         now = get_dht_time()

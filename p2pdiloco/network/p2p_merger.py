@@ -262,11 +262,10 @@ def _rejected_as_dropped(sent: torch.Tensor, delta: torch.Tensor, shares: list[f
     """What error feedback counts as gone of each slice: what was sent, and in slices whose owner left this
     peer's part out (share 0) this round's own Δ, so that the residual there stays the residual carried in.
 
-    The rejected Δ is dropped, not kept: a part kept whole came back the next round on top of the next Δ, larger,
-    was left out again by the norm check, and grew every round; in `bench scale` at 16 peers three peers' parts
-    were left out from round 8 on, and the accumulated part, accepted in a 2-member group near the end, left the
-    global model worse than its initialization (eval loss 5.94 against 5.44, docs/benchmarks.md). The residual
-    carried in is not charged as sent: it goes out with the next merge.
+    The rejected Δ is dropped, not kept: kept whole, a part would come back the next round on top of the next Δ,
+    larger, be left out again by the norm check, and grow every round, until a group small enough to accept it
+    (two members, where each owner's norm reference is its own part) applied it and left the global model worse
+    than its initialization. The residual carried in is not charged as sent: it goes out with the next merge.
     """
     if all(s > 0 for s in shares):
         return sent

@@ -4,11 +4,11 @@ With rounds of `swarm.round_steps` inner steps, a peer's rounds end wherever its
 equal speed keep whatever phase they have, and a decoupled search waits only a fraction of a round
 (`Matchmaker._window`): two halves of a swarm whose round ends drifted half a round apart never meet again. Each
 half merges within itself, no merge is alone (so no window widens), and their global models drift apart until
-the run's last merge. The README's run did this in about one run of ten (docs/benchmarks.md, "The README's
-run, ten times": two pairs from round 7 to 19, 7 % worse eval loss; and a run whose split ended with one peer's
-final merge alone and the global models apart).
+the run's last merge. Without the shift the README's run did this in about one run of ten (docs/benchmarks.md,
+"The README's run").
 
-The fix moves round ends instead of waiting longer (a longer window held merges up, docs/benchmarks.md): a mate's
+Round ends move instead of searches waiting longer (a longer window held merges up: docs/experiments.md, "A wider
+search window"): a mate's
 word that it is looking for a group (`ready`) arrives when its round ended, so its arrival time, taken modulo this
 peer's round length, is the mate's phase relative to this peer's. When its merge is over, this peer takes the
 median of its mates' phases and its own (0) and ends its current round that much later or earlier

@@ -102,7 +102,7 @@ class SliceGuard:
         shares = weight_shares(weights, [i in keep for i in range(len(parts))])
         # global models too are combined by the robust rule: where most members agree and one differs (it merged
         # alone), CenteredClip's median start and zero radius return the majority's bits exactly, and a member
-        # offering a model far off moves the result by at most the clipping radius (issue 18)
+        # offering a model far off (a hostile −θg) moves the result by at most the clipping radius
         # differences from the anchor: its own (zero) breaks a tie between two halves of the group
         tie = torch.zeros_like(kept[0], dtype=torch.float32) if tag == "a" else None
         return aggregate(g.aggregate, kept, kept_w, g.robust_min_group, g.trim_fraction, tie), shares

@@ -6,9 +6,9 @@ average back. The average of sparse parts whose positions differ is as dense as 
 no longer 2-bit, so sending it back would cost about as much as the parts themselves, or a second top-k of the
 average (gTop-k). That halves a member's bytes, and with each member's error feedback keeping its values at the
 positions the average dropped it still lost: 1.78 eval loss against 1.55 for the all-gather, and 1.65 for the
-all-gather at half the density, the same bytes (4 learners, H = 10, 1000 steps; docs/benchmarks.md). Sending the
-part itself to each member costs (N − 1) parts a member, bounded by the group size; SparseLoCo (arXiv 2508.15706)
-all-gathers too.
+all-gather at half the density, the same bytes (4 learners, H = 10, 1000 steps; docs/experiments.md, "gTop-k").
+Sending the part itself to each member costs (N − 1) parts a member, bounded by the group size; SparseLoCo (arXiv
+2508.15706) all-gathers too.
 
 Members stay bit-identical because every member decodes the same bytes (its own part too: the decoded copy of
 what it sent) and runs the same function of them, in group order: the same screening, and the same weighted

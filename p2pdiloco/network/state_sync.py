@@ -8,7 +8,7 @@ donors instead of queueing on the freshest one. A download is a bounded send (`w
 that stops reading is cut off within seconds, so it cannot keep a slot (or a copy of the state) for long.
 Requests pass the peer's stream admission first (admission.py): the key is checked before anything else.
 
-Nothing a donor says about its state is taken on its word (issue 18): the joiner takes a state only if its
+Nothing a donor says about its state is taken on its word (a donor may lie): the joiner takes a state only if its
 digest is the global model of at least two live peers (their heartbeat records carry `global_digest`; with a
 single live peer, that peer's), and the counters it adopts are capped by the median of the live peers' records,
 so one donor claiming step 10⁹ cannot end a joiner's run.

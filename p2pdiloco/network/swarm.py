@@ -47,7 +47,7 @@ if "HIVEMIND_MEMORY_SHARING_STRATEGY" not in os.environ:
     # hivemind asks torch to share tensors between processes through files in /dev/shm ('file_system'), which
     # makes torch start a torch_shm_manager process beside each peer at its first DHT call: ~57 MB (libtorch's
     # static initialisation) to share the few bytes of state of each DHT call's future. File descriptors share
-    # them without an extra process (measured, issue 17). Set before any DHT exists, since hivemind shares its
+    # them without an extra process. Set before any DHT exists, since hivemind shares its
     # futures' state from the first one; an explicit HIVEMIND_MEMORY_SHARING_STRATEGY still decides.
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
@@ -139,13 +139,14 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
             startup_timeout=cfg.join_timeout_s,
             await_ready=True,
             record_validators=validators,
-            # every DHT request of a swarm of 16 moved ~14 KB with hivemind's defaults (20 contacts per reply,
-            # 5 replicas), ~4.5 KB with these (BitTorrent's DHT also keeps 8 per bucket): measured, issue 17
+            # a DHT request's reply lists up to a bucket of contacts: in a swarm of 16, ~14 KB a request with
+            # hivemind's defaults (20 contacts per reply, 5 replicas), ~4.5 KB with these (BitTorrent's DHT also
+            # keeps 8 per bucket)
             bucket_size=DHT_BUCKET_SIZE, num_replicas=DHT_REPLICAS,
             # hivemind's reader keeps what it found (and re-reads it in the background before it expires) and
             # pushes it to a node near the key: records live on their key's nearest nodes and are read from there
-            # (`read_subkeys`), so neither copy serves anyone, and the push cost a whole census after each read
-            # (~0.4 kB/s a peer at 32 peers, issue 17; tests/test_records.py)
+            # (`read_subkeys`), so neither copy serves anyone, and the push would cost a whole census after each
+            # read (tests/test_records.py)
             cache_locally=False, cache_nearest=0,
         )
     except P2PDaemonError as e:
@@ -217,7 +218,7 @@ bucket size, 8 here)."""
 PEER_SHARDS = 8
 """Peer records are spread over this many DHT keys: every store or read of a key moves all its records (hivemind
 returns a key's every subkey from each node on the way), so one key for the whole swarm made each peer's
-heartbeat cost grow with the swarm (issue 17). Only whole-swarm readers (`status`, the dashboard, a joiner)
+heartbeat cost grow with the swarm. Only whole-swarm readers (`status`, the dashboard, a joiner)
 read every shard."""
 
 CONFIG_TTL_S = 600.0

@@ -5,11 +5,13 @@ intent would. It changes nothing in other peers' processes: what they see is onl
 
 - nan, scale, noise, signflip: its pseudo-gradient is corrupted (see `corrupt`).
 - takeover: it offers θg = −(its θg) with weights of 1e30, so that a group that averages global models adopts
-  its model (issue 18, attack 2).
-- final: every contribution says "this is my last", which used to end every member's run (attack 3).
-- leader: its ready records claim a deadline an hour away and it never invites anyone, which used to stop
-  every group it would have led from forming (attack 5).
-- donor: it serves joiners θg = −(its θg) with counters claiming step 10⁹ (attack 6).
+  its model.
+- final: every contribution says "this is my last", meant to end every member's run.
+- leader: its ready records claim a deadline an hour away and it never invites anyone, meant to stop every
+  group it would lead from forming.
+- donor: it serves joiners θg = −(its θg) with counters claiming step 10⁹.
+
+docs/security.md, "Insiders who lie about themselves", says how each is stopped.
 """
 
 from __future__ import annotations

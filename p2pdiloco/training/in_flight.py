@@ -79,7 +79,8 @@ class LandWait:
     matchmaking: the median of the last `window`) took less than the bound: where merges are slower than it
     (short rounds, slow links) it does not wait at all. Its misses are no signal: a peer that submits before its
     mates waits through their matchmaking and misses, and only its waiting moves its round ends onto theirs;
-    backing off on misses was measured to leave such peers out of the wait for good (docs/benchmarks.md, parity).
+    backing off on misses was measured to leave such peers out of the wait for good (docs/experiments.md,
+    "`outer.land_wait`: when to wait").
     """
 
     share: float  # of the last round's wall time; 0: never wait

@@ -160,10 +160,11 @@ class Learner:
 
     def near_end(self) -> bool:
         """Within about a round of this peer's own end (its step budget or time limit), by its own counters: 1.5×
-        the steps, or seconds, its last submitted round took (rounds cut by time vary by a few steps: 22 left after
-        a round of ~20 let a restarted peer go on alone and end 12 % worse than the others, bench churn bc22).
-        Only then does a group member's "final" end this peer's run: peers that finish together end on the same
-        global model, and a member that says "final" at any other time ends nobody's run (issue 18)."""
+        the steps, or seconds, its last submitted round took (rounds cut by time vary by a few steps, so a peer a
+        little over one round from its end when its mates finish would go on alone, and its last merges alone would
+        leave it on a model of its own). Only then does a group member's "final" end this peer's run: peers that
+        finish together end on the same global model, and a member that says "final" at any other time, as a hostile
+        peer may in every contribution, ends nobody's run."""
         if self.cfg.run.total_steps - self.c.step <= max(1, 1.5 * self.last_round_steps):
             return True
         limit = self.clock.time_limit_s
@@ -263,7 +264,7 @@ class Learner:
             if self.near_end():
                 self.ended_with_swarm = True  # the steps taken since this contribution are not in any global model
                 logger.info("[%s] merged with a peer that finished its run: ending at step %d", self.tag, self.c.step)
-            else:  # a claim from another peer; only this peer's own counters end its run (issue 18)
+            else:  # a claim from another peer, which may lie; only this peer's own counters end its run
                 logger.warning("[%s] a member of group %s said the run is over, but this peer is at step %d of %d: "
                                "going on", self.tag, result.group_id, self.c.step, self.cfg.run.total_steps)
         self.report.merge(result, flight.compute_s, self.c.global_digest, self.scheduled_eval())

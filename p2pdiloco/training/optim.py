@@ -59,7 +59,7 @@ class AdamW(torch.optim.AdamW):
     torch's `step` imports torch._dynamo at every call (`_use_grad_for_differentiable`), only to place graph
     breaks for torch.compile; with it come sympy and ~800 modules: ~70 MB in a peer's process, imported after
     the DHT process forked, so that the pages the two shared are copied too (~110 MB PSS a peer in all on the
-    benchmark model, issue 17). This one runs torch's own step body under `torch.no_grad()`, which is what that
+    benchmark model). This one runs torch's own step body under `torch.no_grad()`, which is what that
     wrapper does for an optimizer that is not `differentiable` (the inner optimizer never is); step hooks still
     run (torch wraps this class's `step` with them as it does any optimizer's).
     """
