@@ -88,5 +88,5 @@ def test_status_shows_mfu_where_the_peer_knows_its_device_peak():
     status = swarm_status(records, "run", now=1000.0)
     assert [p["mfu"] for p in status["peers"]] == [None, None, 0.412]  # sorted by name: bad, cpu, gpu
     lines = format_status(status).splitlines()
-    assert lines[0].split()[7:9] == ["tok/s", "MFU"]
+    assert lines[0].split()[8:10] == ["tok/s", "MFU"]
     assert "41.2%" in lines[3] and "%" not in lines[1] + lines[2]
