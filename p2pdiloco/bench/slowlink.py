@@ -16,9 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,8 +25,10 @@ from rich.console import Console
 
 from p2pdiloco.app.local import PeerProc, peer_command, stop_peers
 from p2pdiloco.app.summary import summarize
+from p2pdiloco.bench import netns
 from p2pdiloco.bench.common import BENCH_DATA, machine, report
-from p2pdiloco.config import Config, ConfigError, load_config, parse_set
+from p2pdiloco.bench.netns import NamespacesUnavailable, sh
+from p2pdiloco.config import Config, load_config, parse_set
 from p2pdiloco.training.model import build_model, count_params
 
 logger = logging.getLogger(__name__)
@@ -46,43 +46,17 @@ SLOWLINK_SETS = [
 ]
 
 
-class SlowlinkUnavailable(ConfigError):
-    """This machine or user cannot create the namespaces and rate limits the benchmark needs."""
+SlowlinkUnavailable = NamespacesUnavailable
 
 
 def check_can_run() -> None:
     """Raise SlowlinkUnavailable, saying what is missing, unless we are root on Linux with `ip` and `tc`."""
-    if not sys.platform.startswith("linux"):
-        raise SlowlinkUnavailable("bench slowlink needs Linux network namespaces (ip netns)")
-    if os.geteuid() != 0:
-        raise SlowlinkUnavailable(
-            "bench slowlink must run as root: it creates network namespaces, veth pairs and tc rate limits "
-            "(only inside its own namespaces); try: sudo $(which p2pdiloco) bench slowlink")
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    if missing:
-        raise SlowlinkUnavailable(f"bench slowlink needs iproute2's {' and '.join(missing)} on PATH")
-
-
-def _sh(*cmd: str) -> None:
-    done = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
-
-
-def _namespaces() -> list[str]:
-    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
-    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+    netns.check_can_run("bench slowlink")
 
 
 def remove_stale_namespaces() -> list[str]:
     """Delete namespaces left by earlier runs of this benchmark whose process is gone (e.g. SIGKILLed)."""
-    removed = []
-    for ns in _namespaces():
-        pid = ns[len(NS_PREFIX):].split("-")[0]
-        if ns.startswith(NS_PREFIX) and pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-            removed.append(ns)
-    return removed
+    return netns.remove_stale_namespaces(NS_PREFIX)
 
 
 class SlowLinks:
@@ -117,44 +91,33 @@ class SlowLinks:
         self.close()
 
     def _netns(self, name: str) -> None:
-        _sh("ip", "netns", "add", name)
-        self.created.append(name)
-        _sh("ip", "-n", name, "link", "set", "lo", "up")  # p2pd and the DHT also talk over loopback
-
-    def _tbf(self, ns: str, dev: str) -> None:
-        # burst: a few full-size packets (must exceed rate/HZ); latency bounds the queue, like a modem's buffer
-        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-            "rate", f"{self.rate_mbit:g}mbit", "burst", "32kb", "latency", "100ms")
+        self.created.append(name)  # first: a namespace half made is deleted too
+        netns.add_namespace(name)
 
     def _create(self) -> None:
         self._netns(self.hub)
-        _sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-        _sh("ip", "-n", self.hub, "addr", "add", f"{HUB_ADDR}/24", "dev", "br0")
-        _sh("ip", "-n", self.hub, "link", "set", "br0", "up")
+        sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", self.hub, "addr", "add", f"{HUB_ADDR}/24", "dev", "br0")
+        sh("ip", "-n", self.hub, "link", "set", "br0", "up")
         for i, (ns, addr) in enumerate(zip(self.peers, self.addresses, strict=True)):
             self._netns(ns)
             # created inside the hub with its other end moved straight into the peer's namespace, so that no
             # interface ever appears in the host's namespace
-            _sh("ip", "-n", self.hub, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _sh("ip", "-n", self.hub, "link", "set", f"v{i}", "master", "br0")
-            _sh("ip", "-n", self.hub, "link", "set", f"v{i}", "up")
-            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
-            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
-            self._tbf(self.hub, f"v{i}")  # what the peer downloads
-            self._tbf(ns, "eth0")  # what the peer uploads
+            sh("ip", "-n", self.hub, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            sh("ip", "-n", self.hub, "link", "set", f"v{i}", "master", "br0")
+            sh("ip", "-n", self.hub, "link", "set", f"v{i}", "up")
+            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+            sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            netns.tbf(self.hub, f"v{i}", self.rate_mbit)  # what the peer downloads
+            netns.tbf(ns, "eth0", self.rate_mbit)  # what the peer uploads
 
     def close(self) -> None:
         """Delete every namespace this object created (processes inside must have exited first)."""
         for ns in reversed(self.created):
-            done = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True, timeout=30)
-            if done.returncode != 0:
-                logger.error("could not delete network namespace %s: %s", ns, done.stderr.strip())
+            netns.delete_namespace(ns)
         self.created.clear()
 
-    @staticmethod
-    def exec_in(ns: str) -> list[str]:
-        """Command prefix that runs a program inside namespace `ns` (it execs: the pid is the program's)."""
-        return ["ip", "netns", "exec", ns]
+    exec_in = staticmethod(netns.exec_in)
 
 
 def _start(name: str, cmd: list[str], run_dir: Path) -> PeerProc:
