@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -83,14 +84,37 @@ def delete_namespace(name: str) -> bool:
     return done.returncode == 0
 
 
-def tbf(ns: str, dev: str, rate_mbit: float) -> None:
+def tbf(ns: str, dev: str, rate_mbit: float, burst: str = "32kb") -> None:
     """Limit what leaves `dev` in `ns` to `rate_mbit` Mbit/s with a token bucket.
 
-    The burst is a few full-size packets (it must exceed rate/HZ); the latency bounds the queue, like a modem's
-    buffer.
+    Args:
+        ns: the namespace of the interface.
+        dev: the interface.
+        rate_mbit: the rate, Mbit/s.
+        burst: the bucket, in tc's units: a few full-size packets, and it must exceed rate ÷ the kernel's timer
+            frequency. The queue is bounded by 100 ms of latency, like a modem's buffer.
     """
     sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-       "rate", f"{rate_mbit:g}mbit", "burst", "32kb", "latency", "100ms")
+       "rate", f"{rate_mbit:g}mbit", "burst", burst, "latency", "100ms")
+
+
+def wait_ready(proc: subprocess.Popen, timeout_s: float, what: str) -> None:
+    """Wait until a child started with text pipes prints `ready` as its first line.
+
+    Args:
+        proc: the child, with stdout and stderr pipes in text mode.
+        timeout_s: how long it may take, seconds.
+        what: the child, for the message.
+
+    Raises:
+        RuntimeError: it printed something else, exited or said nothing in time (the caller still stops it;
+            the message has the end of its stderr if it exited).
+    """
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline().strip() if ready else ""
+    if line != "ready":
+        err = proc.stderr.read().strip()[-500:] if proc.poll() is not None else ""
+        raise RuntimeError(f"{what} did not start in {timeout_s:g} s: {err or line or 'no output'}")
 
 
 def creator_pid(ns: str, prefix: str) -> int | None:

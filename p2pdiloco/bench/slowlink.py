@@ -13,21 +13,17 @@ for decoupled merging and for `--sync` (which waits for every merge) in the same
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
-import sys
-import time
 from pathlib import Path
 
 from rich.console import Console
 
-from p2pdiloco.app.local import PeerProc, peer_command, stop_peers
-from p2pdiloco.app.summary import summarize
 from p2pdiloco.bench import netns
 from p2pdiloco.bench.common import BENCH_DATA, machine, report
 from p2pdiloco.bench.netns import NamespacesUnavailable, sh
+from p2pdiloco.bench.nsswarm import run_swarm
 from p2pdiloco.config import Config, load_config, parse_set
 from p2pdiloco.training.model import build_model, count_params
 
@@ -120,69 +116,10 @@ class SlowLinks:
     exec_in = staticmethod(netns.exec_in)
 
 
-def _start(name: str, cmd: list[str], run_dir: Path) -> PeerProc:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "peer_summary.json", "bootstrap.maddr"):
-        (run_dir / stale).unlink(missing_ok=True)
-    proc = PeerProc(name, run_dir, None, (run_dir / f"{name}.log").open("w"), cmd=cmd,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    proc.start()
-    return proc
-
-
-def _bootstrap_maddr(boot: PeerProc, path: Path, timeout_s: float = 60.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and boot.proc.poll() is None:
-        if path.exists():
-            maddrs = path.read_text().split()
-            found = next((m for m in maddrs if f"/{HUB_ADDR}/" in m), None)
-            if found is None:
-                raise RuntimeError(f"the bootstrap node listens on {maddrs}, not on {HUB_ADDR}")
-            return found
-        time.sleep(0.2)  # polling for the file, with a deadline
-    raise RuntimeError(f"the bootstrap node did not start; see {boot.run_dir / 'bootstrap.log'}")
-
-
-def _merge_rows(path: Path) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r.get("kind") == "merge" and r.get("group_size", 1) > 1]
-
-
 def run_mode(links: SlowLinks, cfg: Config, sets: list[str], out: Path, timeout_s: float) -> dict:
     """One swarm: a bootstrap node in the hub, peer i in namespace i; returns the run's summary."""
-    n = len(links.peers)
-    procs: list[PeerProc] = []
-    t0 = time.monotonic()
-    try:
-        boot = _start("bootstrap", links.exec_in(links.hub) + [
-            sys.executable, "-m", "p2pdiloco", "bootstrap", "--host", HUB_ADDR, "--port", str(BOOTSTRAP_PORT),
-            "--identity", str(out / "bootstrap.key"), "--maddr-file", str(out / "bootstrap.maddr")], out)
-        procs.append(boot)
-        maddr = _bootstrap_maddr(boot, out / "bootstrap.maddr")
-        for i, (ns, addr) in enumerate(zip(links.peers, links.addresses, strict=True)):
-            # the peer command of `local` (shard, seed, wait for all peers); the later --host wins
-            cmd = links.exec_in(ns) + peer_command(i, n, cfg, maddr, out / "peers" / f"peer{i}", None, sets) + [
-                "--host", addr]
-            procs.append(_start(f"peer{i}", cmd, out / "peers" / f"peer{i}"))
-        deadline = time.monotonic() + timeout_s
-        peers = procs[1:]
-        while any(p.proc.poll() is None for p in peers):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"peers did not finish in {timeout_s:.0f} s; see {out}/peers/*/peer*.log")
-            for p in procs:
-                if p.proc.poll() is None:
-                    p.remember_descendants()
-            time.sleep(0.5)  # waiting for the peers to exit, with a deadline
-    finally:
-        stop_peers(procs)
-    failed = {p.name: p.proc.returncode for p in procs[1:] if p.proc.returncode != 0}
-    if failed:
-        raise RuntimeError(f"peers failed: {failed}; see {out}/peers/*/peer*.log")
-    dirs = [p.run_dir for p in procs[1:]]
-    summary = summarize(out, dirs, cfg.to_dict(), time.monotonic() - t0)
-    merges = [r for d in dirs for r in _merge_rows(d / "metrics.jsonl")]
-    summary["merge_s_mean"] = statistics.mean(r["merge_s"] for r in merges) if merges else None
-    return summary
+    return run_swarm(links.hub, HUB_ADDR, list(zip(links.peers, links.addresses, strict=True)), cfg, sets, out,
+                     timeout_s, BOOTSTRAP_PORT)
 
 
 def bench_slowlink(out: Path, peers: int = 2, steps: int = 250, h: int = 25, step_s: float = 0.2,
