@@ -1,0 +1,96 @@
+"""How well a WAN lab does what it was set to: round trips, rates and loss measured against the settings.
+
+Before a run, `measure` starts a probe server (`wanprobe serve`) in the hub and, for each distinct link of the
+lab, probes from the first home that has it: 500 UDP round trips (p50, p99 against twice the delay; loss home
+to hub against the link's loss), then one TCP transfer up and one down (goodput against the tbf rate; TCP's
+headers and the loss keep goodput a few percent below the rate). A few seconds per distinct link.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from rich.console import Console
+
+from p2pdiloco.bench import netns
+from p2pdiloco.bench.wanlab import HUB_ADDR, Home, WanLab
+
+PROBE_PORT = 5201
+PROBE_TIMEOUT_S = 30.0
+SERVER_START_S = 10.0
+
+
+def _probe(home: Home, *args: str) -> dict:
+    cmd = netns.exec_in(home.ns) + [sys.executable, "-m", "p2pdiloco.bench.wanprobe", *args, HUB_ADDR,
+                                    str(PROBE_PORT)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
+    return json.loads(done.stdout)
+
+
+def measure_home(home: Home, transfer_s: float = 1.5, count: int = 500) -> dict:
+    """The probes of one home against the hub (a probe server must be running there), beside what was set.
+
+    Args:
+        home: the home to probe from.
+        transfer_s: length of each TCP transfer, seconds.
+        count: UDP round trips.
+    """
+    link = home.link
+    rtt = _probe(home, "rtt", "--count", str(count))
+    up = _probe(home, "up", "--seconds", f"{transfer_s:g}")
+    down = _probe(home, "down", "--seconds", f"{transfer_s:g}")
+    received = rtt.get("server_received")
+    return {
+        "home": home.index, "link": link.describe(), "count": count,
+        "rtt_ms_set": 2 * link.delay_ms, "rtt_ms_p50": rtt.get("rtt_ms_p50"), "rtt_ms_p99": rtt.get("rtt_ms_p99"),
+        "loss_set": link.loss,
+        "loss_up": 1 - received / count if received is not None else None,
+        "loss_round_trip_set": 1 - (1 - link.loss) ** 2,
+        "loss_round_trip": 1 - rtt["echoed"] / count if "echoed" in rtt else None,
+        "up_mbit_set": link.up_mbit, "up_mbit": up.get("mbit"),
+        "down_mbit_set": link.down_mbit, "down_mbit": down.get("mbit"),
+        "errors": {k: v["error"] for k, v in (("rtt", rtt), ("up", up), ("down", down)) if "error" in v},
+    }
+
+
+def measure(lab: WanLab, transfer_s: float = 1.5) -> list[dict]:
+    """`measure_home` for the first home of each distinct link of `lab`, one after the other."""
+    server = subprocess.Popen(
+        netns.exec_in(lab.hub) + [sys.executable, "-m", "p2pdiloco.bench.wanprobe", "serve", HUB_ADDR,
+                                  str(PROBE_PORT)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        netns.wait_ready(server, SERVER_START_S, f"the probe server in {lab.hub}")
+        seen, results = set(), []
+        for home in lab.homes:
+            if home.link not in seen:
+                seen.add(home.link)
+                results.append(measure_home(home, transfer_s))
+        return results
+    finally:
+        server.kill()
+        server.communicate(timeout=PROBE_TIMEOUT_S)
+
+
+def _fmt(value: float | None, unit: str, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}%}" if unit == "%" else f"{value:.{digits}f}{unit}"
+
+
+def print_accuracy(rows: list[dict], console: Console) -> None:
+    """One line per measured link: each figure beside what was set."""
+    for r in rows:
+        up_set = f"{r['up_mbit_set']:g}" if r["up_mbit_set"] else "∞"
+        down_set = f"{r['down_mbit_set']:g}" if r["down_mbit_set"] else "∞"
+        console.print(
+            f"  home {r['home']} ({r['link']}): RTT to hub p50 {_fmt(r['rtt_ms_p50'], ' ms')} / p99 "
+            f"{_fmt(r['rtt_ms_p99'], ' ms')} (set {r['rtt_ms_set']:g} ms); up {_fmt(r['up_mbit'], '')} of "
+            f"{up_set} Mbit/s, down {_fmt(r['down_mbit'], '')} of {down_set} Mbit/s; loss home to hub "
+            f"{_fmt(r['loss_up'], '%')} (set {r['loss_set']:.1%}), round trip {_fmt(r['loss_round_trip'], '%')} "
+            f"(expected {r['loss_round_trip_set']:.1%}) of {r['count']} UDP datagrams"
+            + (f"; probe errors: {r['errors']}" if r["errors"] else ""))
