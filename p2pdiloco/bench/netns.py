@@ -76,6 +76,13 @@ def add_namespace(name: str) -> None:
     sh("ip", "-n", name, "link", "set", "lo", "up")
 
 
+def add_bridge(ns: str, cidr: str) -> None:
+    """Create bridge br0 in `ns` with address `cidr` (e.g. 10.77.0.1/24), up: the hub that veths attach to."""
+    sh("ip", "-n", ns, "link", "add", "br0", "type", "bridge")
+    sh("ip", "-n", ns, "addr", "add", cidr, "dev", "br0")
+    sh("ip", "-n", ns, "link", "set", "br0", "up")
+
+
 def delete_namespace(name: str) -> bool:
     """Delete namespace `name` (its interfaces and their qdiscs go with it); False, logged, if that failed."""
     done = subprocess.run(["ip", "netns", "del", name], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
@@ -115,6 +122,47 @@ def wait_ready(proc: subprocess.Popen, timeout_s: float, what: str) -> None:
     if line != "ready":
         err = proc.stderr.read().strip()[-500:] if proc.poll() is not None else ""
         raise RuntimeError(f"{what} did not start in {timeout_s:g} s: {err or line or 'no output'}")
+
+
+class Namespaces:
+    """The namespaces a bench builds, deleted together: a context manager around a subclass's `_create`.
+
+    Whatever `_create` made before it failed is deleted too (namespaces are recorded before they are made);
+    `close` stops, by pid, any process still running inside one (logged: its owner should have stopped it),
+    then deletes them all, the last made first. Deleting a namespace deletes its interfaces, their qdiscs and
+    its iptables with it.
+    """
+
+    def __init__(self) -> None:
+        self.created: list[str] = []
+
+    def __enter__(self):
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _create(self) -> None:
+        raise NotImplementedError
+
+    def _netns(self, name: str) -> None:
+        self.created.append(name)  # first: a namespace half made is deleted too
+        add_namespace(name)
+
+    def close(self) -> None:
+        """Stop what still runs in the namespaces, then delete every one this object created."""
+        for ns in reversed(self.created):
+            left = pids_in(ns)
+            if left:
+                logger.warning("stopping processes still running in %s: %s", ns, left)
+                kill_pids(left)
+            delete_namespace(ns)
+        self.created.clear()
 
 
 def creator_pid(ns: str, prefix: str) -> int | None:

@@ -55,7 +55,7 @@ def remove_stale_namespaces() -> list[str]:
     return netns.remove_stale_namespaces(NS_PREFIX)
 
 
-class SlowLinks:
+class SlowLinks(netns.Namespaces):
     """`n` peer namespaces, each joined to a bridge in a hub namespace by a veth pair rate-limited with tbf.
 
     Use as a context manager: everything created is deleted on exit, also after an error or Ctrl+C
@@ -73,28 +73,11 @@ class SlowLinks:
         self.hub = f"{base}-hub"
         self.peers = [f"{base}-p{i}" for i in range(n)]
         self.addresses = [f"{SUBNET}.{i + 2}" for i in range(n)]
-        self.created: list[str] = []
-
-    def __enter__(self) -> SlowLinks:
-        try:
-            self._create()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _netns(self, name: str) -> None:
-        self.created.append(name)  # first: a namespace half made is deleted too
-        netns.add_namespace(name)
+        super().__init__()
 
     def _create(self) -> None:
         self._netns(self.hub)
-        sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-        sh("ip", "-n", self.hub, "addr", "add", f"{HUB_ADDR}/24", "dev", "br0")
-        sh("ip", "-n", self.hub, "link", "set", "br0", "up")
+        netns.add_bridge(self.hub, f"{HUB_ADDR}/24")
         for i, (ns, addr) in enumerate(zip(self.peers, self.addresses, strict=True)):
             self._netns(ns)
             # created inside the hub with its other end moved straight into the peer's namespace, so that no
@@ -106,12 +89,6 @@ class SlowLinks:
             sh("ip", "-n", ns, "link", "set", "eth0", "up")
             netns.tbf(self.hub, f"v{i}", self.rate_mbit)  # what the peer downloads
             netns.tbf(ns, "eth0", self.rate_mbit)  # what the peer uploads
-
-    def close(self) -> None:
-        """Delete every namespace this object created (processes inside must have exited first)."""
-        for ns in reversed(self.created):
-            netns.delete_namespace(ns)
-        self.created.clear()
 
     exec_in = staticmethod(netns.exec_in)
 

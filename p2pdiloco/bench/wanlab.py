@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import cycle
 
 from p2pdiloco.bench import netns
@@ -60,6 +60,8 @@ class Link:
     """Standard deviation of a normal jitter added to the delay, ms (packets keep their order)."""
     loss: float = 0.0
     """Probability that a packet crossing the router is dropped, each way, 0..1."""
+    name: str = field(default="custom", compare=False)
+    """A short name for tables (the profile's link it is)."""
 
     @property
     def needs_daemon(self) -> bool:
@@ -69,16 +71,16 @@ class Link:
     def describe(self) -> str:
         """One line for a table: rates, delay, jitter, loss."""
         if self == Link():
-            return "no shaping"
+            return f"{self.name}: no shaping"
         rate = lambda r: f"{r:g}" if r else "∞"  # noqa: E731
-        return (f"{rate(self.up_mbit)}/{rate(self.down_mbit)} Mbit/s up/down, {self.delay_ms:g} ms each way"
+        return (f"{self.name}: {rate(self.up_mbit)}/{rate(self.down_mbit)} Mbit/s up/down, {self.delay_ms:g} ms each way"
                 + (f" ± {self.jitter_ms:g}" if self.jitter_ms else "") + f", {self.loss:.1%} loss")
 
 
-LAN = Link()
-HOME = Link(up_mbit=20, down_mbit=100, delay_ms=40, loss=0.005)
-INTERCONTINENTAL = Link(up_mbit=50, down_mbit=200, delay_ms=100, jitter_ms=5, loss=0.01)
-FIBER = Link(up_mbit=100, down_mbit=100, delay_ms=10, jitter_ms=1)
+LAN = Link(name="lan")
+HOME = Link(up_mbit=20, down_mbit=100, delay_ms=40, loss=0.005, name="home")
+INTERCONTINENTAL = Link(up_mbit=50, down_mbit=200, delay_ms=100, jitter_ms=5, loss=0.01, name="intercontinental")
+FIBER = Link(up_mbit=100, down_mbit=100, delay_ms=10, jitter_ms=1, name="fiber")
 PROFILES: dict[str, tuple[Link, ...]] = {
     "lan": (LAN,),
     "home": (HOME,),
@@ -126,7 +128,7 @@ def check_can_run(what: str, links: list[Link]) -> None:
                 f"builds against Debian's libnetfilter-queue-dev): {e}") from e
 
 
-class WanLab:
+class WanLab(netns.Namespaces):
     """Hub, routers and homes as described in the module docstring; a context manager that deletes them on exit.
 
     Args:
@@ -144,22 +146,9 @@ class WanLab:
         self.homes = [Home(i, f"{base}-h{i}", f"{base}-r{i}", f"10.88.{100 + i}.2", f"10.88.0.{10 + i}", n, link)
                       for i, (link, n) in enumerate(zip(links, nat, strict=True))]
         self.seed = seed
-        self.created: list[str] = []
         self.daemons: dict[str, subprocess.Popen] = {}
         self._previous_sigterm = None
-
-    def __enter__(self) -> WanLab:
-        self._stop_on_sigterm()
-        try:
-            netns.remove_stale_namespaces(NS_PREFIX)
-            self._create()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        super().__init__()
 
     @property
     def namespaces(self) -> list[str]:
@@ -178,16 +167,12 @@ class WanLab:
 
             signal.signal(signal.SIGTERM, interrupt)
 
-    def _netns(self, name: str) -> None:
-        self.created.append(name)  # first: a namespace half made is deleted too
-        netns.add_namespace(name)
-
     def _create(self) -> None:
+        self._stop_on_sigterm()
+        netns.remove_stale_namespaces(NS_PREFIX)
         hub = self.hub
         self._netns(hub)
-        sh("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
-        sh("ip", "-n", hub, "addr", "add", f"{HUB_ADDR}/24", "dev", "br0")
-        sh("ip", "-n", hub, "link", "set", "br0", "up")
+        netns.add_bridge(hub, f"{HUB_ADDR}/24")
         _sysctl(hub, "net.ipv4.ip_forward=1")
         _sysctl(hub, "net.ipv4.conf.all.send_redirects=0")  # routers keep sending via the hub: one path
         _sysctl(hub, "net.ipv4.conf.br0.send_redirects=0")
@@ -274,13 +259,7 @@ class WanLab:
             else:
                 logger.debug("delay daemon in %s: %s", router, out.strip().splitlines()[-1:] or "-")
         self.daemons.clear()
-        for ns in reversed(self.created):
-            left = netns.pids_in(ns)
-            if left:
-                logger.warning("stopping processes still running in %s: %s", ns, left)
-                netns.kill_pids(left)
-            netns.delete_namespace(ns)
-        self.created.clear()
+        super().close()
         if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._previous_sigterm = None
