@@ -1,10 +1,12 @@
 """How well a WAN lab does what it was set to: round trips, rates and loss measured against the settings.
 
 Before a run, `measure` starts a probe server (`wanprobe serve`) in the hub and, for each distinct link of the
-lab, probes from the first home that has it: 500 UDP round trips (p50, p99 against twice the delay; loss home
-to hub against the link's loss), then one TCP transfer up and one down (goodput against the tbf rate; TCP's
-headers and the loss keep goodput a few percent below the rate; a transfer that waited for a lost segment
-delivers a burst at once, so a short one can read a little above it). A few seconds per distinct link.
+lab, probes from the first home that has it: 2,000 UDP round trips, one every 0.5 ms (p50, p99 against twice
+the delay; loss home to hub against the link's loss), then one TCP transfer up and one down of 20 round trips,
+2 to 5 s (TCP payload reaching the receiver per second over its last two thirds, counted by its kernel,
+against the tbf rate). Headers keep it at ~96 % of the rate (1448 of 1514 bytes a packet); a long round trip
+keeps it lower (BBR's start-up, and Linux's default 4 MB send buffer against a path of 200 Mbit/s x 200 ms).
+A few seconds per distinct link.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 from rich.console import Console
 
 from p2pdiloco.bench import netns
-from p2pdiloco.bench.wanlab import HUB_ADDR, Home, WanLab
+from p2pdiloco.bench.wanlab import HUB_ADDR, Home, Link, WanLab
 
 PROBE_PORT = 5201
 PROBE_TIMEOUT_S = 30.0
@@ -33,16 +35,23 @@ def _probe(home: Home, *args: str) -> dict:
     return json.loads(done.stdout)
 
 
-def measure_home(home: Home, transfer_s: float = 1.5, count: int = 500) -> dict:
+def transfer_seconds(link: Link) -> float:
+    """How long a rate probe of `link` runs: 20 round trips (BBR's start-up takes ~10 to fill a long path),
+    at least 2 s, at most 5 s."""
+    return min(5.0, max(2.0, 20 * 2 * link.delay_ms / 1e3))
+
+
+def measure_home(home: Home, transfer_s: float | None = None, count: int = 2000) -> dict:
     """The probes of one home against the hub (a probe server must be running there), beside what was set.
 
     Args:
         home: the home to probe from.
-        transfer_s: length of each TCP transfer, seconds.
+        transfer_s: length of each TCP transfer, seconds (default: `transfer_seconds` of its link).
         count: UDP round trips.
     """
     link = home.link
-    rtt = _probe(home, "rtt", "--count", str(count))
+    transfer_s = transfer_s or transfer_seconds(link)
+    rtt = _probe(home, "rtt", "--count", str(count), "--interval-s", "0.0005")
     # an unlimited direction only shows that the lab does not limit it: a short transfer does (saves CPU)
     up = _probe(home, "up", "--seconds", f"{transfer_s if link.up_mbit else UNLIMITED_TRANSFER_S:g}")
     down = _probe(home, "down", "--seconds", f"{transfer_s if link.down_mbit else UNLIMITED_TRANSFER_S:g}")
@@ -60,7 +69,7 @@ def measure_home(home: Home, transfer_s: float = 1.5, count: int = 500) -> dict:
     }
 
 
-def measure(lab: WanLab, transfer_s: float = 1.5) -> list[dict]:
+def measure(lab: WanLab, transfer_s: float | None = None) -> list[dict]:
     """`measure_home` for the first home of each distinct link of `lab`, one after the other."""
     server = subprocess.Popen(
         netns.exec_in(lab.hub) + [sys.executable, "-m", "p2pdiloco.bench.wanprobe", "serve", HUB_ADDR,

@@ -8,8 +8,9 @@ its duration, so a link that drops everything ends the probe with a figure (all 
 - `rtt`: `count` UDP datagrams, one every `interval_s`, each echoed by the server; the round trips of the echoes
   (p50, p99), the datagrams the server received (one-way loss, home to hub) and the echoes that came back
   (loss of a round trip).
-- `up` / `down`: one TCP connection that carries bytes for `seconds` from the home to the hub / back; goodput
-  measured by the receiver over the last two thirds of the transfer, after TCP's slow start.
+- `up` / `down`: one TCP connection that carries bytes for `seconds` from the home to the hub / back; the rate
+  of TCP payload reaching the receiver (retransmissions included: they used the link too), over the last two
+  thirds of the transfer, after TCP's start-up.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ SOCKET_TIMEOUT_S = 5.0
 CHUNK = 64 * 1024
 WARMUP = 1 / 3
 """Share of a transfer's receiving time left out of its goodput (TCP's slow start over a long round trip)."""
+TCP_INFO_LEN = 232
+RCV_MSS_AT = 20
+DATA_SEGS_IN_AT = 152
+"""Offsets of tcpi_rcv_mss and tcpi_data_segs_in (u32 each) in Linux's struct tcp_info (the latter since 4.6)."""
 HEADER = struct.Struct("!8sId")
 """A UDP probe: session id, sequence number, send time (monotonic, the sender's clock)."""
 
@@ -45,14 +50,34 @@ def goodput_mbit(marks: list[tuple[float, int]]) -> float | None:
     return size * 8 / seconds / 1e6 if seconds > 0 else None
 
 
+def _kernel_received(conn: socket.socket) -> int | None:
+    """Payload bytes that have reached this TCP socket so far, as its kernel counts them; None if unknown.
+
+    tcp_info's data segments received (in order or not) times the receiver's segment size: what crossed the
+    link. The in-order count (tcpi_bytes_received) stalls behind each lost segment and then jumps, so a window
+    that opens in a stall would credit it with bytes that came before; the application's own count is worse
+    (a reader the CPU scheduler held back finds a backlog).
+    """
+    try:
+        info = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_LEN)
+    except (OSError, AttributeError):
+        return None
+    if len(info) < DATA_SEGS_IN_AT + 4:
+        return None
+    return struct.unpack_from("I", info, DATA_SEGS_IN_AT)[0] * struct.unpack_from("I", info, RCV_MSS_AT)[0]
+
+
 def _receive(conn: socket.socket, deadline: float) -> list[tuple[float, int]]:
+    """Read until EOF or `deadline`; (time, bytes received so far) after each read (`_kernel_received` where
+    Linux gives it, else the bytes read)."""
     marks, total = [], 0
     while time.monotonic() < deadline:
         data = conn.recv(CHUNK)
         if not data:
             break
         total += len(data)
-        marks.append((time.monotonic(), total))
+        kernel = _kernel_received(conn)
+        marks.append((time.monotonic(), total if kernel is None else kernel))
     return marks
 
 
