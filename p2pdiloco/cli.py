@@ -255,16 +255,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "--peers N (default 4, 8, 16, 32), each ÷ the smallest swarm's (one run of about 2-3 "
                         "minutes per N). dht: per node DHT bytes/s of N nodes running only the heartbeat and "
                         "census loops, p2pdiloco's record stores beside hivemind's store (two runs of about "
-                        "--dht-seconds + 20 s per N; default N 4, 16, 32).")
+                        "--dht-seconds + 20 s per N; default N 4, 16, 32). wan (root): peers in homes behind "
+                        "routers (the first --nat of them NAT with a stateful firewall, the rest reachable) over "
+                        "links shaped by --profile (tbf rates, delay and loss from an NFQUEUE daemon), beside the "
+                        "same on the lan profile: the lab's own measured RTT, rates and loss, then per peer the "
+                        "rounds merged in a group vs alone, the group merge time and whether the final global "
+                        "models are identical (two runs of about 2 minutes; docs/wanlab.md).")
     be.add_argument("which", choices=["straggler", "overhead", "churn", "bandwidth", "parity", "slowlink", "byzantine",
-                                      "loader", "scale", "dht"],
+                                      "loader", "scale", "dht", "wan"],
                     help="which benchmark")
     be.add_argument("--out", metavar="DIR", help="output folder (default runs/bench-<which>)")
     be.add_argument("--seconds", type=float, default=60.0, help="straggler: wall time of each of its 4 runs")
     be.add_argument("--steps", type=int, help="overhead: inner steps measured (default 600); bandwidth: inner "
                     "steps per peer per run (1000); parity: inner steps per worker (3000); slowlink: inner "
                     "steps per peer (250); byzantine: inner steps of each run, in sync rounds of 5 (100); scale: inner "
-                    "steps per peer, padded to 0.3 s each (350, about 105 s of training)")
+                    "steps per peer, padded to 0.3 s each (350, about 105 s of training); wan: inner steps per peer, padded "
+                    "to 0.3 s each (200)")
     be.add_argument("--h", metavar="H[,H...]", help="inner steps per round: bandwidth tries each (default "
                     "50,100,250,500); parity and slowlink take one (default 50, 25)")
     be.add_argument("--codecs", metavar="C,C,...", help="bandwidth: codecs to try (default all)")
@@ -273,7 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default 1)")
     be.add_argument("--peers", metavar="N[,N...]", help="parity: workers (default 4); bandwidth: peers (default "
                     "2); slowlink: peers (default 2); scale: swarm sizes, one run each, the smallest the baseline "
-                    "(default 4,8,16,32); dht: DHT nodes (default 4,16,32)")
+                    "(default 4,8,16,32); dht: DHT nodes (default 4,16,32); wan: peers, one home each (default 6)")
+    be.add_argument("--profile", default="home", choices=["lan", "home", "intercontinental", "mixed"],
+                    help="wan: the links of the homes (default home: 20/100 Mbit/s, 40 ms each way, 0.5 %% loss; "
+                    "see docs/wanlab.md)")
+    be.add_argument("--nat", type=int, default=4, help="wan: how many of the peers are behind NAT routers (default 4)")
     be.add_argument("--dht-seconds", type=float, help="dht: seconds measured per run, after 10 s of settling (60)")
     be.add_argument("--group-size", type=int, help="scale: swarm.group_size, the largest merge group (default the "
                     "config's, 8)")
@@ -287,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--minutes", type=float, default=5.0, help="churn: length of each of its 4 runs (3 swarms and the data-parallel baseline)")
     be.add_argument("--kill-every", type=float, default=60.0, help="churn: seconds between kills")
     be.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="loader, byzantine and scale: override one config value, e.g. --set data.tokenizer=tokenizer.json, "
+                    help="loader, byzantine, scale and wan: override one config value, e.g. --set data.tokenizer=tokenizer.json, "
                     "or for scale --set emulate.min_step_s=1 --set swarm.round_seconds=10 (repeatable)")
     be.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     be.set_defaults(func=cmd_bench)

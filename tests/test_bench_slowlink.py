@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.bench import slowlink
+from p2pdiloco.bench import netns, slowlink
 from p2pdiloco.bench.slowlink import SlowLinks, SlowlinkUnavailable, check_can_run
 from p2pdiloco.cli import main
 
@@ -34,7 +34,7 @@ def test_without_root_the_bench_exits_with_a_clear_message(monkeypatch, tmp_path
 @linux
 def test_without_iproute2_the_bench_says_what_is_missing(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(slowlink.shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
     with pytest.raises(SlowlinkUnavailable, match="needs iproute2's tc on PATH"):
         check_can_run()
 

@@ -95,6 +95,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from p2pdiloco.bench.dht import PEERS, SECONDS, bench_dht
 
         bench_dht(out, peers=_positive_ints(args.peers, "--peers") or PEERS, seconds=args.dht_seconds or SECONDS)
+    elif args.which == "wan":
+        from p2pdiloco.bench.wanbench import STEPS, bench_wan
+
+        bench_wan(out, profile=args.profile, peers=_one_int(args.peers, "--peers") or 6, nat=args.nat,
+                  steps=args.steps or STEPS, extra_sets=tuple(args.sets))
     else:
         from p2pdiloco.bench.overhead import bench_overhead
 

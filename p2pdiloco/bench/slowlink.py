@@ -13,22 +13,18 @@ for decoupled merging and for `--sync` (which waits for every merge) in the same
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 from rich.console import Console
 
-from p2pdiloco.app.local import PeerProc, peer_command, stop_peers
-from p2pdiloco.app.summary import summarize
+from p2pdiloco.bench import netns
 from p2pdiloco.bench.common import BENCH_DATA, machine, report
-from p2pdiloco.config import Config, ConfigError, load_config, parse_set
+from p2pdiloco.bench.netns import NamespacesUnavailable, sh
+from p2pdiloco.bench.nsswarm import run_swarm
+from p2pdiloco.config import Config, load_config, parse_set
 from p2pdiloco.training.model import build_model, count_params
 
 logger = logging.getLogger(__name__)
@@ -46,46 +42,20 @@ SLOWLINK_SETS = [
 ]
 
 
-class SlowlinkUnavailable(ConfigError):
-    """This machine or user cannot create the namespaces and rate limits the benchmark needs."""
+SlowlinkUnavailable = NamespacesUnavailable
 
 
 def check_can_run() -> None:
     """Raise SlowlinkUnavailable, saying what is missing, unless we are root on Linux with `ip` and `tc`."""
-    if not sys.platform.startswith("linux"):
-        raise SlowlinkUnavailable("bench slowlink needs Linux network namespaces (ip netns)")
-    if os.geteuid() != 0:
-        raise SlowlinkUnavailable(
-            "bench slowlink must run as root: it creates network namespaces, veth pairs and tc rate limits "
-            "(only inside its own namespaces); try: sudo $(which p2pdiloco) bench slowlink")
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    if missing:
-        raise SlowlinkUnavailable(f"bench slowlink needs iproute2's {' and '.join(missing)} on PATH")
-
-
-def _sh(*cmd: str) -> None:
-    done = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
-
-
-def _namespaces() -> list[str]:
-    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
-    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+    netns.check_can_run("bench slowlink")
 
 
 def remove_stale_namespaces() -> list[str]:
     """Delete namespaces left by earlier runs of this benchmark whose process is gone (e.g. SIGKILLed)."""
-    removed = []
-    for ns in _namespaces():
-        pid = ns[len(NS_PREFIX):].split("-")[0]
-        if ns.startswith(NS_PREFIX) and pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-            removed.append(ns)
-    return removed
+    return netns.remove_stale_namespaces(NS_PREFIX)
 
 
-class SlowLinks:
+class SlowLinks(netns.Namespaces):
     """`n` peer namespaces, each joined to a bridge in a hub namespace by a veth pair rate-limited with tbf.
 
     Use as a context manager: everything created is deleted on exit, also after an error or Ctrl+C
@@ -103,123 +73,30 @@ class SlowLinks:
         self.hub = f"{base}-hub"
         self.peers = [f"{base}-p{i}" for i in range(n)]
         self.addresses = [f"{SUBNET}.{i + 2}" for i in range(n)]
-        self.created: list[str] = []
-
-    def __enter__(self) -> SlowLinks:
-        try:
-            self._create()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _netns(self, name: str) -> None:
-        _sh("ip", "netns", "add", name)
-        self.created.append(name)
-        _sh("ip", "-n", name, "link", "set", "lo", "up")  # p2pd and the DHT also talk over loopback
-
-    def _tbf(self, ns: str, dev: str) -> None:
-        # burst: a few full-size packets (must exceed rate/HZ); latency bounds the queue, like a modem's buffer
-        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-            "rate", f"{self.rate_mbit:g}mbit", "burst", "32kb", "latency", "100ms")
+        super().__init__()
 
     def _create(self) -> None:
         self._netns(self.hub)
-        _sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-        _sh("ip", "-n", self.hub, "addr", "add", f"{HUB_ADDR}/24", "dev", "br0")
-        _sh("ip", "-n", self.hub, "link", "set", "br0", "up")
+        netns.add_bridge(self.hub, f"{HUB_ADDR}/24")
         for i, (ns, addr) in enumerate(zip(self.peers, self.addresses, strict=True)):
             self._netns(ns)
             # created inside the hub with its other end moved straight into the peer's namespace, so that no
             # interface ever appears in the host's namespace
-            _sh("ip", "-n", self.hub, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _sh("ip", "-n", self.hub, "link", "set", f"v{i}", "master", "br0")
-            _sh("ip", "-n", self.hub, "link", "set", f"v{i}", "up")
-            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
-            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
-            self._tbf(self.hub, f"v{i}")  # what the peer downloads
-            self._tbf(ns, "eth0")  # what the peer uploads
+            sh("ip", "-n", self.hub, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            sh("ip", "-n", self.hub, "link", "set", f"v{i}", "master", "br0")
+            sh("ip", "-n", self.hub, "link", "set", f"v{i}", "up")
+            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+            sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            netns.tbf(self.hub, f"v{i}", self.rate_mbit)  # what the peer downloads
+            netns.tbf(ns, "eth0", self.rate_mbit)  # what the peer uploads
 
-    def close(self) -> None:
-        """Delete every namespace this object created (processes inside must have exited first)."""
-        for ns in reversed(self.created):
-            done = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True, timeout=30)
-            if done.returncode != 0:
-                logger.error("could not delete network namespace %s: %s", ns, done.stderr.strip())
-        self.created.clear()
-
-    @staticmethod
-    def exec_in(ns: str) -> list[str]:
-        """Command prefix that runs a program inside namespace `ns` (it execs: the pid is the program's)."""
-        return ["ip", "netns", "exec", ns]
-
-
-def _start(name: str, cmd: list[str], run_dir: Path) -> PeerProc:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "peer_summary.json", "bootstrap.maddr"):
-        (run_dir / stale).unlink(missing_ok=True)
-    proc = PeerProc(name, run_dir, None, (run_dir / f"{name}.log").open("w"), cmd=cmd,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    proc.start()
-    return proc
-
-
-def _bootstrap_maddr(boot: PeerProc, path: Path, timeout_s: float = 60.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and boot.proc.poll() is None:
-        if path.exists():
-            maddrs = path.read_text().split()
-            found = next((m for m in maddrs if f"/{HUB_ADDR}/" in m), None)
-            if found is None:
-                raise RuntimeError(f"the bootstrap node listens on {maddrs}, not on {HUB_ADDR}")
-            return found
-        time.sleep(0.2)  # polling for the file, with a deadline
-    raise RuntimeError(f"the bootstrap node did not start; see {boot.run_dir / 'bootstrap.log'}")
-
-
-def _merge_rows(path: Path) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r.get("kind") == "merge" and r.get("group_size", 1) > 1]
+    exec_in = staticmethod(netns.exec_in)
 
 
 def run_mode(links: SlowLinks, cfg: Config, sets: list[str], out: Path, timeout_s: float) -> dict:
     """One swarm: a bootstrap node in the hub, peer i in namespace i; returns the run's summary."""
-    n = len(links.peers)
-    procs: list[PeerProc] = []
-    t0 = time.monotonic()
-    try:
-        boot = _start("bootstrap", links.exec_in(links.hub) + [
-            sys.executable, "-m", "p2pdiloco", "bootstrap", "--host", HUB_ADDR, "--port", str(BOOTSTRAP_PORT),
-            "--identity", str(out / "bootstrap.key"), "--maddr-file", str(out / "bootstrap.maddr")], out)
-        procs.append(boot)
-        maddr = _bootstrap_maddr(boot, out / "bootstrap.maddr")
-        for i, (ns, addr) in enumerate(zip(links.peers, links.addresses, strict=True)):
-            # the peer command of `local` (shard, seed, wait for all peers); the later --host wins
-            cmd = links.exec_in(ns) + peer_command(i, n, cfg, maddr, out / "peers" / f"peer{i}", None, sets) + [
-                "--host", addr]
-            procs.append(_start(f"peer{i}", cmd, out / "peers" / f"peer{i}"))
-        deadline = time.monotonic() + timeout_s
-        peers = procs[1:]
-        while any(p.proc.poll() is None for p in peers):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"peers did not finish in {timeout_s:.0f} s; see {out}/peers/*/peer*.log")
-            for p in procs:
-                if p.proc.poll() is None:
-                    p.remember_descendants()
-            time.sleep(0.5)  # waiting for the peers to exit, with a deadline
-    finally:
-        stop_peers(procs)
-    failed = {p.name: p.proc.returncode for p in procs[1:] if p.proc.returncode != 0}
-    if failed:
-        raise RuntimeError(f"peers failed: {failed}; see {out}/peers/*/peer*.log")
-    dirs = [p.run_dir for p in procs[1:]]
-    summary = summarize(out, dirs, cfg.to_dict(), time.monotonic() - t0)
-    merges = [r for d in dirs for r in _merge_rows(d / "metrics.jsonl")]
-    summary["merge_s_mean"] = statistics.mean(r["merge_s"] for r in merges) if merges else None
-    return summary
+    return run_swarm(links.hub, HUB_ADDR, list(zip(links.peers, links.addresses, strict=True)), cfg, sets, out,
+                     timeout_s, BOOTSTRAP_PORT)
 
 
 def bench_slowlink(out: Path, peers: int = 2, steps: int = 250, h: int = 25, step_s: float = 0.2,
