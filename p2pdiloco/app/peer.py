@@ -320,7 +320,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | 
         loop.run(state_sync.start(), timeout=30)
         # its bytes count with the state downloads' (both are start-up traffic), not in any merge's
         reach = start_reachability(loop, dht, cfg.swarm.run_id, cfg.swarm.initial_peers, maddrs, merger.rpc.gate,
-                                   learner.report.traffic.state, announce,
+                                   learner.report.traffic.state,
                                    on_verdict=lambda found: merger.set_dialable(found.reachable is not False))
         loop.submit(learner.report.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
         if cfg.run.resume:

@@ -31,7 +31,7 @@ def unreachable_message(found: Reachability, maddrs: list[str]) -> str:
 
 
 def start_reachability(loop: BackgroundLoop, dht: DHT, run_id: str, initial_peers: list[str], maddrs: list[str],
-                       gate: StreamGate, counter: ByteCounter, announce=print,
+                       gate: StreamGate, counter: ByteCounter,
                        on_verdict: Callable[[Reachability], None] | None = None) -> dict:
     """Serve the dial-back check on this peer's p2p daemon and, in the background, have others check this peer.
 
@@ -42,7 +42,6 @@ def start_reachability(loop: BackgroundLoop, dht: DHT, run_id: str, initial_peer
         initial_peers: the multiaddrs the peer joined through (asked first).
         maddrs: the addresses the peer announces (their ports are dialed back).
         gate, counter: the peer's bounds on incoming streams and its byte counter.
-        announce: where the line for a peer nobody can dial is printed besides the log.
         on_verdict: called with what the check found (on the network loop), e.g. `P2PMerger.set_dialable`.
 
     Returns:
@@ -72,9 +71,7 @@ def start_reachability(loop: BackgroundLoop, dht: DHT, run_id: str, initial_peer
         if found.reachable:
             logger.info("[%s] reachable: %s dialed back %s", me[-6:], found.checker[-6:], found.observed_ip)
         elif found.reachable is False:
-            message = unreachable_message(found, maddrs)
-            logger.warning("[%s] %s", me[-6:], message)
-            announce(f"WARNING: {message}")
+            logger.warning("[%s] %s", me[-6:], unreachable_message(found, maddrs))
         else:
             logger.warning("[%s] could not learn whether others can dial this peer: %s", me[-6:], found.detail)
 
