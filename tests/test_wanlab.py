@@ -73,7 +73,7 @@ def _ours(tag: str = "") -> set[str]:
 
 
 def _alive(pid: int) -> bool:
-    return netns._running(pid)
+    return netns.running(pid)
 
 
 def test_the_holder_keeps_order_delays_and_drops_at_the_rate_set():

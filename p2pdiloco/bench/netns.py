@@ -187,7 +187,7 @@ def kill_pids(pids: list[int], grace_s: float = 3.0) -> None:
     deadline = time.monotonic() + grace_s
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [pid for pid in alive if _running(pid)]
+        alive = [pid for pid in alive if running(pid)]
         if alive:
             time.sleep(0.05)  # polling for the processes to exit, with a deadline
     for pid in alive:
@@ -197,7 +197,7 @@ def kill_pids(pids: list[int], grace_s: float = 3.0) -> None:
             pass
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
     """Whether `pid` exists and is not a zombie (a zombie is dead; its parent has not reaped it yet)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
