@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import hivemind
@@ -28,15 +29,30 @@ def chromium() -> str | None:
                  if p and os.access(p, os.X_OK)), None)
 
 
+def lab_missing() -> str | None:
+    """What the WAN lab (network namespaces, NAT, tbf, the NFQUEUE delay daemon) lacks here, or None."""
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        return "root on Linux"
+    missing = [t for t in ("ip", "tc", "iptables") if shutil.which(t) is None]
+    if missing:
+        return f"{', '.join(missing)} on PATH (apt-get install iproute2 iptables)"
+    if importlib.util.find_spec("netfilterqueue") is None:
+        return "the NetfilterQueue package (apt-get install libnetfilter-queue-dev; pip install -e '.[lab]')"
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     missing_hf = [m for m in HF_EXTRA if importlib.util.find_spec(m) is None]
     hf = pytest.mark.skip(reason=f"needs the hf extra ({', '.join(missing_hf)} not installed): pip install -e '.[hf]'")
     browser = pytest.mark.skip(reason="needs Chromium for the headless browser test: apt-get install chromium")
+    lab = pytest.mark.skip(reason=f"the WAN lab needs root, iproute2, iptables and NetfilterQueue; here: {lab_missing()}")
     for item in items:
         if missing_hf and item.get_closest_marker("hf"):
             item.add_marker(hf)
         if item.get_closest_marker("browser") and chromium() is None:
             item.add_marker(browser)
+        if item.get_closest_marker("lab") and lab_missing() is not None:
+            item.add_marker(lab)
 
 
 def wait_for(condition, timeout: float, interval: float = 0.1, what: str = "condition"):

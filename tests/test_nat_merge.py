@@ -13,7 +13,6 @@ import pytest
 from p2pdiloco.bench.nsswarm import merge_rows, run_swarm
 from p2pdiloco.bench.wanlab import HUB_ADDR, LAN, WanLab
 from p2pdiloco.config import load_config, parse_set
-from tests.test_wanlab import needs_lab
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 
@@ -26,7 +25,6 @@ def _log(run: Path, i: int) -> str:
     return (run / "peers" / f"peer{i}" / f"peer{i}.log").read_text()
 
 
-@needs_lab
 def test_peers_behind_nat_say_so_never_lead_and_merge_through_a_reachable_peer(tmp_path):
     cfg = load_config(None, [parse_set(SETS)])
     with WanLab([LAN, LAN, LAN], nat=[True, True, False], tag="natm") as lab:

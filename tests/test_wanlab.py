@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -24,25 +23,8 @@ from p2pdiloco.bench.wanlab import HUB_ADDR, NS_PREFIX, Link, WanLab
 from p2pdiloco.cli import main
 from tests.conftest import wait_for
 
-
-def _lab_tools() -> str | None:
-    """Why the lab cannot be built here, or None if it can."""
-    if not sys.platform.startswith("linux") or os.geteuid() != 0:
-        return "root on Linux"
-    missing = [t for t in ("ip", "tc", "iptables") if shutil.which(t) is None]
-    if missing:
-        return f"{', '.join(missing)} on PATH (iproute2, iptables)"
-    try:
-        import netfilterqueue  # noqa: F401
-    except ImportError:
-        return "the NetfilterQueue package (apt install libnetfilter-queue-dev; pip install 'p2pdiloco[lab]')"
-    return None
-
-
-MISSING = _lab_tools()
-needs_lab = pytest.mark.skipif(
-    MISSING is not None,
-    reason=f"the WAN lab needs root, iproute2 (ip, tc), iptables and NetfilterQueue; missing here: {MISSING}")
+needs_lab = pytest.mark.lab
+"""Root, iproute2, iptables and NetfilterQueue: without them the test skips saying which is missing (conftest.py)."""
 
 DELAY = Link(delay_ms=20)
 """20 ms each way at the router: a home-to-hub round trip of 40 ms."""

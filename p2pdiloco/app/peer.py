@@ -319,6 +319,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | 
                                learner.report.traffic.state, auth=auth, gate=merger.rpc.gate)
         loop.run(state_sync.start(), timeout=30)
         # its bytes count with the state downloads' (both are start-up traffic), not in any merge's
+        merger.expect_dialable_verdict()
         reach = start_reachability(loop, dht, cfg.swarm.run_id, cfg.swarm.initial_peers, maddrs, merger.rpc.gate,
                                    learner.report.traffic.state,
                                    on_verdict=lambda found: merger.set_dialable(found.reachable is not False))

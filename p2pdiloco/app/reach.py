@@ -42,7 +42,8 @@ def start_reachability(loop: BackgroundLoop, dht: DHT, run_id: str, initial_peer
         initial_peers: the multiaddrs the peer joined through (asked first).
         maddrs: the addresses the peer announces (their ports are dialed back).
         gate, counter: the peer's bounds on incoming streams and its byte counter.
-        on_verdict: called with what the check found (on the network loop), e.g. `P2PMerger.set_dialable`.
+        on_verdict: called with what each attempt of the check found (on the network loop; the first within
+            seconds, whether or not a node could check), e.g. to call `P2PMerger.set_dialable`.
 
     Returns:
         The fields the peer's heartbeat record carries, filled in when the check has an answer.
@@ -64,10 +65,8 @@ def start_reachability(loop: BackgroundLoop, dht: DHT, run_id: str, initial_peer
         return (first + random.sample(live, len(live)))[:CHECKERS]
 
     async def check() -> None:
-        found = await find_reachability(p2p, maddrs, candidates, counter)
+        found = await find_reachability(p2p, maddrs, candidates, counter, on_attempt=on_verdict)
         fields.update(found.record())
-        if on_verdict is not None:
-            on_verdict(found)
         if found.reachable:
             logger.info("[%s] reachable: %s dialed back %s", me[-6:], found.checker[-6:], found.observed_ip)
         elif found.reachable is False:

@@ -44,6 +44,9 @@ POLL_S = 0.25
 SILENT_ROUNDS = 3
 """A leader that never invited is passed over for this many of this peer's searches."""
 
+DIALABLE_WAIT_S = 8.0
+"""How long a peer's first search waits for its dial-back check (a dial into NAT takes 3 s to time out)."""
+
 EPOCH_ROUNDS = 10
 """Fewer of this peer's rounds in an epoch (`swarm.epoch_s`), where groups do not span the census, is warned of."""
 
@@ -104,6 +107,9 @@ class Matchmaker:
         """Whether other peers can open connections to this one (network/reachability.py; the peer sets it from the
         dial-back check). A peer they cannot dial never leads and owns no slice: it only opens streams, and answers
         on those and on the connections it opened."""
+        self.dialable_known = asyncio.Event()
+        """Set once `dialable` holds the dial-back check's first verdict (or no check is expected)."""
+        self.dialable_known.set()
         self._undialable: set[str] = set()
         """Mates that said others cannot dial them: never followed as leaders, never given a slice."""
 
@@ -138,6 +144,11 @@ class Matchmaker:
 
     async def find_group(self, c: Contribution) -> Group | None:
         """A group to merge `c` with, or None: merge alone."""
+        if not self.dialable_known.is_set():  # the first search: a peer nobody can dial must not lead it
+            try:
+                await asyncio.wait_for(self.dialable_known.wait(), DIALABLE_WAIT_S)
+            except TimeoutError:
+                pass
         window = self._window(c.round_s)
         self._warn_short_epochs()
         if closing := c.last_merges():  # about its last merge (own counters): worth the whole window

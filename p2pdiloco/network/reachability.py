@@ -226,12 +226,15 @@ def peer_ids_of(maddrs: list[str]) -> list[str]:
 
 
 async def find_reachability(p2p, announced: list[str], candidates, counter: ByteCounter | None = None,
-                            tries: int = 4, retry_s: float = 15.0) -> Reachability:
+                            tries: int = 4, retry_s: float = 15.0, on_attempt=None) -> Reachability:
     """`check_reachability` against `await candidates()` (peer ids to ask, best first), again every `retry_s`
-    seconds while no node could check (the first peer of a swarm has nobody to ask until others join)."""
+    seconds while no node could check (the first peer of a swarm has nobody to ask until others join);
+    `on_attempt(found)` after each attempt."""
     found = Reachability(None, detail="not checked")
     for attempt in range(tries):
         found = await check_reachability(p2p, await candidates(), announced, counter)
+        if on_attempt is not None:
+            on_attempt(found)
         if found.reachable is not None or attempt == tries - 1:
             return found
         await asyncio.sleep(retry_s)
