@@ -5,6 +5,8 @@ NAT itself is tested in network namespaces, tests/test_wanlab.py)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -105,12 +107,15 @@ def test_a_member_others_cannot_dial_never_leads_and_the_average_stays_exact(boo
 
 
 @pytest.mark.integration
-def test_where_nobody_can_be_dialed_nobody_leads_and_each_merges_alone(bootstrap_dht, net_loop):
+def test_where_nobody_can_be_dialed_nobody_leads_and_each_merges_alone_saying_why(bootstrap_dht, net_loop, caplog):
     cfg = SwarmConfig(run_id="nat2", merge_window_s=2, merge_timeout_s=4, codec="none", min_window_s=1.0)
-    with running_mergers(bootstrap_dht, net_loop, 2, cfg, 1001) as mergers:
+    with (running_mergers(bootstrap_dht, net_loop, 2, cfg, 1001) as mergers,
+          caplog.at_level(logging.WARNING, logger="p2pdiloco.network.matchmaking")):
         for m in mergers:
             m.set_dialable(False)
         futures = [m.submit(_contribution(torch.full((1001,), float(i)), 1.0)) for i, m in enumerate(mergers)]
         for i, f in enumerate(futures):
             r = f.result(timeout=30)
             assert r.alone and torch.equal(r.pseudo_grad, torch.full((1001,), float(i)))
+    for m in mergers:
+        assert f"[{m.peer_id[-6:]}] merging alone: nobody can dial this peer nor any of its" in caplog.text

@@ -111,6 +111,7 @@ class Matchmaker:
         """Set once `dialable` holds the dial-back check's first verdict (or no check is expected)."""
         self.dialable_known.set()
         self._undialable: set[str] = set()
+        self._warned_no_leader = False
         """Mates that said others cannot dial them: never followed as leaders, never given a slice."""
 
     def close(self) -> None:
@@ -189,6 +190,7 @@ class Matchmaker:
                 followed = leader if leader not in (me, None) else ""
                 if leader is None:  # nobody ready can lead (this peer cannot be dialed): wait for one who can
                     if now >= search.deadline:
+                        self._say_nobody_leads(len(ready) - 1)
                         return None
                 elif leader == me:
                     if len(ready) > 1 and (len(ready) >= live or now >= search.deadline):
@@ -213,6 +215,14 @@ class Matchmaker:
         finally:
             self._search = None
             self._announce(search, sorted(search.told), False)  # in the background: the exchange must not wait
+
+    def _say_nobody_leads(self, ready_mates: int) -> None:
+        """Once: this peer merges alone because neither it nor any ready mate can be dialed, so nobody can lead."""
+        if not self._warned_no_leader:
+            self._warned_no_leader = True
+            logger.warning("[%s] merging alone: nobody can dial this peer nor any of its %d ready mates, so none of "
+                           "them can lead a group; a peer others can dial must join the swarm (docs/operations.md, "
+                           "Behind a home router)", self.peer_id[-6:], ready_mates)
 
     def _can_lead(self, peer: str) -> bool:
         """A leader dials every member: only a peer others can dial leads (it said so, or this is that peer)."""
