@@ -55,6 +55,13 @@ def test_donor_order_most_agreed_first_and_spread():
     assert len(orders) == 2  # joiners arriving together do not all pick the same first donor
 
 
+def test_donors_others_cannot_dial_are_tried_after_those_holding_the_same_model():
+    records = {"nat": {"global_digest": "x", "reachable": False}, "open": {"global_digest": "x", "reachable": True},
+               "old": {"global_digest": "x"}, "lone": {"global_digest": "y"}}
+    orders = {tuple(donor_order(records, "me", random.Random(s))) for s in range(20)}
+    assert all(set(o[:2]) == {"open", "old"} and o[2:] == ("nat", "lone") for o in orders)  # support comes first
+
+
 def test_bounded_counters_cap_a_donors_claims_by_the_median_record():
     claimed = GlobalState(torch.zeros(3), torch.zeros(3), round=10**9, step=10**9, global_tokens=1e30)
     records = {"a": {"round": 7, "step": 70, "global_tokens": 700.0}, "b": {"round": 8, "step": 80, "global_tokens": 800.0},

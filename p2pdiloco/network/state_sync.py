@@ -100,15 +100,17 @@ def _number(value: object) -> float | None:
 
 def donor_order(records: dict[str, dict], me: str, rng: random.Random | None = None) -> list[str]:
     """Donors to try: peers whose global model the most live peers share first (by the digests in their
-    records), shuffled among equals so that joiners arriving together pick different donors. A peer with no
-    digest yet (no merge applied) has nothing to give."""
+    records), and among those, peers whose record does not say that others cannot dial them (a download is a
+    stream the joiner opens; network/reachability.py), shuffled among equals so that joiners arriving together
+    pick different donors. A peer with no digest yet (no merge applied) has nothing to give."""
     rng = rng or random.Random()
     digests = {p: r.get("global_digest") for p, r in records.items() if p != me}
     digests = {p: d for p, d in digests.items() if isinstance(d, str) and d}
     support = Counter(digests.values())
     donors = list(digests)
     rng.shuffle(donors)
-    return sorted(donors, key=lambda p: -support[digests[p]])  # stable: the shuffle orders equals
+    # stable: the shuffle orders equals
+    return sorted(donors, key=lambda p: (-support[digests[p]], records[p].get("reachable") is False))
 
 
 def state_support(records: dict[str, dict], me: str, digest: str) -> tuple[int, int]:
