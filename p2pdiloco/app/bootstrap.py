@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
 import threading
 from pathlib import Path
 
 from p2pdiloco.config import SwarmConfig
-from p2pdiloco.network.reachability import ReachService
-from p2pdiloco.network.swarm import BackgroundLoop, Reaper, SwarmError, start_dht, visible_maddrs
+from p2pdiloco.network.reachability import serving_reach
+from p2pdiloco.network.swarm import Reaper, SwarmError, start_dht, visible_maddrs
 
 logger = logging.getLogger(__name__)
 
@@ -38,30 +37,26 @@ def run_bootstrap(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     dht = start_dht(cfg, identity_path=str(identity))
     reaper = Reaper(dht)
-    loop = BackgroundLoop("bootstrap-net")
-    p2p = None
     try:
-        # peers ask it first whether others can dial them (network/reachability.py): it is the one node every
-        # peer of a swarm reaches
-        p2p = loop.run(dht.replicate_p2p(), timeout=10)
-        loop.run(ReachService(dht.peer_id.to_base58()).start(p2p), timeout=10)
-        maddrs = visible_maddrs(dht)
-        print_fn(f"bootstrap node {dht.peer_id.to_base58()} ({'new' if created else 'reused'} identity {identity})")
-        print_fn("peers join with --initial-peers and one of:")
-        for m in maddrs:
-            print_fn(f"  {m}")
-        if maddr_file is not None:
-            tmp = maddr_file.with_name(maddr_file.name + ".tmp")
-            tmp.write_text("".join(m + "\n" for m in maddrs))
-            tmp.replace(maddr_file)
-        print_fn("running; Ctrl+C to stop")
-        while not stop.wait(1.0):
-            if not dht.is_alive():
-                raise SwarmError("the DHT process died; restart the bootstrap node (its identity file keeps its address)")
+        with serving_reach(dht):  # peers ask it first whether others can dial them
+            serve(dht, identity, created, maddr_file, print_fn, stop)
     finally:
-        if p2p is not None:  # its socket file in /tmp goes with it
-            with contextlib.suppress(Exception):  # shutting down: a stuck daemon must not keep the node up
-                loop.run(p2p.shutdown(), timeout=5)
-        loop.close()
         dht.shutdown()
         reaper.close()
+
+
+def serve(dht, identity: Path, created: bool, maddr_file: Path | None, print_fn, stop: threading.Event) -> None:
+    """Print the node's addresses (and write them to `maddr_file`), then wait for `stop` while the DHT lives."""
+    maddrs = visible_maddrs(dht)
+    print_fn(f"bootstrap node {dht.peer_id.to_base58()} ({'new' if created else 'reused'} identity {identity})")
+    print_fn("peers join with --initial-peers and one of:")
+    for m in maddrs:
+        print_fn(f"  {m}")
+    if maddr_file is not None:
+        tmp = maddr_file.with_name(maddr_file.name + ".tmp")
+        tmp.write_text("".join(m + "\n" for m in maddrs))
+        tmp.replace(maddr_file)
+    print_fn("running; Ctrl+C to stop")
+    while not stop.wait(1.0):
+        if not dht.is_alive():
+            raise SwarmError("the DHT process died; restart the bootstrap node (its identity file keeps its address)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from p2pdiloco.app.prefork import ForkedPeer, Prefork, enabled
 from p2pdiloco.app.startup import STAGES, stage_of
 from p2pdiloco.app.summary import summarize
 from p2pdiloco.config import Config, SwarmConfig
+from p2pdiloco.network.reachability import serving_reach
 from p2pdiloco.network.swarm import Reaper, start_dht, visible_maddrs
 
 logger = logging.getLogger(__name__)
@@ -293,7 +295,9 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
     peers: list[PeerProc] = []
     interrupted = False
     dashboard = None
+    reach = contextlib.ExitStack()
     try:
+        reach.enter_context(serving_reach(dht))  # as a bootstrap node does: peers ask it first
         maddr = visible_maddrs(dht)[0]
         (run_dir / "bootstrap.maddr").write_text(maddr + "\n")
         console.print(f"bootstrap node at {maddr}", soft_wrap=True)  # one line, so it can be copied
@@ -349,6 +353,7 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
         stop_peers(peers)
         if dashboard is not None:
             dashboard.close()
+        reach.close()
         dht.shutdown()
         reaper.close()
         if prefork is not None:  # after the DHT: its process, forked from this one, holds the server's alive pipe

@@ -16,16 +16,19 @@ taken by anyone else as a fact about the requester.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import ipaddress
 import logging
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from hivemind.p2p import PeerID
 
 from p2pdiloco.network.admission import Request, StreamGate, serve_stream
+from p2pdiloco.network.swarm import BackgroundLoop
 from p2pdiloco.network.wire import ByteCounter, await_requester_close, recv_header, send_msg
 
 logger = logging.getLogger(__name__)
@@ -239,3 +242,22 @@ async def find_reachability(p2p, announced: list[str], candidates, counter: Byte
             return found
         await asyncio.sleep(retry_s)
     return found
+
+
+@contextlib.contextmanager
+def serving_reach(dht) -> Iterator[ReachService]:
+    """Serve the dial-back check on `dht`'s p2p daemon, from a loop of its own, until the block ends: a bootstrap
+    node's (every peer of a swarm reaches it, so peers ask it first). A peer serves it on its own network loop
+    (app/reach.py)."""
+    loop = BackgroundLoop("reach")
+    p2p = None
+    try:
+        p2p = loop.run(dht.replicate_p2p(), timeout=10)
+        service = ReachService(dht.peer_id.to_base58())
+        loop.run(service.start(p2p), timeout=10)
+        yield service
+    finally:
+        if p2p is not None:  # its socket file in /tmp goes with it
+            with contextlib.suppress(Exception):  # shutting down: a stuck daemon must not keep the node up
+                loop.run(p2p.shutdown(), timeout=5)
+        loop.close()
