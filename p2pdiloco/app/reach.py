@@ -10,7 +10,13 @@ from collections.abc import Callable
 from hivemind import DHT
 
 from p2pdiloco.network.admission import StreamGate
-from p2pdiloco.network.reachability import Reachability, ReachService, find_reachability, peer_ids_of
+from p2pdiloco.network.reachability import (
+    Reachability,
+    ReachService,
+    find_reachability,
+    peer_ids_of,
+    tcp_endpoint,
+)
 from p2pdiloco.network.swarm import BackgroundLoop, live_records, read_peers
 from p2pdiloco.network.wire import ByteCounter
 
@@ -22,7 +28,7 @@ CHECKERS = 3
 
 def unreachable_message(found: Reachability, maddrs: list[str]) -> str:
     """What a peer that others cannot dial prints: why, what it costs, and what fixes it."""
-    port = next((m.split("/tcp/")[1].split("/")[0] for m in maddrs if "/tcp/" in m), "PORT")
+    port = next((e[1] for m in maddrs if (e := tcp_endpoint(m)) is not None), "PORT")
     return (f"others cannot dial this peer: {found.detail}. It will neither lead a merge group nor own a slice "
             f"of one, so it merges only in groups led by a peer others can dial, and alone where there is none. "
             f"Forward TCP port {port} on "

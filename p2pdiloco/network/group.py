@@ -101,6 +101,13 @@ class Group:
         return self.weights if tag == "d" else self.state_weights
 
 
+def group_of_notice(h: dict, lengths: dict[str, int]) -> Group:
+    """The group a notice announces (the leader's own, and a member's once `valid_notice` holds)."""
+    return Group(str(h["group_id"]), [str(m) for m in h["members"]], [float(w) for w in h["weights"]],
+                 [float(w) for w in h["state_weights"]], bool(h["need_state"]), dict(lengths), h.get("final") is True,
+                 str(h.get("anchor", "")), digests=[str(d) for d in h["digests"]], owners=h.get("owners"))
+
+
 def check_terms(group: Group, header: dict) -> None:
     """A part's header names the terms of the group its sender acts on: they must be this peer's.
 

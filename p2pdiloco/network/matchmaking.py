@@ -32,7 +32,8 @@ from p2pdiloco.algorithm.guards import STALE, GuardBook, stale_members
 from p2pdiloco.config import GuardConfig, SwarmConfig
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.census import Census, epoch_of, my_group
-from p2pdiloco.network.group import Group, own_claims_kept, valid_notice
+from p2pdiloco.network.dialable import Dialability
+from p2pdiloco.network.group import Group, group_of_notice, own_claims_kept, valid_notice
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed, Rpc
 
@@ -43,9 +44,6 @@ POLL_S = 0.25
 
 SILENT_ROUNDS = 3
 """A leader that never invited is passed over for this many of this peer's searches."""
-
-DIALABLE_WAIT_S = 8.0
-"""How long a peer's first search waits for its dial-back check (a dial into NAT takes 3 s to time out)."""
 
 EPOCH_ROUNDS = 10
 """Fewer of this peer's rounds in an epoch (`swarm.epoch_s`), where groups do not span the census, is warned of."""
@@ -103,16 +101,8 @@ class Matchmaker:
         """Mates that announced a deadline no honest window reaches: not counted as live, even between searches."""
         self._changed = asyncio.Event()
         """Set when a mate's readiness changed or an invite came: the search looks again at once."""
-        self.dialable = True
-        """Whether other peers can open connections to this one (network/reachability.py; the peer sets it from the
-        dial-back check). A peer they cannot dial never leads and owns no slice: it only opens streams, and answers
-        on those and on the connections it opened."""
-        self.dialable_known = asyncio.Event()
-        """Set once `dialable` holds the dial-back check's first verdict (or no check is expected)."""
-        self.dialable_known.set()
-        self._undialable: set[str] = set()
-        self._warned_no_leader = False
-        """Mates that said others cannot dial them: never followed as leaders, never given a slice."""
+        self.dial = Dialability(self.peer_id)
+        """Who can be dialed: only a peer others can dial leads or owns a slice (dialable.py)."""
 
     def close(self) -> None:
         """Stop looking: a search in progress ends alone."""
@@ -145,11 +135,7 @@ class Matchmaker:
 
     async def find_group(self, c: Contribution) -> Group | None:
         """A group to merge `c` with, or None: merge alone."""
-        if not self.dialable_known.is_set():  # the first search: a peer nobody can dial must not lead it
-            try:
-                await asyncio.wait_for(self.dialable_known.wait(), DIALABLE_WAIT_S)
-            except TimeoutError:
-                pass
+        await self.dial.await_verdict()  # the first search: a peer nobody can dial must not lead it
         window = self._window(c.round_s)
         self._warn_short_epochs()
         if closing := c.last_merges():  # about its last merge (own counters): worth the whole window
@@ -183,14 +169,14 @@ class Matchmaker:
                                                          and p not in silent and p not in search.unreachable)}
                 live = sum(p not in search.unreachable and p not in self._liars for p in mates)
                 only_closers = self._follows_only_closers(c)
-                leader = next((p for p in mates if p in ready and self._can_lead(p) and (p == me or (
+                leader = next((p for p in mates if p in ready and self.dial.can_lead(p) and (p == me or (
                     p not in passed_over and (not only_closers or p in self._closers)))), None)
                 if followed and followed != leader and followed not in ready:
                     self._passed_over[followed] = SILENT_ROUNDS  # it stopped looking without inviting us
                 followed = leader if leader not in (me, None) else ""
                 if leader is None:  # nobody ready can lead (this peer cannot be dialed): wait for one who can
                     if now >= search.deadline:
-                        self._say_nobody_leads(len(ready) - 1)
+                        self.dial.nobody_leads(len(ready) - 1)
                         return None
                 elif leader == me:
                     if len(ready) > 1 and (len(ready) >= live or now >= search.deadline):
@@ -216,26 +202,12 @@ class Matchmaker:
             self._search = None
             self._announce(search, sorted(search.told), False)  # in the background: the exchange must not wait
 
-    def _say_nobody_leads(self, ready_mates: int) -> None:
-        """Once: this peer merges alone because neither it nor any ready mate can be dialed, so nobody can lead."""
-        if not self._warned_no_leader:
-            self._warned_no_leader = True
-            logger.warning("[%s] merging alone: nobody can dial this peer nor any of its %d ready mates, so none of "
-                           "them can lead a group; a peer others can dial must join the swarm (docs/operations.md, "
-                           "Behind a home router)", self.peer_id[-6:], ready_mates)
-
-    def _can_lead(self, peer: str) -> bool:
-        """A leader dials every member: only a peer others can dial leads (it said so, or this is that peer)."""
-        return self.dialable if peer == self.peer_id else peer not in self._undialable
-
     def _announce(self, search: _Search, peers: list[str], looking: bool) -> None:
         """Tell `peers` (group mates) that this peer is looking for a group until its deadline, or no longer is.
         Sent in the background; a mate that cannot be reached is not waited for in this search."""
         search.told.update(peers)
-        header = {"looking": looking, "deadline": search.deadline, "epoch": search.epoch,
-                  "closing": search.contribution.last_merges()}
-        if not self.dialable:
-            header["dialable"] = False
+        header = self.dial.says({"looking": looking, "deadline": search.deadline, "epoch": search.epoch,
+                                 "closing": search.contribution.last_merges()})
 
         async def tell(peer: str) -> None:
             if await self.rpc.request(peer, "ready", header) is None and looking:
@@ -316,7 +288,7 @@ class Matchmaker:
                     rounds.append(r)
                     finals.append(reply.get("final") is True)
                     anchors.append(reply["anchors"] if isinstance(reply.get("anchors"), list) else [])
-                    dialable.append(reply.get("dialable") is not False and peer not in self._undialable)
+                    dialable.append(self.dial.member_dialable(peer, reply))
         if self.guard.enabled:  # members far behind the group contribute stale updates: leave them out
             stale = stale_members(rounds, self.guard.max_round_lag)
             for i in reversed(range(1, len(members))):
@@ -329,15 +301,13 @@ class Matchmaker:
         final = any(finals)
         need_state = len(set(digests)) > 1  # the newest state all hold, if any, is what they send differences from
         anchor = next((a for a in anchors[0] if need_state and all(a in held for held in anchors[1:])), "")
-        owners = None if all(dialable) else [i for i, d in enumerate(dialable) if d]
-        group = Group(gid, members, weights, state_weights, need_state, dict(self.lengths), final, anchor,
-                      digests=digests, owners=owners)
-        self._group_future(gid).set_result(group)
         notice = {"group_id": gid, "members": members, "weights": weights, "state_weights": state_weights,
                   "need_state": need_state, "final": final, "anchor": anchor, "closing": c.last_merges(),
                   "digests": digests}
-        if owners is not None:
-            notice["owners"] = owners
+        if not all(dialable):
+            notice["owners"] = [i for i, d in enumerate(dialable) if d]
+        group = group_of_notice(notice, self.lengths)
+        self._group_future(gid).set_result(group)
         await asyncio.gather(*(self.rpc.request(p, "group", notice) for p in members[1:]))
         logger.info("[%s] leading merge group %s of %d peers", self.peer_id[-6:], gid, len(members))
         return group
@@ -373,10 +343,9 @@ class Matchmaker:
             search.accepted_gid, search.leader = gid, leader
             self._changed.set()
             c = search.contribution
-            reply = {"accept": True, "weight": c.weight, "state_weight": c.state_weight, "digest": c.state_digest,
-                     "round": c.round, "final": c.final, "anchors": list(c.anchors)}
-            if not self.dialable:
-                reply["dialable"] = False
+            reply = self.dial.says({"accept": True, "weight": c.weight, "state_weight": c.state_weight,
+                                    "digest": c.state_digest, "round": c.round, "final": c.final,
+                                    "anchors": list(c.anchors)})
         await self.rpc.reply(reader, writer, "invite", leader, reply)
 
     async def on_ready(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -395,10 +364,7 @@ class Matchmaker:
             self._liars.add(peer)
         if isinstance(header.get("epoch"), int):
             self.census.saw(peer, header["epoch"])
-        if header.get("dialable") is False:
-            self._undialable.add(peer)
-        else:
-            self._undialable.discard(peer)
+        self.dial.heard(peer, header)
         if self._search is not None:  # it reached this peer: streams to it ride its connection, whoever opens them
             self._search.unreachable.discard(peer)
         self._changed.set()
@@ -413,16 +379,10 @@ class Matchmaker:
         ok = (
             search is not None and gid == search.accepted_gid and request.sender == search.leader
             and valid_notice(header, self.peer_id, self.cfg.group_size)
-            and own_claims_kept(header, self.peer_id, search.contribution, self.dialable)
+            and own_claims_kept(header, self.peer_id, search.contribution, self.dial.own)
         )
         if ok:
-            group = Group(
-                gid, [str(m) for m in header["members"]], [float(w) for w in header["weights"]],
-                [float(w) for w in header["state_weights"]], bool(header["need_state"]), dict(self.lengths),
-                header.get("final") is True, str(header.get("anchor", "")), digests=list(header["digests"]),
-                owners=header.get("owners"),
-            )
             fut = self._group_future(gid)
             if not fut.done():
-                fut.set_result(group)
+                fut.set_result(group_of_notice(header, self.lengths))
         await self.rpc.reply(reader, writer, "group", request.sender, {"ok": ok})

@@ -117,14 +117,13 @@ class P2PMerger:
     def expect_dialable_verdict(self) -> None:
         """A dial-back check of this peer is under way (call before the first `submit`): its first search for a
         group waits a few seconds for `set_dialable`, so that a peer nobody can dial does not lead its first merge."""
-        self.matchmaker.dialable_known.clear()
+        self.matchmaker.dial.expect_verdict()
 
     def set_dialable(self, dialable: bool) -> None:
         """Whether other peers can open connections to this one (the dial-back check's verdict; call on the merger's
         loop): one they cannot never leads a group and owns no slice of one; it opens every stream itself
         (matchmaking.py)."""
-        self.matchmaker.dialable = dialable
-        self.matchmaker.dialable_known.set()
+        self.matchmaker.dial.set(dialable)
 
     def close(self) -> None:
         """Stop looking for groups, and stop serving (`Rpc.close`: the p2p client's socket file goes with it)."""

@@ -125,7 +125,7 @@ def format_status(status: dict) -> str:
     unreachable = [p for p in status["peers"] if p.get("reachable") is False]
     if unreachable:
         lines.append(f"{len(unreachable)} peer(s) cannot be dialed by others (behind NAT or a firewall): they merge "
-                     "only where they dial out, often alone (docs/operations.md, Behind a home router)")
+                     "only in groups led by peers others can dial (docs/operations.md, Behind a home router)")
         lines += [f"  {p['name'] or p['peer_id'][-8:]}: {p['reach_detail'] or 'no detail'}" for p in unreachable]
     return "\n".join(lines)
 

@@ -1,0 +1,82 @@
+"""Who in a peer's merge groups can be dialed: this peer (the dial-back check's verdict, network/reachability.py)
+and its mates (what each said in its `ready` and invite reply).
+
+Every stream of a merge is opened by a member towards the leader or a slice owner, or by the leader towards a member
+whose `ready` opened a connection to it. So a peer that others cannot dial (behind NAT) never leads and owns no
+slice; it says so (`dialable: false`) and opens every stream itself. What a mate says of itself only takes duties
+away from it: a mate that says it cannot be dialed is never followed and given no slice; one that claims it can but
+cannot is a leader that never invites, passed over as any silent leader is (matchmaking.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+logger = logging.getLogger(__name__)
+
+VERDICT_WAIT_S = 8.0
+"""How long a peer's first search waits for its dial-back check (a dial into NAT takes 3 s to time out)."""
+
+
+class Dialability:
+    """This peer's and its mates' dialability, as the matchmaker uses it.
+
+    Args:
+        me: this peer's id.
+    """
+
+    def __init__(self, me: str):
+        self.me = me
+        self.own = True
+        """Whether other peers can open connections to this one (the check's verdict; until then, yes)."""
+        self.known = asyncio.Event()
+        """Set once `own` holds the check's first verdict, or when no check is expected."""
+        self.known.set()
+        self.undialable: set[str] = set()
+        """Mates that said others cannot dial them."""
+        self._warned = False
+
+    def expect_verdict(self) -> None:
+        """A dial-back check is under way: the first search waits for `set` (up to `VERDICT_WAIT_S`)."""
+        self.known.clear()
+
+    def set(self, dialable: bool) -> None:
+        """The check's verdict (call on the matchmaker's loop)."""
+        self.own = dialable
+        self.known.set()
+
+    async def await_verdict(self) -> None:
+        """Before a search: wait for the first verdict if one is expected, a bounded time."""
+        if not self.known.is_set():
+            try:
+                await asyncio.wait_for(self.known.wait(), VERDICT_WAIT_S)
+            except TimeoutError:
+                pass
+
+    def can_lead(self, peer: str) -> bool:
+        """A leader dials every member: only a peer others can dial leads (it said so, or it is this peer)."""
+        return self.own if peer == self.me else peer not in self.undialable
+
+    def says(self, fields: dict) -> dict:
+        """`fields` (a `ready` header or an invite reply) with this peer's word that nobody can dial it, if so."""
+        return fields if self.own else {**fields, "dialable": False}
+
+    def heard(self, peer: str, header: dict) -> None:
+        """A mate's `ready` header: whether it said others cannot dial it."""
+        if header.get("dialable") is False:
+            self.undialable.add(peer)
+        else:
+            self.undialable.discard(peer)
+
+    def member_dialable(self, peer: str, reply: dict) -> bool:
+        """Whether an invited mate can own a slice: it did not say otherwise, now or in its `ready`."""
+        return reply.get("dialable") is not False and peer not in self.undialable
+
+    def nobody_leads(self, ready_mates: int) -> None:
+        """Once: this peer merges alone because neither it nor any ready mate can be dialed, so nobody can lead."""
+        if not self._warned:
+            self._warned = True
+            logger.warning("[%s] merging alone: nobody can dial this peer nor any of its %d ready mates, so none of "
+                           "them can lead a group; a peer others can dial must join the swarm (docs/operations.md, "
+                           "Behind a home router)", self.me[-6:], ready_mates)
