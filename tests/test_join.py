@@ -256,7 +256,7 @@ def test_a_peer_restarted_after_the_swarm_finished_does_not_train_on_alone(boots
         assert hb._expiration > get_dht_time() + 600  # not 3 heartbeats: an hour
         # what the restarted peer does with it: trains nothing, and says so in its summary, so that the run's
         # summary leaves its model out of the final models (`local --chaos` reported such runs "apart")
-        from p2pdiloco.app.peer import join_swarm_state
+        from p2pdiloco.app.joining import join_swarm_state
         from p2pdiloco.testing.inmemory import InMemoryMerger
         from tests.test_learner import _cfg, _learner
 

@@ -284,82 +284,104 @@ def run_local(n_peers: int, cfg: Config, run_dir: Path, config_path: str | None,
     console = console or Console()
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    prefork = Prefork() if enabled() else None  # its imports run beside the bootstrap node's start
-    try:
-        dht = start_dht(SwarmConfig(host="127.0.0.1", port=0, swarm_key=cfg.swarm.swarm_key))
-    except BaseException:
-        if prefork is not None:
-            prefork.close()
-        raise
-    reaper = Reaper(dht)
     peers: list[PeerProc] = []
-    interrupted = False
-    dashboard = None
-    reach = contextlib.ExitStack()
-    try:
-        reach.enter_context(serving_reach(dht))  # as a bootstrap node does: peers ask it first
-        maddr = visible_maddrs(dht)[0]
-        (run_dir / "bootstrap.maddr").write_text(maddr + "\n")
-        console.print(f"bootstrap node at {maddr}", soft_wrap=True)  # one line, so it can be copied
-        if dashboard_port is not None:  # in this process: it reads the peers' records through the bootstrap node
-            from p2pdiloco.observe.dashboard import BackgroundDashboard
-
-            dashboard = BackgroundDashboard(dht, cfg.swarm.run_id, "127.0.0.1", dashboard_port)
-            console.print(f"dashboard at {dashboard.url}")
-        barrier = run_dir / "started"  # peers waiting for each other list it, not the census (together.wait_for_peers)
-        shutil.rmtree(barrier, ignore_errors=True)
-        barrier.mkdir()
-        launched = time.time()  # the first fork waits on the fork server's imports, and the others on it
-        for i in range(n_peers):
-            pdir = run_dir / "peers" / f"peer{i}"
-            pdir.mkdir(parents=True, exist_ok=True)
-            for stale in ("metrics.jsonl", "peer_summary.json"):
-                (pdir / stale).unlink(missing_ok=True)
-            for stale in (pdir / "checkpoints").glob("ckpt-*"):  # a chaos restart must not resume an old run
-                stale.unlink()
-            log = (pdir / "peer.log").open("w")
-            cmd = peer_command(i, n_peers, cfg, maddr, pdir, config_path, sets + (peer_sets or {}).get(i, []),
-                               (slow or {}).get(i, 1.0), barrier)
-            peer = PeerProc(f"peer{i}", pdir, None, log, cmd=cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            prefork=prefork)
-            peer.start(asked_at=launched)
-            peers.append(peer)
+    # each part registers its close as it starts; they close in reverse: peers, dashboard, dial-back service,
+    # DHT, reaper, fork server
+    with contextlib.ExitStack() as closing:
+        maddr, prefork = start_bootstrap(cfg, run_dir, console, dashboard_port, closing)
+        closing.callback(stop_peers, peers)
+        launch_peers(peers, n_peers, cfg, maddr, run_dir, config_path, sets, peer_sets or {}, slow or {}, prefork)
         console.print(f"{n_peers} peers started; logs in {run_dir}/peers/*/peer.log")
-        startup = StartupLines()
-        try:
-            with Live(progress_table(peers, cfg.run.total_steps, started), console=console, refresh_per_second=2) as live:
-                while any(p.proc.poll() is None or p.restart_at is not None for p in peers):
-                    if chaos is not None:
-                        chaos.tick(peers)
-                    for p in peers:
-                        p.poll_metrics()
-                        p.poll_log()
-                        if p.proc.poll() is None:
-                            p.remember_descendants()
-                    if (line := startup.update(peers)) is not None:
-                        console.print(line, soft_wrap=True)
-                    live.update(progress_table(peers, cfg.run.total_steps, started))
-                    time.sleep(0.5)  # a display refresh, not a wait for a condition
+        interrupted = watch_peers(peers, cfg, started, console, chaos)
+    if interrupted and reraise_interrupt:
+        raise KeyboardInterrupt
+    return report_run(peers, cfg, run_dir, started, console, chaos, interrupted)
+
+
+def start_bootstrap(cfg: Config, run_dir: Path, console: Console, dashboard_port: int | None,
+                    closing: contextlib.ExitStack) -> tuple[str, Prefork | None]:
+    """Start the fork server, the run's bootstrap node and its dashboard, each closed by `closing`.
+
+    Returns:
+        The bootstrap node's multiaddr, and the fork server (None: peers start as fresh interpreters).
+    """
+    prefork = Prefork() if enabled() else None  # its imports run beside the bootstrap node's start
+    if prefork is not None:  # after the DHT: its process, forked from this one, holds the server's alive pipe
+        closing.callback(prefork.close)
+    dht = start_dht(SwarmConfig(host="127.0.0.1", port=0, swarm_key=cfg.swarm.swarm_key))
+    reaper = Reaper(dht)
+    closing.callback(reaper.close)
+    closing.callback(dht.shutdown)
+    closing.enter_context(serving_reach(dht))  # as a bootstrap node does: peers ask it first
+    maddr = visible_maddrs(dht)[0]
+    (run_dir / "bootstrap.maddr").write_text(maddr + "\n")
+    console.print(f"bootstrap node at {maddr}", soft_wrap=True)  # one line, so it can be copied
+    if dashboard_port is not None:  # in this process: it reads the peers' records through the bootstrap node
+        from p2pdiloco.observe.dashboard import BackgroundDashboard
+
+        dashboard = BackgroundDashboard(dht, cfg.swarm.run_id, "127.0.0.1", dashboard_port)
+        closing.callback(dashboard.close)
+        console.print(f"dashboard at {dashboard.url}")
+    return maddr, prefork
+
+
+def launch_peers(peers: list[PeerProc], n_peers: int, cfg: Config, maddr: str, run_dir: Path,
+                 config_path: str | None, sets: list[str], peer_sets: dict[int, list[str]], slow: dict[int, float],
+                 prefork: Prefork | None) -> None:
+    """Start the peers, each appended to `peers` as it starts (so that a failure stops those already running)."""
+    barrier = run_dir / "started"  # peers waiting for each other list it, not the census (together.wait_for_peers)
+    shutil.rmtree(barrier, ignore_errors=True)
+    barrier.mkdir()
+    launched = time.time()  # the first fork waits on the fork server's imports, and the others on it
+    for i in range(n_peers):
+        pdir = run_dir / "peers" / f"peer{i}"
+        pdir.mkdir(parents=True, exist_ok=True)
+        for stale in ("metrics.jsonl", "peer_summary.json"):
+            (pdir / stale).unlink(missing_ok=True)
+        for stale in (pdir / "checkpoints").glob("ckpt-*"):  # a chaos restart must not resume an old run
+            stale.unlink()
+        log = (pdir / "peer.log").open("w")
+        cmd = peer_command(i, n_peers, cfg, maddr, pdir, config_path, sets + peer_sets.get(i, []),
+                           slow.get(i, 1.0), barrier)
+        peer = PeerProc(f"peer{i}", pdir, None, log, cmd=cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                        prefork=prefork)
+        peer.start(asked_at=launched)
+        peers.append(peer)
+
+
+def watch_peers(peers: list[PeerProc], cfg: Config, started: float, console: Console, chaos: Chaos | None) -> bool:
+    """Draw the peers' progress until all have ended (chaos kills and restarts them meanwhile); True if Ctrl+C
+    cut the run short."""
+    startup = StartupLines()
+    try:
+        with Live(progress_table(peers, cfg.run.total_steps, started), console=console, refresh_per_second=2) as live:
+            while any(p.proc.poll() is None or p.restart_at is not None for p in peers):
+                if chaos is not None:
+                    chaos.tick(peers)
                 for p in peers:
                     p.poll_metrics()
                     p.poll_log()
-                if (line := startup.update(peers)) is not None:  # peers that ended between two looks
+                    if p.proc.poll() is None:
+                        p.remember_descendants()
+                if (line := startup.update(peers)) is not None:
                     console.print(line, soft_wrap=True)
                 live.update(progress_table(peers, cfg.run.total_steps, started))
-        except KeyboardInterrupt:
-            interrupted = True
-            console.print("interrupted: stopping peers")
-    finally:
-        stop_peers(peers)
-        if dashboard is not None:
-            dashboard.close()
-        reach.close()
-        dht.shutdown()
-        reaper.close()
-        if prefork is not None:  # after the DHT: its process, forked from this one, holds the server's alive pipe
-            prefork.close()
-    if interrupted and reraise_interrupt:
-        raise KeyboardInterrupt
+                time.sleep(0.5)  # a display refresh, not a wait for a condition
+            for p in peers:
+                p.poll_metrics()
+                p.poll_log()
+            if (line := startup.update(peers)) is not None:  # peers that ended between two looks
+                console.print(line, soft_wrap=True)
+            live.update(progress_table(peers, cfg.run.total_steps, started))
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping peers")
+        return True
+    return False
+
+
+def report_run(peers: list[PeerProc], cfg: Config, run_dir: Path, started: float, console: Console,
+               chaos: Chaos | None, interrupted: bool) -> dict:
+    """Say which peers failed, write the run's summary and plots, and return the summary."""
     for p in peers:
         if p.proc.returncode not in (0, None) and not interrupted and p.restart_at is None:
             tail = (p.run_dir / "peer.log").read_text().strip().splitlines()[-1:] or ["(empty log)"]

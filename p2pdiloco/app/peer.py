@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -17,8 +18,8 @@ from hivemind import DHT
 from safetensors.torch import save_file
 
 from p2pdiloco import __version__
-from p2pdiloco.algorithm.guards import GuardBook
-from p2pdiloco.app.heartbeat import Heartbeat, swarm_finished
+from p2pdiloco.app.heartbeat import Heartbeat
+from p2pdiloco.app.joining import join_swarm_state, resume_from_checkpoint
 from p2pdiloco.app.reach import start_reachability
 from p2pdiloco.app.startup import StartupClock, process_started_monotonic, say
 from p2pdiloco.app.together import wait_for_peers
@@ -32,20 +33,20 @@ from p2pdiloco.network.swarm import (
     check_maddrs,
     configs_differ,
     live_configs,
-    live_records,
     read_peers,
     start_dht,
     swarm_auth,
     visible_maddrs,
 )
+from p2pdiloco.network.swarm_key import SwarmAuth
 from p2pdiloco.network.traffic import Traffic, dht_bytes_by_kind
-from p2pdiloco.testing.hooks import peer_hooks  # the one door to test doubles and fault injection
+from p2pdiloco.testing.hooks import PeerHooks, peer_hooks  # the one door to test doubles and fault injection
 from p2pdiloco.training.accel import pick_device
 from p2pdiloco.training.batches import BatchSampler, eval_batches
-from p2pdiloco.training.checkpoint import load_latest
 from p2pdiloco.training.corpus import load_corpus
 from p2pdiloco.training.data import TextData
 from p2pdiloco.training.distributed import (
+    UnitContext,
     UnitSync,
     close_unit,
     context_from_env,
@@ -121,71 +122,6 @@ IDENTITY_FILE = "identity.key"
 """The peer's libp2p identity in its run folder (0600): kept across --resume, replaced on a fresh start."""
 
 
-def resume_from_checkpoint(learner: Learner, sampler: BatchSampler, book: GuardBook, folder: Path,
-                           announce) -> None:
-    """Continue from the newest checkpoint: its state, the data order where this peer's tokens left it, and what
-    its guards had learned of the others (kept under the same peer id, see `IDENTITY_FILE`)."""
-    found = load_latest(folder)
-    if found is None:
-        announce(f"--resume: no usable checkpoint in {folder}; starting fresh")
-        return
-    tensors, meta, path = found
-    learner.restore(tensors, meta)
-    book.remember(meta.get("guard_trust"))
-    # a unit's tokens count all its ranks' batches; rank 0 skips its own share (followers replay theirs)
-    sampler.skip(learner.c.tokens // (sampler.tokens_per_batch * learner.report.data_parallel))
-    announce(f"resumed from {path.name}: round {meta['round']}, step {meta['step']}")
-
-
-def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dht, cfg: Config, peer_id: str,
-                     metrics: MetricsLog, every: dict[str, dict] | None = None) -> None:
-    """If live peers' global models have absorbed more tokens than ours, download the freshest one first,
-    so that a joiner (or a resumed peer that fell behind) continues the swarm's run instead of pulling it back.
-
-    If no peer is live and one left having finished the run, the run is over: this peer ends at once
-    (`Learner.ended_with_swarm`) instead of training on alone.
-
-    Args:
-        every: the swarm's peer records as read at this peer's start (`read_peers`), or None to read them here."""
-    say("joining the swarm %s: %s its peer records", cfg.swarm.run_id, "reading" if every is None else "checking",
-        tag=peer_id[-6:])
-    if every is None:
-        every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
-    finished = swarm_finished(every, peer_id, cfg.run.total_steps)
-    if finished is not None:  # training on alone would only move this peer's model away from the swarm's result
-        learner.ended_with_swarm = learner.report.arrived_after_end = True
-        metrics.write(kind="swarm_finished", peer=finished[0], step=finished[1])
-        logger.warning("[%s] the swarm already finished this run (peer %s left at step %d): nothing left to train; "
-                       "keeping this peer's model as it is", peer_id[-6:], finished[0][-6:], finished[1])
-        return
-    records = live_records(every)
-    ahead = {p: r for p, r in records.items()
-             if p != peer_id and float(r.get("global_tokens") or 0) > learner.c.global_tokens}
-    if not ahead:
-        return
-    say("joining: downloading the swarm's state (%d live peer(s) ahead of this one)", len(ahead), tag=peer_id[-6:])
-    t0 = time.monotonic()
-
-    async def refresh() -> dict[str, dict]:
-        await asyncio.sleep(cfg.swarm.heartbeat_s)  # a donor's record can lag its last merge by one heartbeat
-        return live_records(await read_peers(dht, cfg.swarm.run_id))
-
-    # every live record counts in checking a donor's state, not only those claiming to be ahead
-    passes = 3
-    got = loop.run(sync.fetch(records, peer_id, timeout=cfg.swarm.merge_timeout_s, refresh=refresh, passes=passes),
-                   timeout=(cfg.swarm.merge_timeout_s + cfg.swarm.heartbeat_s + 5) * (len(records) + 1) * passes + 10)
-    if got is None:
-        logger.warning("[%s] no live peer could give its state; the first merge will bring this peer in line",
-                       peer_id[-6:])
-        return
-    state, donor = got
-    learner.adopt_state(state)
-    metrics.write(kind="join", donor=donor, round=state.round, step=state.step,
-                  download_s=time.monotonic() - t0, global_digest=learner.g.digest())
-    logger.info("[%s] downloaded the swarm's state (round %d, step %d) from %s in %.2f s", peer_id[-6:],
-                state.round, state.step, donor[-6:], time.monotonic() - t0)
-
-
 def telemetry_snapshot(learner: Learner, static: dict) -> dict:
     """What /metrics reports: the heartbeat record, plus counters too dull for the DHT record."""
     c = learner.c
@@ -208,6 +144,34 @@ def keep_previous(path: Path) -> None:
         path.rename(path.with_name(f"{path.stem}-{stamp}{path.suffix}"))
 
 
+@dataclass
+class Peer:
+    """A built peer: its parts, for `start_services` and `train` (made by `build_peer`)."""
+
+    cfg: Config
+    stop: StopFlag
+    unit: UnitContext
+    device: torch.device
+    peer_id: str
+    maddrs: list[str]
+    fingerprint: dict
+    every: dict[str, dict]
+    """The swarm's peer records as read at the start."""
+    dht: DHT
+    loop: BackgroundLoop
+    merger: P2PMerger
+    learner: Learner
+    sampler: BatchSampler
+    metrics: MetricsLog
+    n_params: int
+    auth: SwarmAuth
+    hooks: PeerHooks
+    together: bool
+    """Started together with the others of a `local` run: waits for them before its first step."""
+    finished: bool = False
+    """Set once it has trained to the end (not stopped): its record then says it left having finished."""
+
+
 def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | None = None) -> dict | None:
     """Join the swarm, train, write the run folder; returns the summary (None on a follower rank of a
     multi-process learner unit, see distributed.py).
@@ -221,39 +185,48 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | 
     # from the real start of this process (interpreter and imports included)
     t_process_start = process_started_monotonic(psutil.Process().create_time())
     startup = StartupClock(t_process_start)
+    # each part registers its close as it starts, and they close in reverse: the peer record withdrawn, /metrics
+    # stopped, the last checkpoint finished, the merger, the metrics log, the network loop, the DHT, its reaper,
+    # the learner unit; whatever was started when an error comes is closed all the same
+    with contextlib.ExitStack() as closing:
+        unit, device = prepare_process(cfg, closing)
+        if not unit.is_main:  # a follower rank: trains in step with rank 0, which alone talks to the swarm
+            run_follower(cfg, unit, device)
+            return None
+        peer = build_peer(cfg, stop, unit, device, startup, t_process_start, announce, closing)
+        start_services(peer, announce, closing)
+        return train(peer, start_barrier)
+
+
+def prepare_process(cfg: Config, closing: contextlib.ExitStack) -> tuple[UnitContext, torch.device]:
+    """Settle this process's cores, threads, run folder and identity, and join its learner unit (closed by
+    `closing`); returns the unit and the device to train on."""
     if cfg.run.cpu_affinity:  # before anything starts, so the DHT and p2p daemon inherit it too
         os.sched_setaffinity(0, {int(c) for c in cfg.run.cpu_affinity.split(",")})
     if cfg.run.threads > 0:
         torch.set_num_threads(cfg.run.threads)
-    run_dir = Path(cfg.run.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    Path(cfg.run.run_dir).mkdir(parents=True, exist_ok=True)
     # a resumed peer keeps its peer id, and with it what others learned of it (their guards' trust: under a new
     # id a restarted peer is a stranger, whose first unusual parts the trust screen rejects); a fresh run takes a
     # fresh id
-    identity = run_dir / IDENTITY_FILE
     if not cfg.run.resume:
-        identity.unlink(missing_ok=True)
+        (Path(cfg.run.run_dir) / IDENTITY_FILE).unlink(missing_ok=True)
     check_maddrs(cfg.swarm.initial_peers, "initial peer")  # a typo should not cost a data load first
     unit = context_from_env()
     device = init_unit(unit, pick_device(cfg.run.device))
-    if not unit.is_main:  # a follower rank: trains in step with rank 0, which alone talks to the swarm
-        try:
-            run_follower(cfg, unit, device)
-            return None
-        finally:
-            close_unit(unit)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    check_vocab(tokenizer, cfg.model.vocab_size, cfg.data.tokenizer)  # before a long tokenization, not after
-    # the DHT process forked below never tokenizes: say so, or HF tokenizers warns about the fork on stderr
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    startup.lap("device_and_tokenizer")
-    say("loading data and building the model while the DHT starts (%.1f s of interpreter and imports)",
-        startup.laps["interpreter_and_imports"])
+    closing.callback(close_unit, unit)
+    return unit, device
 
-    # peers started together wait for each other (a restarted peer joins a running swarm), and all evaluate the
-    # initial model before their first step: on a busy machine that is seconds, so it is taken while the DHT starts
-    together = cfg.swarm.wait_for_peers > 1 and not cfg.run.resume
 
+def start_dht_beside_model(cfg: Config, unit: UnitContext, device: torch.device, tokenizer, together: bool,
+                           startup: StartupClock) -> tuple[DHT, TextData, BatchSampler, list, torch.nn.Module,
+                                                           float | None]:
+    """Start the DHT and, while it starts, load the data, build the model and (`together`) evaluate it.
+
+    Returns:
+        The DHT, the data, its batch sampler, the validation batches, the model and its first eval loss (None
+        unless `together`).
+    """
     def data_and_model() -> tuple[TextData, BatchSampler, list, torch.nn.Module, float | None]:
         t0 = time.monotonic()
         data = load_corpus(cfg.data, tokenizer, min_tokens=2 * (cfg.model.seq_len + 1))
@@ -267,120 +240,156 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | 
 
     def dht_up() -> DHT:
         t0 = time.monotonic()
-        dht = start_dht(cfg.swarm, identity_path=str(identity))
+        dht = start_dht(cfg.swarm, identity_path=str(Path(cfg.run.run_dir) / IDENTITY_FILE))
         say("DHT up in %.1f s: peer %s", time.monotonic() - t0, dht.peer_id.to_base58())
         return dht
 
     # the DHT's start is mostly waiting (its process, the p2p daemon, the join): load and build meanwhile
     dht, built = startup.side_by_side("dht_with_data_and_model", ("dht", dht_up), {"data_and_model": data_and_model},
                                       undo=DHT.shutdown)
-    data, sampler, val, model, first_eval = built["data_and_model"]
-    n_params = count_params(model)
+    return dht, *built["data_and_model"]
+
+
+def build_peer(cfg: Config, stop: StopFlag, unit: UnitContext, device: torch.device, startup: StartupClock,
+               t_process_start: float, announce, closing: contextlib.ExitStack) -> Peer:
+    """Start the DHT, load the data and model, check the swarm's config and make the merger and learner, each
+    closed by `closing`."""
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    check_vocab(tokenizer, cfg.model.vocab_size, cfg.data.tokenizer)  # before a long tokenization, not after
+    # the DHT process forked below never tokenizes: say so, or HF tokenizers warns about the fork on stderr
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    startup.lap("device_and_tokenizer")
+    say("loading data and building the model while the DHT starts (%.1f s of interpreter and imports)",
+        startup.laps["interpreter_and_imports"])
+    # peers started together wait for each other (a restarted peer joins a running swarm), and all evaluate the
+    # initial model before their first step: on a busy machine that is seconds, so it is taken while the DHT starts
+    together = cfg.swarm.wait_for_peers > 1 and not cfg.run.resume
+    dht, data, sampler, val, model, first_eval = start_dht_beside_model(cfg, unit, device, tokenizer, together,
+                                                                        startup)
     reaper = Reaper(dht)
+    closing.callback(reaper.close)  # after the DHT's shutdown: the watchdog ends what is left of it
+    closing.callback(dht.shutdown)
     loop = BackgroundLoop()
-    merger = metrics = heartbeat = metrics_server = learner = None
-    finished = False
+    closing.callback(loop.close)
+    peer_id = dht.peer_id.to_base58()
+    maddrs = visible_maddrs(dht)
+    announce(f"peer {peer_id} listening on:")
+    for m in maddrs:
+        announce(f"  {m}")
+    announce("others can join with: p2pdiloco peer --initial-peers " + join_address(maddrs))
+    fingerprint = cfg.fingerprint(tokenizer=tokenizer.digest)
+    # one read of every peer record serves both the config check and the join: a second read would walk all 8
+    # shards again, each over the nodes holding it (docs/benchmarks.md, Scale, start-up DHT bytes). One
+    # node's copy of each shard instead cost more: a fresh peer first looks up each shard's nearest nodes
+    every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
+    if configs_differ(every, fingerprint_digest(fingerprint)):
+        check_fingerprint(fingerprint, loop.run(live_configs(dht, cfg.swarm.run_id, every), timeout=30))
+
+    run_dir = Path(cfg.run.run_dir)
+    if not cfg.run.resume:
+        keep_previous(run_dir / "metrics.jsonl")
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    closing.callback(metrics.close)  # after the merger's close, whose last results the learner may still log
+    auth = swarm_auth(cfg.swarm)
+    hooks = peer_hooks(cfg)  # no faults and no hostile wrapper unless a test or benchmark asked for them
+    merger = P2PMerger(dht, cfg.swarm, loop, count_params(model), auth=auth, guard=cfg.guard,
+                       fingerprint=fingerprint_digest(fingerprint), faults=hooks.faults)
+    closing.callback(merger.close)
+    say("merger ready in %.1f s (codec %s)", startup.lap("merger"), cfg.swarm.codec, tag=peer_id[-6:])
+    learner = Learner(cfg, model, sampler.next_batch, val, hooks.wrap_merger(merger), device, metrics,
+                      should_stop=stop, checkpoint_dir=run_dir / "checkpoints", faults=hooks.faults,
+                      t_process_start=t_process_start)
+    closing.callback(finish_checkpoints, learner)
+    learner.checkpoint_meta = lambda: {"guard_trust": dict(merger.book.trust)}
+    if first_eval is not None:  # θg is the model's weights, as evaluated
+        learner.last_eval = (learner.g.digest(), first_eval)
+    startup.lap("learner")  # the model on its device, the optimizers, the initial global model
+    learner.log_start(startup.laps)  # before any state download: a restart's start-up is its own, in the metrics
+    learner.report.traffic = Traffic(merge=merger.counter)
+    learner.report.tokens_per_byte = data.tokens_per_byte
+    if unit.world_size > 1:
+        UnitSync(unit, device).attach(learner)
+    return Peer(cfg, stop, unit, device, peer_id, maddrs, fingerprint, every, dht, loop, merger, learner, sampler,
+                metrics, count_params(model), auth, hooks, together)
+
+
+def start_services(peer: Peer, announce, closing: contextlib.ExitStack) -> None:
+    """Serve the state and the dial-back check, resume or download the swarm's state, then serve /metrics and
+    publish the peer record (withdrawn by `closing`)."""
+    cfg, dht, loop, merger, learner = peer.cfg, peer.dht, peer.loop, peer.merger, peer.learner
+    state_sync = StateSync(dht, cfg.swarm.run_id, peer.n_params, peer.hooks.wrap_state(lambda: learner.shared),
+                           learner.report.traffic.state, auth=peer.auth, gate=merger.rpc.gate)
+    loop.run(state_sync.start(), timeout=30)
+    # its bytes count with the state downloads' (both are start-up traffic), not in any merge's
+    merger.expect_dialable_verdict()
+    reach = start_reachability(loop, dht, cfg.swarm.run_id, cfg.swarm.initial_peers, peer.maddrs, merger.rpc.gate,
+                               learner.report.traffic.state,
+                               on_verdict=lambda found: merger.set_dialable(found.reachable is not False))
+    loop.submit(learner.report.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
+    if cfg.run.resume:
+        resume_from_checkpoint(learner, peer.sampler, merger.book, Path(cfg.run.run_dir) / "checkpoints", announce)
+    join_swarm_state(learner, state_sync, loop, dht, cfg, peer.peer_id, peer.metrics, peer.every)
+    # public: anyone who knows the run id reads it, so no host name or user (the name is opt-in)
+    static = {
+        "name": cfg.run.name, "version": __version__, "maddrs": peer.maddrs,
+        "device": str(peer.device) if peer.unit.world_size == 1 else f"{peer.device} x{peer.unit.world_size}",
+        "fingerprint": fingerprint_digest(peer.fingerprint), "started": time.time(),
+    }
+    if cfg.run.metrics_port:
+        # aiohttp: imported only by a peer that serves /metrics
+        from p2pdiloco.observe.telemetry import MetricsServer
+
+        ids = {**static, "peer_id": peer.peer_id, "run_id": cfg.swarm.run_id}
+        metrics_server = MetricsServer(lambda: telemetry_snapshot(learner, ids), cfg.run.metrics_host,
+                                       cfg.run.metrics_port)
+        closing.callback(stop_metrics_server, loop, metrics_server)
+        announce(f"Prometheus metrics at {loop.run(metrics_server.start(), timeout=10)}")
+    heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer.peer_id, lambda: {**static, **reach, **learner.report.record()},
+                          cfg.swarm.heartbeat_s)
+    closing.callback(leave_swarm, peer, heartbeat)
+    loop.submit(heartbeat.run(peer.fingerprint))
+
+
+def train(peer: Peer, start_barrier: Path | None) -> dict:
+    """Train to the end (or a stop), then write the peer's summary, last checkpoint and model; returns the
+    summary."""
+    cfg, dht, loop, merger, learner, stop = peer.cfg, peer.dht, peer.loop, peer.merger, peer.learner, peer.stop
+    run_dir = Path(cfg.run.run_dir)
+    if peer.together:
+        learner.evaluate_global()  # the first eval (held if taken beside the DHT's start), before the wait
+        say("waiting for %d peers to be live", cfg.swarm.wait_for_peers, tag=peer.peer_id[-6:])
+        live = wait_for_peers(loop, dht, cfg, peer.peer_id, stop, start_barrier, merger.matchmaker.census)
+        logger.info("[%s] %d of %d peers live; starting", peer.peer_id[-6:], live, cfg.swarm.wait_for_peers)
+    summary = learner.run()
+    loop.run(learner.report.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's
+    summary.update(name=cfg.run.name, n_params=peer.n_params, **learner.report.bandwidth(),
+                   guard=merger.book.report(), hostile=cfg.emulate.hostile, census=merger.matchmaker.census.counts())
+    summary["dht_by_kind"] = dht_bytes_by_kind(learner.report.traffic.dht_by_key, cfg.swarm.run_id)
+    write_json_atomic(run_dir / "peer_summary.json", summary)
+    if not stop():  # a peer told to stop mid-round still has its last merged state in the checkpoints
+        learner.checkpoint(wait=True)
+    save_model(run_dir / "model.safetensors", learner)
+    peer.finished = not stop()
+    return summary
+
+
+def leave_swarm(peer: Peer, heartbeat: Heartbeat) -> None:
+    """Withdraw the peer record, saying where the peer finished if it trained to the end."""
     try:
-        peer_id = dht.peer_id.to_base58()
-        maddrs = visible_maddrs(dht)
-        announce(f"peer {peer_id} listening on:")
-        for m in maddrs:
-            announce(f"  {m}")
-        announce("others can join with: p2pdiloco peer --initial-peers " + join_address(maddrs))
-        fingerprint = cfg.fingerprint(tokenizer=tokenizer.digest)
-        # one read of every peer record serves both the config check and the join: a second read would walk all 8
-        # shards again, each over the nodes holding it (docs/benchmarks.md, Scale, start-up DHT bytes). One
-        # node's copy of each shard instead cost more: a fresh peer first looks up each shard's nearest nodes
-        every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
-        if configs_differ(every, fingerprint_digest(fingerprint)):
-            check_fingerprint(fingerprint, loop.run(live_configs(dht, cfg.swarm.run_id, every), timeout=30))
+        peer.loop.run(heartbeat.leave(peer.learner.c.step if peer.finished else None), timeout=5)
+    except Exception as e:  # leaving: others will see the record expire instead
+        logger.debug("withdrawing the peer record failed: %r", e)
 
-        auth = swarm_auth(cfg.swarm)
-        hooks = peer_hooks(cfg)  # no faults and no hostile wrapper unless a test or benchmark asked for them
-        merger = P2PMerger(dht, cfg.swarm, loop, n_params, auth=auth, guard=cfg.guard,
-                           fingerprint=fingerprint_digest(fingerprint), faults=hooks.faults)
-        say("merger ready in %.1f s (codec %s)", startup.lap("merger"), cfg.swarm.codec, tag=peer_id[-6:])
-        if not cfg.run.resume:
-            keep_previous(run_dir / "metrics.jsonl")
-        metrics = MetricsLog(run_dir / "metrics.jsonl")
-        learner = Learner(cfg, model, sampler.next_batch, val, hooks.wrap_merger(merger), device, metrics,
-                          should_stop=stop, checkpoint_dir=run_dir / "checkpoints", faults=hooks.faults,
-                          t_process_start=t_process_start)
-        learner.checkpoint_meta = lambda: {"guard_trust": dict(merger.book.trust)}
-        if first_eval is not None:  # θg is the model's weights, as evaluated
-            learner.last_eval = (learner.g.digest(), first_eval)
-        startup.lap("learner")  # the model on its device, the optimizers, the initial global model
-        learner.log_start(startup.laps)  # before any state download: a restart's start-up is its own, in the metrics
-        learner.report.traffic = Traffic(merge=merger.counter)
-        learner.report.tokens_per_byte = data.tokens_per_byte
-        if unit.world_size > 1:
-            UnitSync(unit, device).attach(learner)
-        state_sync = StateSync(dht, cfg.swarm.run_id, n_params, hooks.wrap_state(lambda: learner.shared),
-                               learner.report.traffic.state, auth=auth, gate=merger.rpc.gate)
-        loop.run(state_sync.start(), timeout=30)
-        # its bytes count with the state downloads' (both are start-up traffic), not in any merge's
-        merger.expect_dialable_verdict()
-        reach = start_reachability(loop, dht, cfg.swarm.run_id, cfg.swarm.initial_peers, maddrs, merger.rpc.gate,
-                                   learner.report.traffic.state,
-                                   on_verdict=lambda found: merger.set_dialable(found.reachable is not False))
-        loop.submit(learner.report.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
-        if cfg.run.resume:
-            resume_from_checkpoint(learner, sampler, merger.book, run_dir / "checkpoints", announce)
-        join_swarm_state(learner, state_sync, loop, dht, cfg, peer_id, metrics, every)
-        # public: anyone who knows the run id reads it, so no host name or user (the name is opt-in)
-        static = {
-            "name": cfg.run.name, "version": __version__, "maddrs": maddrs,
-            "device": str(device) if unit.world_size == 1 else f"{device} x{unit.world_size}",
-            "fingerprint": fingerprint_digest(fingerprint), "started": time.time(),
-        }
-        heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer_id, lambda: {**static, **reach, **learner.report.record()},
-                              cfg.swarm.heartbeat_s)
-        loop.submit(heartbeat.run(fingerprint))
-        if cfg.run.metrics_port:
-            # aiohttp: imported only by a peer that serves /metrics
-            from p2pdiloco.observe.telemetry import MetricsServer
 
-            ids = {**static, "peer_id": peer_id, "run_id": cfg.swarm.run_id}
-            metrics_server = MetricsServer(lambda: telemetry_snapshot(learner, ids), cfg.run.metrics_host,
-                                           cfg.run.metrics_port)
-            announce(f"Prometheus metrics at {loop.run(metrics_server.start(), timeout=10)}")
-        if together:
-            learner.evaluate_global()  # the first eval (held if taken beside the DHT's start), before the wait
-            say("waiting for %d peers to be live", cfg.swarm.wait_for_peers, tag=peer_id[-6:])
-            live = wait_for_peers(loop, dht, cfg, peer_id, stop, start_barrier, merger.matchmaker.census)
-            logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)
-        summary = learner.run()
-        loop.run(learner.report.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's
-        summary.update(name=cfg.run.name, n_params=n_params, **learner.report.bandwidth(), guard=merger.book.report(),
-                       hostile=cfg.emulate.hostile, census=merger.matchmaker.census.counts())
-        summary["dht_by_kind"] = dht_bytes_by_kind(learner.report.traffic.dht_by_key, cfg.swarm.run_id)
-        write_json_atomic(run_dir / "peer_summary.json", summary)
-        if not stop():  # a peer told to stop mid-round still has its last merged state in the checkpoints
-            learner.checkpoint(wait=True)
-        save_model(run_dir / "model.safetensors", learner)
-        finished = not stop()
-        return summary
-    finally:
-        if heartbeat is not None:
-            try:
-                loop.run(heartbeat.leave(learner.c.step if finished else None), timeout=5)
-            except Exception as e:  # leaving: others will see the record expire instead
-                logger.debug("withdrawing the peer record failed: %r", e)
-        if metrics_server is not None:
-            try:
-                loop.run(metrics_server.stop(), timeout=5)
-            except Exception as e:  # shutting down: log, never raise
-                logger.debug("stopping the metrics server: %r", e)
-        if learner is not None:
-            try:  # a peer told to stop: the checkpoint being written is finished, not cut off at exit
-                learner.checkpoints.close()
-            except Exception as e:  # shutting down: log, never raise
-                logger.error("writing the last checkpoint failed: %r", e)
-        if merger is not None:
-            merger.close()
-        if metrics is not None:
-            metrics.close()
-        loop.close()
-        dht.shutdown()
-        reaper.close()
-        close_unit(unit)
+def stop_metrics_server(loop: BackgroundLoop, server) -> None:
+    try:
+        loop.run(server.stop(), timeout=5)
+    except Exception as e:  # shutting down: log, never raise
+        logger.debug("stopping the metrics server: %r", e)
+
+
+def finish_checkpoints(learner: Learner) -> None:
+    try:  # a peer told to stop: the checkpoint being written is finished, not cut off at exit
+        learner.checkpoints.close()
+    except Exception as e:  # shutting down: log, never raise
+        logger.error("writing the last checkpoint failed: %r", e)

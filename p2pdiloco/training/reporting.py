@@ -166,7 +166,7 @@ class Reporter:
         """Seconds from the process start to the first inner step (None before it)."""
         self.arrived_after_end = False
         """This peer started (or restarted) after the swarm had finished its run and trained nothing: its model is
-        not the run's result (`app/peer.join_swarm_state`, `app/summary.summarize`)."""
+        not the run's result (`app/joining.join_swarm_state`, `app/summary.summarize`)."""
 
     # ---- metrics lines ----
 

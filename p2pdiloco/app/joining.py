@@ -1,0 +1,87 @@
+"""Where a starting peer's state comes from: its newest checkpoint (--resume), then the swarm's state if live
+peers are ahead of it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from p2pdiloco.algorithm.guards import GuardBook
+from p2pdiloco.app.heartbeat import swarm_finished
+from p2pdiloco.app.startup import say
+from p2pdiloco.config import Config
+from p2pdiloco.network.state_sync import StateSync
+from p2pdiloco.network.swarm import BackgroundLoop, live_records, read_peers
+from p2pdiloco.training.batches import BatchSampler
+from p2pdiloco.training.checkpoint import load_latest
+from p2pdiloco.training.learner import Learner
+from p2pdiloco.training.reporting import MetricsLog
+
+logger = logging.getLogger(__name__)
+
+
+def resume_from_checkpoint(learner: Learner, sampler: BatchSampler, book: GuardBook, folder: Path,
+                           announce) -> None:
+    """Continue from the newest checkpoint: its state, the data order where this peer's tokens left it, and what
+    its guards had learned of the others (kept under the same peer id, see `IDENTITY_FILE`)."""
+    found = load_latest(folder)
+    if found is None:
+        announce(f"--resume: no usable checkpoint in {folder}; starting fresh")
+        return
+    tensors, meta, path = found
+    learner.restore(tensors, meta)
+    book.remember(meta.get("guard_trust"))
+    # a unit's tokens count all its ranks' batches; rank 0 skips its own share (followers replay theirs)
+    sampler.skip(learner.c.tokens // (sampler.tokens_per_batch * learner.report.data_parallel))
+    announce(f"resumed from {path.name}: round {meta['round']}, step {meta['step']}")
+
+
+def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dht, cfg: Config, peer_id: str,
+                     metrics: MetricsLog, every: dict[str, dict] | None = None) -> None:
+    """If live peers' global models have absorbed more tokens than ours, download the freshest one first,
+    so that a joiner (or a resumed peer that fell behind) continues the swarm's run instead of pulling it back.
+
+    If no peer is live and one left having finished the run, the run is over: this peer ends at once
+    (`Learner.ended_with_swarm`) instead of training on alone.
+
+    Args:
+        every: the swarm's peer records as read at this peer's start (`read_peers`), or None to read them here."""
+    say("joining the swarm %s: %s its peer records", cfg.swarm.run_id, "reading" if every is None else "checking",
+        tag=peer_id[-6:])
+    if every is None:
+        every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
+    finished = swarm_finished(every, peer_id, cfg.run.total_steps)
+    if finished is not None:  # training on alone would only move this peer's model away from the swarm's result
+        learner.ended_with_swarm = learner.report.arrived_after_end = True
+        metrics.write(kind="swarm_finished", peer=finished[0], step=finished[1])
+        logger.warning("[%s] the swarm already finished this run (peer %s left at step %d): nothing left to train; "
+                       "keeping this peer's model as it is", peer_id[-6:], finished[0][-6:], finished[1])
+        return
+    records = live_records(every)
+    ahead = {p: r for p, r in records.items()
+             if p != peer_id and float(r.get("global_tokens") or 0) > learner.c.global_tokens}
+    if not ahead:
+        return
+    say("joining: downloading the swarm's state (%d live peer(s) ahead of this one)", len(ahead), tag=peer_id[-6:])
+    t0 = time.monotonic()
+
+    async def refresh() -> dict[str, dict]:
+        await asyncio.sleep(cfg.swarm.heartbeat_s)  # a donor's record can lag its last merge by one heartbeat
+        return live_records(await read_peers(dht, cfg.swarm.run_id))
+
+    # every live record counts in checking a donor's state, not only those claiming to be ahead
+    passes = 3
+    got = loop.run(sync.fetch(records, peer_id, timeout=cfg.swarm.merge_timeout_s, refresh=refresh, passes=passes),
+                   timeout=(cfg.swarm.merge_timeout_s + cfg.swarm.heartbeat_s + 5) * (len(records) + 1) * passes + 10)
+    if got is None:
+        logger.warning("[%s] no live peer could give its state; the first merge will bring this peer in line",
+                       peer_id[-6:])
+        return
+    state, donor = got
+    learner.adopt_state(state)
+    metrics.write(kind="join", donor=donor, round=state.round, step=state.step,
+                  download_s=time.monotonic() - t0, global_digest=learner.g.digest())
+    logger.info("[%s] downloaded the swarm's state (round %d, step %d) from %s in %.2f s", peer_id[-6:],
+                state.round, state.step, donor[-6:], time.monotonic() - t0)
