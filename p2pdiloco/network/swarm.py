@@ -86,6 +86,27 @@ handshake fails on both ("noise: message is too short"). From an ephemeral port 
 own. Loopback never shows it: its round trip is too short for the opens to cross."""
 
 
+def identity_and_validators(cfg: SwarmConfig, identity_path: str | None) -> tuple[PeerIdentity, list]:
+    """The DHT node's identity (see `start_dht`) and the validators of the records it stores: signed by the swarm
+    key of a private swarm, and peer records signed by their own peer.
+
+    Raises:
+        SwarmError: a bad swarm key or identity file.
+    """
+    validators = []
+    if cfg.swarm_key:  # a private swarm: only records signed with the key are stored or read
+        try:
+            validators.append(KeyedRecordValidator(load_key(cfg.swarm_key)))
+        except SwarmKeyError as e:
+            raise SwarmError(str(e)) from None
+    try:
+        identity = PeerIdentity.generate() if identity_path is None else load_or_create_identity(identity_path)
+    except IdentityError as e:
+        raise SwarmError(str(e)) from None
+    validators.append(PeerRecordValidator(identity))
+    return identity, validators
+
+
 def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: bool = False) -> hivemind.DHT:
     """Start this process's DHT node and join the swarm through `cfg.initial_peers` (if any).
 
@@ -103,17 +124,7 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
     """
     check_maddrs(cfg.initial_peers, "initial peer")
     check_maddrs(cfg.announce, "announce address")
-    validators = []
-    if cfg.swarm_key:  # a private swarm: only records signed with the key are stored or read
-        try:
-            validators.append(KeyedRecordValidator(load_key(cfg.swarm_key)))
-        except SwarmKeyError as e:
-            raise SwarmError(str(e)) from None
-    try:
-        identity = PeerIdentity.generate() if identity_path is None else load_or_create_identity(identity_path)
-    except IdentityError as e:
-        raise SwarmError(str(e)) from None
-    validators.append(PeerRecordValidator(identity))
+    identity, validators = identity_and_validators(cfg, identity_path)
     temporary = write_temporary_identity(identity) if identity_path is None else None
     t0 = time.monotonic()
     install_dht_counter()  # before the DHT process forks, so that it counts its own traffic

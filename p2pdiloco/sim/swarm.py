@@ -231,109 +231,131 @@ def _form_groups(scn, steps, peer, rinc, ts, comp, kill_after, incs: _Incarnatio
 
 def simulate_sync(scn: Scenario, steps: np.ndarray, killer: Killer) -> Ledger:
     """--sync rounds: one group formation per iteration, all learners vectorized."""
-    f, p = scn.failures, scn.protocol
-    n = len(steps)
-    t0 = f.first_start_s
-    budget = math.ceil(scn.run.total_steps / p.round_steps) if scn.run.total_steps else 0
-    end = math.inf if budget else t0 + scn.run.duration_s
-    H = p.round_steps
-    rnd = np.zeros(n, int)  # rounds in each learner's global model; a joiner adopts the swarm's
-    rs = np.full(n, t0)  # start of the current round (first step of the incarnation after a restart)
-    inc = np.arange(n)
-    incs = _Incarnations(n, t0)
-    nk = killer.next_after(np.arange(n), np.zeros(n))
-    expiry = np.full(n, -math.inf)  # the dead incarnation's record is live until then
-    died = np.full(n, math.inf)
-    active = np.ones(n, bool)
-    train_end = np.full(n, end if math.isfinite(end) else t0)
-    diverged = np.zeros(n, bool)
-    sent = np.zeros(n)
-    rows: list[tuple[np.ndarray, ...]] = []
-    sizes: list[int] = []
-    failed = kills = 0
-
-    def ready_times() -> tuple[np.ndarray, np.ndarray]:
-        last = rs + np.floor((end - rs) / steps + EPS) * steps
-        r = rs + H * steps
-        return np.minimum(r, last), r >= last - EPS
-
-    def kill(who: np.ndarray) -> None:
-        nonlocal kills
-        kills += len(who)
-        kt = nk[who]
-        incs.close(inc[who], kt, killed=True)
-        died[who], expiry[who] = kt, kt + p.record_ttl_s
-        ps = kt + f.down_s
-        resume = ps + f.restart_s
-        back = resume < end
-        active[who[~back]] = False
-        who, ps, resume = who[back], ps[back], resume[back]
-        inc[who] = incs.new(who, ps, resume)
-        rs[who] = resume
-        rnd[who] = rnd.max()
-        diverged[who] = False
-        nk[who] = killer.next_after(who, ps)
-
-    while active.any():
-        r, final = ready_times()
-        r = np.where(active, r, math.inf)
-        act = np.flatnonzero(active)
-        while (dying := act[nk[act] < r[act]]).size:  # deaths before their round ends
-            kill(dying)
-            r, final = ready_times()
-            r = np.where(active, r, math.inf)
-            act = np.flatnonzero(active)
+    swarm = _SyncSwarm(scn, steps, killer)
+    while swarm.active.any():
+        r, final, act = swarm.kill_before_ready()
         if not act.size:
             break
+        t_form, r, final, act = swarm.wait_for_records(r, final, act)
+        members = act[r[act] <= t_form + EPS]
+        if members.size:
+            swarm.merge(members, r, final, t_form)
+    return swarm.ledger()
+
+
+class _SyncSwarm:
+    """The learners of a --sync simulation, one array entry each (see `simulate_sync`)."""
+
+    def __init__(self, scn: Scenario, steps: np.ndarray, killer: Killer):
+        self.f, self.p, self.steps, self.killer = scn.failures, scn.protocol, steps, killer
+        self.scn = scn
+        n = self.n = len(steps)
+        t0 = self.f.first_start_s
+        self.budget = math.ceil(scn.run.total_steps / self.p.round_steps) if scn.run.total_steps else 0
+        self.end = end = math.inf if self.budget else t0 + scn.run.duration_s
+        self.rnd = np.zeros(n, int)  # rounds in each learner's global model; a joiner adopts the swarm's
+        self.rs = np.full(n, t0)  # start of the current round (first step of the incarnation after a restart)
+        self.inc = np.arange(n)
+        self.incs = _Incarnations(n, t0)
+        self.nk = killer.next_after(np.arange(n), np.zeros(n))
+        self.expiry = np.full(n, -math.inf)  # the dead incarnation's record is live until then
+        self.died = np.full(n, math.inf)
+        self.active = np.ones(n, bool)
+        self.train_end = np.full(n, end if math.isfinite(end) else t0)
+        self.diverged = np.zeros(n, bool)
+        self.sent = np.zeros(n)
+        self.rows: list[tuple[np.ndarray, ...]] = []
+        self.sizes: list[int] = []
+        self.failed = self.kills = 0
+
+    def ready(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """When each learner's round is ready (inf: inactive), whether it is its last, and the active learners."""
+        last = self.rs + np.floor((self.end - self.rs) / self.steps + EPS) * self.steps
+        r = self.rs + self.p.round_steps * self.steps
+        return np.where(self.active, np.minimum(r, last), math.inf), r >= last - EPS, np.flatnonzero(self.active)
+
+    def kill(self, who: np.ndarray) -> None:
+        """Kill `who` at their next death; each comes back after `down_s + restart_s` if the run has not ended."""
+        f, p = self.f, self.p
+        self.kills += len(who)
+        kt = self.nk[who]
+        self.incs.close(self.inc[who], kt, killed=True)
+        self.died[who], self.expiry[who] = kt, kt + p.record_ttl_s
+        ps = kt + f.down_s
+        resume = ps + f.restart_s
+        back = resume < self.end
+        self.active[who[~back]] = False
+        who, ps, resume = who[back], ps[back], resume[back]
+        self.inc[who] = self.incs.new(who, ps, resume)
+        self.rs[who] = resume
+        self.rnd[who] = self.rnd.max()
+        self.diverged[who] = False
+        self.nk[who] = self.killer.next_after(who, ps)
+
+    def kill_before_ready(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Kill the learners that die before their round ends; then `ready()`."""
+        r, final, act = self.ready()
+        while (dying := act[self.nk[act] < r[act]]).size:
+            self.kill(dying)
+            r, final, act = self.ready()
+        return r, final, act
+
+    def wait_for_records(self, r: np.ndarray, final: np.ndarray,
+                         act: np.ndarray) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
+        """Wait for every learner whose record is live, at most `sync_window_s`; returns when the group forms
+        and `ready()` after the deaths meanwhile."""
         t_min = r[act].min()
-        deadline = t_min + p.sync_window_s
+        deadline = t_min + self.p.sync_window_s
         t_form = t_min
-        while True:  # wait for every learner whose record is live at t_form
-            has_record = (rs <= t_form + EPS) & active
+        while True:
+            has_record = (self.rs <= t_form + EPS) & self.active
             block = max(r[has_record].max(initial=t_min),
-                        expiry[(died <= t_form) & (expiry > t_form)].max(initial=t_form))
+                        self.expiry[(self.died <= t_form) & (self.expiry > t_form)].max(initial=t_form))
             new = min(max(t_form, block), deadline)
-            dying = act[(nk[act] < new) & (r[act] <= new)]  # died while waiting: its record still counts
+            dying = act[(self.nk[act] < new) & (r[act] <= new)]  # died while waiting: its record still counts
             if dying.size:
-                kill(dying)
-                r, final = ready_times()
-                r = np.where(active, r, math.inf)
-                act = np.flatnonzero(active)
+                self.kill(dying)
+                r, final, act = self.ready()
                 continue
             if new <= t_form + EPS:
-                break
+                return t_form, r, final, act
             t_form = new
-        members = act[r[act] <= t_form + EPS]
-        if not members.size:
-            continue
+
+    def merge(self, members: np.ndarray, r: np.ndarray, final: np.ndarray, t_form: float) -> None:
+        """The group `members` merges from `t_form`: a merge fails if one of them dies before it is done."""
         g = len(members)
         if g > 1:
-            seconds, nbytes = merge_cost(scn, g, bool(diverged[members].any()))
-            sent[members] += nbytes
+            seconds, nbytes = merge_cost(self.scn, g, bool(self.diverged[members].any()))
+            self.sent[members] += nbytes
         else:
             seconds = 0.0
         done = t_form + seconds
-        good = g > 1 and not (nk[members] <= done).any()
-        failed += int(g > 1 and not good)
+        good = g > 1 and not (self.nk[members] <= done).any()
+        self.failed += int(g > 1 and not good)
         if good:
-            sizes.append(g)
-        diverged[members] = not good
-        rows.append((members, inc[members], r[members], r[members] - rs[members], np.full(g, good),
-                     np.full(g, done), nk[members]))
-        rnd[members] = rnd[members].max() + 1
-        if budget and rnd[members].max() >= budget:  # the swarm's step budget is reached: everyone stops
-            final = np.ones(n, bool)
-            members = np.flatnonzero(active)
+            self.sizes.append(g)
+        self.diverged[members] = not good
+        self.rows.append((members, self.inc[members], r[members], r[members] - self.rs[members], np.full(g, good),
+                          np.full(g, done), self.nk[members]))
+        self.rnd[members] = self.rnd[members].max() + 1
+        if self.budget and self.rnd[members].max() >= self.budget:  # the step budget is reached: everyone stops
+            final = np.ones(self.n, bool)
+            members = np.flatnonzero(self.active)
         fin = members[final[members]]
         in_loop = members[~final[members]]
-        train_end[in_loop] = np.maximum(train_end[in_loop], done)
-        if budget:
-            train_end[fin] = np.maximum(train_end[fin], done)
-        active[fin] = False
-        incs.close(inc[fin], np.full(len(fin), max(done, end if math.isfinite(end) else done)), killed=False)
-        rs[members] = done
-    peer, rinc, ts, comp, ok, t_done, kill_after = (np.concatenate(c) for c in zip(*rows, strict=True))
-    return Ledger(peer.astype(int), rinc.astype(int), ts, comp, ok.astype(bool), t_done, t_done < kill_after,
-                  np.asarray(incs.peer), np.asarray(incs.start), np.asarray(incs.end),
-                  np.asarray(incs.killed), np.asarray(sizes, int), failed, sent, train_end,
-                  events=len(ts) + kills)
+        self.train_end[in_loop] = np.maximum(self.train_end[in_loop], done)
+        if self.budget:
+            self.train_end[fin] = np.maximum(self.train_end[fin], done)
+        self.active[fin] = False
+        end = self.end
+        self.incs.close(self.inc[fin], np.full(len(fin), max(done, end if math.isfinite(end) else done)), killed=False)
+        self.rs[members] = done
+
+    def ledger(self) -> Ledger:
+        """What happened, for `goodput`."""
+        incs = self.incs
+        peer, rinc, ts, comp, ok, t_done, kill_after = (np.concatenate(c) for c in zip(*self.rows, strict=True))
+        return Ledger(peer.astype(int), rinc.astype(int), ts, comp, ok.astype(bool), t_done, t_done < kill_after,
+                      np.asarray(incs.peer), np.asarray(incs.start), np.asarray(incs.end),
+                      np.asarray(incs.killed), np.asarray(self.sizes, int), self.failed, self.sent,
+                      self.train_end, events=len(ts) + self.kills)
