@@ -9,7 +9,13 @@ on. Command-line flags and ``--set section.key=value`` override what the file sa
 - `fingerprint.py`: what every peer of a swarm must agree on (the fingerprint), and comparing it.
 """
 
-from p2pdiloco.config.fingerprint import fingerprint_diff, fingerprint_digest
+from p2pdiloco.config.fingerprint import (
+    PROTOCOL_VERSION,
+    fingerprint_diff,
+    fingerprint_digest,
+    protocol_fields,
+    protocol_of,
+)
 from p2pdiloco.config.load import ALIASES, apply_values, load_config, parse_set
 from p2pdiloco.config.schema import (
     AGGREGATORS,
@@ -31,8 +37,9 @@ from p2pdiloco.config.schema import (
 )
 
 __all__ = [
-    "AGGREGATORS", "ALIASES", "ARCHS", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "Config", "ConfigError",
+    "AGGREGATORS", "ALIASES", "ARCHS", "CODECS", "HOSTILE_KINDS", "OPTIMIZERS", "PRECISIONS", "PROTOCOL_VERSION",
+    "Config", "ConfigError",
     "DataConfig", "EmulateConfig", "GuardConfig", "InnerOptConfig", "ModelConfig", "OuterOptConfig",
     "RunConfig", "SwarmConfig", "apply_values", "fingerprint_diff", "fingerprint_digest", "load_config",
-    "parse_set",
+    "parse_set", "protocol_fields", "protocol_of",
 ]

@@ -2,6 +2,23 @@
 
 The digest is a hash of the fingerprint's JSON with sorted keys: peers of different versions agree on it as
 long as the fingerprint's keys and values are the same, whatever the models look like inside.
+
+The wire protocol has a version, `PROTOCOL_VERSION`: what peers send each other (merge and invite messages, state
+downloads, the records in the DHT) and how they agree on a merge's result. Peers of different protocol versions
+never train together. The version travels in the fingerprint and in every invite, as ``"protocol": N``, except
+version 1, which is written by leaving the key out: version 1 is the protocol of every peer that never named a
+version, so its fingerprint, digest and invites stay byte for byte what those peers send and compare. A change to
+what is sent, or to what a received message means, is a new version.
+
+What a peer does with a peer of another version:
+
+- at its start, one whose live peers' fingerprints name another version stops with an error that says which
+  versions (`network/swarm.check_fingerprint`);
+- it declines an invite from a leader of another version, and says so in its log once per leader
+  (`network/matchmaking.Matchmaker.on_invite`); a version-1 peer declines a newer leader's invite because its
+  fingerprint digest differs;
+- the digest in its peer record differs, so a joiner reads the full fingerprints and stops as above before it
+  downloads any state.
 """
 
 from __future__ import annotations
@@ -12,6 +29,22 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from p2pdiloco.config.schema import Config
+
+PROTOCOL_VERSION = 1
+"""The wire protocol this code speaks (see the module's docstring): raise it with any change to what peers send."""
+
+
+def protocol_fields(version: int | None = None) -> dict[str, int]:
+    """The ``"protocol"`` entry of a fingerprint or invite of `version` (default `PROTOCOL_VERSION`): none for
+    version 1 (see the module's docstring)."""
+    version = PROTOCOL_VERSION if version is None else version
+    return {} if version == 1 else {"protocol": version}
+
+
+def protocol_of(message: dict[str, Any]) -> int | None:
+    """The protocol version a fingerprint or invite names: 1 if it names none, None if its entry is no version."""
+    version = message.get("protocol", 1)
+    return version if isinstance(version, int) and not isinstance(version, bool) and version >= 1 else None
 
 
 def config_fingerprint(cfg: Config, tokenizer: str = "bytes") -> dict[str, Any]:
@@ -32,7 +65,8 @@ def config_fingerprint(cfg: Config, tokenizer: str = "bytes") -> dict[str, Any]:
             "outer": cfg.outer.model_dump(exclude={"eager", "alone_lr", "rebase_keep", "land_wait"}),
             "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync}
             | ({"epoch_s": s.epoch_s} if s.epoch_s != 30 else {}),  # named only when not 30 s: unnamed means 30
-            "guard": cfg.guard.model_dump(), "agreement": "catch-up"}  # how members agree on (θg, momentum)
+            "guard": cfg.guard.model_dump(), "agreement": "catch-up",  # how members agree on (θg, momentum)
+            **protocol_fields()}
 
 
 def fingerprint_digest(fingerprint: dict[str, Any]) -> str:

@@ -29,7 +29,7 @@ import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.algorithm.guards import STALE, GuardBook, stale_members
-from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.config import PROTOCOL_VERSION, GuardConfig, SwarmConfig, protocol_fields, protocol_of
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.census import Census, epoch_of, my_group
 from p2pdiloco.network.dialable import Dialability
@@ -89,6 +89,7 @@ class Matchmaker:
         self._last_submit, self._closed, self._alone_streak = time.monotonic(), False, 0
         self._round_ema: float | None = None
         self._warned_epochs = False
+        self._other_protocol: set[str] = set()  # leaders of another protocol version, declined and said so once
         self._tasks: set[asyncio.Task] = set()
         self._passed_over: dict[str, int] = {}
         """Leaders that never invited us: peer id -> searches left in which they are not followed."""
@@ -269,7 +270,7 @@ class Matchmaker:
         gid = secrets.token_hex(8)
         c = search.contribution
         candidates = [p for p in candidates if p not in self.book.banned]
-        invite = {"group_id": gid, "fp": self.fingerprint, "closing": c.last_merges()}
+        invite = {"group_id": gid, "fp": self.fingerprint, "closing": c.last_merges(), **protocol_fields()}
         replies = await asyncio.gather(*(self.rpc.request(p, "invite", invite) for p in candidates))
         members, weights, state_weights, digests = [self.peer_id], [c.weight], [c.state_weight], [c.state_digest]
         rounds, finals, anchors, dialable = [c.round], [c.final], [list(c.anchors)], [True]
@@ -335,6 +336,12 @@ class Matchmaker:
         reply = {"accept": False}
         if leader in self.book.banned:
             reply["error"] = "banned"
+        elif (theirs := protocol_of(header)) != PROTOCOL_VERSION:
+            reply["error"] = f"wire protocol {theirs} differs from this peer's {PROTOCOL_VERSION}"
+            if leader not in self._other_protocol:  # once per leader: it invites every round
+                self._other_protocol.add(leader)
+                logger.warning("[%s] declined the invites of %s: it speaks wire protocol %s, this peer %d",
+                               self.peer_id[-6:], leader[-6:], theirs, PROTOCOL_VERSION)
         elif header.get("fp", "") != self.fingerprint:
             reply["error"] = "config fingerprint differs"
         elif search is not None and self._follows_only_closers(search.contribution) and header.get("closing") is not True:

@@ -29,7 +29,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco.config import SwarmConfig, fingerprint_diff
+from p2pdiloco.config import SwarmConfig, fingerprint_diff, protocol_of
 from p2pdiloco.network.dht_store import DHT_BUCKET_SIZE, DHT_REPLICAS, read_near, store_near
 from p2pdiloco.network.identity import (
     IdentityError,
@@ -328,6 +328,10 @@ def check_fingerprint(mine: dict[str, Any], records: dict[str, dict]) -> None:
             must not keep a new run from starting."""
     for peer_id, record in records.items():
         theirs = record.get("fingerprint")
+        if isinstance(theirs, dict) and protocol_of(theirs) != protocol_of(mine):
+            raise SwarmError(f"peer {peer_id[-8:]} speaks wire protocol {protocol_of(theirs)} and this "
+                             f"peer {protocol_of(mine)}: peers of different protocol versions cannot train together "
+                             "(run the swarm's version of p2pdiloco)")
         if isinstance(theirs, dict) and theirs != mine:
             diff = "; ".join(fingerprint_diff(mine, theirs)) or "unknown difference"
             raise SwarmError(f"this peer's config differs from the swarm's (peer {peer_id[-8:]}): {diff}")
