@@ -10,7 +10,14 @@ import types
 
 import pytest
 
-from p2pdiloco.config import PROTOCOL_VERSION, Config, GuardConfig, SwarmConfig, fingerprint_digest, protocol_of
+from p2pdiloco.config import (
+    PROTOCOL_VERSION,
+    Config,
+    GuardConfig,
+    SwarmConfig,
+    fingerprint_digest,
+    protocol_of,
+)
 from p2pdiloco.config import fingerprint as fingerprint_module
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.matchmaking import Matchmaker
