@@ -20,7 +20,8 @@ from p2pdiloco.app.commands import (
     cmd_status,
     cmd_tokenizer_train,
 )
-from p2pdiloco.bench.cli import cmd_bench
+from p2pdiloco.app.flags import add_config_flags
+from p2pdiloco.bench.cli import add_bench_parser
 from p2pdiloco.config import ConfigError, DataConfig, SwarmConfig
 
 EPILOG = "Docs: README.md, docs/architecture.md, docs/operations.md."
@@ -54,13 +55,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    "--set: sparseloco (sparse pseudo-gradients with their outer step; p2pdiloco/config/recipes.py)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set model.n_layer=4 (repeatable)")
-    p.add_argument("--run-dir", metavar="DIR", help="folder for metrics, summary, checkpoint and plots")
-    p.add_argument("--run-id", metavar="NAME", help="swarm name; all peers of one run use the same")
-    p.add_argument("--data", nargs="+", metavar="PATH", help="text files or folders (default: Python's stdlib sources)")
-    p.add_argument("--device", metavar="DEV", help="auto (default), cpu, cuda, cuda:N, mps, xpu")
-    p.add_argument("--sync", action="store_true",
-                   help="synchronous DiLoCo baseline: wait for every merge and for every live peer")
-    p.add_argument("--swarm-key", metavar="FILE", help="private swarm: its key file (p2pdiloco keygen; swarm.swarm_key)")
+    add_config_flags(p, "run")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -83,7 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"p2pdiloco {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_training_commands(sub)
+    add_watching_commands(sub)
+    add_model_commands(sub)
+    add_bench_parser(sub, EPILOG)
+    add_simulate_command(sub)
+    return parser
 
+
+
+def add_training_commands(sub: argparse._SubParsersAction) -> None:
+    """bootstrap, peer and local: the commands that run a swarm."""
     b = sub.add_parser("bootstrap", help="host a DHT-only bootstrap node", epilog=EPILOG,
                        description="Run a DHT-only node that peers use to find each other. Its identity key is "
                        "created on first run and reused, so its address stays the same across restarts.")
@@ -100,16 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("peer", help="join a swarm and train", epilog=EPILOG,
                        description="Join the swarm through any bootstrap node or live peer and train. With no "
                        "--initial-peers, start a new swarm and print the address others should use.")
-    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="bootstrap node or live peer multiaddrs")
-    p.add_argument("--host", help="interface to listen on (default 0.0.0.0)")
-    p.add_argument("--port", type=int, help="TCP port to listen on (default: any free one)")
-    p.add_argument("--announce", nargs="+", metavar="MADDR", help="public multiaddrs to advertise")
-    p.add_argument("--name", help="public name of this peer")
-    p.add_argument("--steps", type=int, help="inner steps to run (run.total_steps)")
-    p.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="serve Prometheus metrics on this port at /metrics (run.metrics_port; default 0: off)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest good checkpoint in --run-dir (the swarm's state wins if it is ahead)")
+    add_config_flags(p, "peer")
     p.add_argument("--nproc", type=int, default=1, metavar="N",
                    help="run this peer as N processes (one per GPU, or CPU processes) training data-parallel; "
                    "only the first talks to the swarm. Under torchrun, leave it out")
@@ -124,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "one process that has imported torch and hivemind (P2PDILOCO_PREFORK=0: each a fresh "
                         "interpreter).")
     lo.add_argument("--peers", type=int, default=4, help="number of peers (default 4)")
-    lo.add_argument("--steps", type=int, help="inner steps per peer (default: run.total_steps of the config)")
+    add_config_flags(lo, "local")
     lo.add_argument("--chaos", action="store_true",
                     help="kill a random peer (SIGKILL) every --kill-every seconds and restart it with --resume")
     lo.add_argument("--kill-every", type=float, default=60.0, metavar="SECONDS", help="chaos: seconds between kills (default 60)")
@@ -143,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(lo)
     lo.set_defaults(func=cmd_local)
 
+
+def add_watching_commands(sub: argparse._SubParsersAction) -> None:
+    """status, dashboard, keygen and plot: the commands around a running swarm."""
     st = sub.add_parser("status", help="show the live peers of a swarm", epilog=EPILOG,
                         description="Join the swarm as a read-only DHT client and print a table of its live peers "
                         "(round, steps, tokens, tokens/s, loss, bytes, last merge) and the swarm's totals. Exits 1 "
@@ -183,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     pl.set_defaults(func=cmd_plot)
 
+
+def add_model_commands(sub: argparse._SubParsersAction) -> None:
+    """tokenizer, sample and export: the commands around a run's data and model."""
     tk = sub.add_parser("tokenizer", help="make a tokenizer for a swarm's data", epilog=EPILOG,
                         description="Tokenizers for data.tokenizer. train: learn a byte-level BPE from local text.")
     tk_sub = tk.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
@@ -235,73 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     ex.set_defaults(func=cmd_export)
 
-    be = sub.add_parser("bench", help="measure a figure beside its baseline", epilog=EPILOG,
-                        description="straggler: fast peers' inner steps/s with one 4x slower peer ÷ without it, "
-                        "decoupled vs --sync, and eval loss at equal wall time (about 7 minutes). overhead: a "
-                        "peer's inner-step throughput in a swarm ÷ a plain torch loop (about 3 minutes). churn: "
-                        "goodput with a peer killed every minute, decoupled vs --sync vs data-parallel (gloo ranks "
-                        "restarted from a checkpoint), and eval loss ÷ a run without churn (4 runs of about "
-                        "--minutes each, about 25 minutes by default). bandwidth: bytes per "
-                        "inner step ÷ data-parallel for each codec and H, with eval loss at equal tokens (20 runs of "
-                        "2 peers). parity: eval loss at equal tokens, decoupled and --sync DiLoCo ÷ data-parallel "
-                        "(gloo). slowlink (root): compute utilization of peers in network namespaces over "
-                        "tbf-limited links, decoupled vs --sync. byzantine: honest peers' eval loss with 2 hostile "
-                        "peers ÷ a clean run, per hostile kind, swarm size (5, 9) and mode (sync, decoupled), default "
-                        "guards (32 runs, about an hour; --sizes, --modes, --kinds pick fewer). loader: the data "
-                        "loader's tokens/s (cold tokenization, cached load, next_batch) beside the trainer's inner "
-                        "steps on CPU, as a ratio (target >= 10x; under a minute; --set picks tokenizer, data, model). "
-                        "scale: per peer DHT bytes/s, merge bytes per round, merge time, group share, consensus, eval loss, "
-                        "start-up, host memory (PSS of its processes) and CPU outside inner steps, for swarms of "
-                        "--peers N (default 4, 8, 16, 32), each ÷ the smallest swarm's (one run of about 2-3 "
-                        "minutes per N). dht: per node DHT bytes/s of N nodes running only the heartbeat and "
-                        "census loops, p2pdiloco's record stores beside hivemind's store (two runs of about "
-                        "--dht-seconds + 20 s per N; default N 4, 16, 32). wan (root): peers in homes behind "
-                        "routers (the first --nat of them NAT with a stateful firewall, the rest reachable) over "
-                        "links shaped by --profile (tbf rates, delay and loss from an NFQUEUE daemon), beside the "
-                        "same on the lan profile: the lab's own measured RTT, rates and loss, then per peer the "
-                        "rounds merged in a group vs alone, the group merge time and whether the final global "
-                        "models are identical (two runs of about 2 minutes; docs/wanlab.md).")
-    be.add_argument("which", choices=["straggler", "overhead", "churn", "bandwidth", "parity", "slowlink", "byzantine",
-                                      "loader", "scale", "dht", "wan"],
-                    help="which benchmark")
-    be.add_argument("--out", metavar="DIR", help="output folder (default runs/bench-<which>)")
-    be.add_argument("--seconds", type=float, default=60.0, help="straggler: wall time of each of its 4 runs")
-    be.add_argument("--steps", type=int, help="overhead: inner steps measured (default 600); bandwidth: inner "
-                    "steps per peer per run (1000); parity: inner steps per worker (3000); slowlink: inner "
-                    "steps per peer (250); byzantine: inner steps of each run, in sync rounds of 5 (100); scale: inner "
-                    "steps per peer, padded to 0.3 s each (350, about 105 s of training); wan: inner steps per peer, padded "
-                    "to 0.3 s each (200)")
-    be.add_argument("--h", metavar="H[,H...]", help="inner steps per round: bandwidth tries each (default "
-                    "50,100,250,500); parity and slowlink take one (default 50, 25)")
-    be.add_argument("--codecs", metavar="C,C,...", help="bandwidth: codecs to try (default all)")
-    be.add_argument("--seeds", type=int, default=1, help="parity and byzantine: repeat every run with this many "
-                    "initial models (model.init_seed 1234, 1235, ...) and report each ratio's mean and spread "
-                    "(default 1)")
-    be.add_argument("--peers", metavar="N[,N...]", help="parity: workers (default 4); bandwidth: peers (default "
-                    "2); slowlink: peers (default 2); scale: swarm sizes, one run each, the smallest the baseline "
-                    "(default 4,8,16,32); dht: DHT nodes (default 4,16,32); wan: peers, one home each (default 6)")
-    be.add_argument("--profile", default="home", choices=["lan", "home", "intercontinental", "mixed"],
-                    help="wan: the links of the homes (default home: 20/100 Mbit/s, 40 ms each way, 0.5 %% loss; "
-                    "see docs/wanlab.md)")
-    be.add_argument("--nat", type=int, default=4, help="wan: how many of the peers are behind NAT routers (default 4)")
-    be.add_argument("--dht-seconds", type=float, help="dht: seconds measured per run, after 10 s of settling (60)")
-    be.add_argument("--group-size", type=int, help="scale: swarm.group_size, the largest merge group (default the "
-                    "config's, 8)")
-    be.add_argument("--rate-mbit", type=float, default=10.0, help="slowlink: link rate each way (default 10)")
-    be.add_argument("--sizes", metavar="N[,N...]", help="byzantine: swarm sizes (default 5,9)")
-    be.add_argument("--hostile", type=int, default=2, help="byzantine: hostile peers in each swarm (default 2)")
-    be.add_argument("--modes", metavar="M[,M]", help="byzantine: sync, decoupled or both (default both); bandwidth: "
-                    "sync or decoupled (default sync)")
-    be.add_argument("--kinds", metavar="K[,K...]", help="byzantine: hostile kinds (default honest_only, nan, scale, "
-                    "noise, signflip, takeover, final, leader; honest_only is a clean run of the honest peers alone)")
-    be.add_argument("--minutes", type=float, default=5.0, help="churn: length of each of its 4 runs (3 swarms and the data-parallel baseline)")
-    be.add_argument("--kill-every", type=float, default=60.0, help="churn: seconds between kills")
-    be.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="loader, byzantine, scale and wan: override one config value, e.g. --set data.tokenizer=tokenizer.json, "
-                    "or for scale --set emulate.min_step_s=1 --set swarm.round_seconds=10 (repeatable)")
-    be.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    be.set_defaults(func=cmd_bench)
 
+def add_simulate_command(sub: argparse._SubParsersAction) -> None:
+    """simulate: the discrete-event model of a swarm (sim/)."""
     si = sub.add_parser("simulate", help="simulate a swarm of many learners: goodput, tokens/s, bandwidth", epilog=EPILOG,
                         description="A discrete-event model (numpy, no network, no training) of N learners under "
                         "mixed speeds, failures and links, for decoupled p2pdiloco, --sync DiLoCo and data-parallel "
@@ -324,8 +262,6 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--no-sweep", action="store_true", help="skip the failure-rate and swarm-size sweeps and plots")
     si.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     si.set_defaults(func=cmd_simulate)
-    return parser
-
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)

@@ -29,7 +29,8 @@ def run_cli(*args, timeout=60):
 
 
 @pytest.mark.parametrize("command", [[], ["bootstrap"], ["peer"], ["local"], ["status"], ["dashboard"], ["plot"],
-                                     ["sample"], ["export"], ["simulate"]])
+                                     ["sample"], ["export"], ["simulate"], ["bench"], ["bench", "scale"],
+                                     ["tokenizer", "train"]])
 def test_help(command):
     out = run_cli(*command, "--help")
     assert out.returncode == 0 and "usage: p2pdiloco" in out.stdout

@@ -15,6 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
+from p2pdiloco.app.flags import flag_overrides, forwarded_sets
 from p2pdiloco.config import HOSTILE_KINDS, Config, ConfigError, DataConfig, load_config, parse_set
 from p2pdiloco.config.recipes import recipe_sets
 
@@ -37,22 +38,10 @@ def user_sets(args: argparse.Namespace) -> list[str]:
     return [*recipe_sets(args.recipe), *args.sets]
 
 
-def config_from_args(args: argparse.Namespace, extra: dict | None = None) -> Config:
-    flags: dict[str, dict] = {}
-    if args.run_dir:
-        flags.setdefault("run", {})["run_dir"] = args.run_dir
-    if args.run_id:
-        flags.setdefault("swarm", {})["run_id"] = args.run_id
-    if args.data:
-        flags.setdefault("data", {})["paths"] = args.data
-    if args.device:
-        flags.setdefault("run", {})["device"] = args.device
-    if args.sync:
-        flags.setdefault("swarm", {})["sync"] = True
-    if args.swarm_key:
-        flags.setdefault("swarm", {})["swarm_key"] = str(Path(args.swarm_key).resolve())
-    for section, values in (extra or {}).items():
-        flags.setdefault(section, {}).update(values)
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The config of a command that trains (`args.command`: peer or local): --config or --preset, under --recipe,
+    the command's config flags (app/flags.py) and --set, in that order."""
+    flags = flag_overrides(args, args.command)
     cfg = load_config(config_path(args), [parse_set(recipe_sets(args.recipe)), flags, parse_set(args.sets)])
     if cfg.data.tokenizer not in ("", "bytes") and Path(cfg.data.tokenizer).expanduser().is_file():
         # recorded as found from here, so that `sample` and `export` find it again from any folder
@@ -74,24 +63,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         from p2pdiloco.training.distributed import launch_unit, strip_nproc
 
         return launch_unit(args.nproc, strip_nproc(args.argv))
-    extra: dict[str, dict] = {"swarm": {}, "run": {}}
-    if args.initial_peers:
-        extra["swarm"]["initial_peers"] = args.initial_peers
-    if args.host:
-        extra["swarm"]["host"] = args.host
-    if args.port is not None:
-        extra["swarm"]["port"] = args.port
-    if args.announce:
-        extra["swarm"]["announce"] = args.announce
-    if args.name:
-        extra["run"]["name"] = args.name
-    if args.resume:
-        extra["run"]["resume"] = True
-    if args.steps is not None:
-        extra["run"]["total_steps"] = args.steps
-    if args.metrics_port is not None:
-        extra["run"]["metrics_port"] = args.metrics_port
-    cfg = config_from_args(args, extra)  # a bad flag or value fails here, before seconds of imports
+    cfg = config_from_args(args)  # a bad flag or value fails here, before seconds of imports
     from p2pdiloco.app.startup import defer_unused_imports, say
 
     say("importing torch and hivemind")  # the longest silent part of a start on a busy machine
@@ -200,17 +172,8 @@ def cmd_local(args: argparse.Namespace) -> int:
 
     if args.peers < 1:
         raise ConfigError("--peers must be >= 1")
-    extra = {"run": {"total_steps": args.steps}} if args.steps is not None else {}
-    cfg = config_from_args(args, extra)
-    sets = user_sets(args)
-    if args.data:
-        sets.append("data.paths=" + ",".join(str(Path(p).resolve()) for p in args.data))
-    if args.device:
-        sets.append(f"run.device={args.device}")
-    if args.sync:
-        sets.append("swarm.sync=true")
-    if args.swarm_key:
-        sets.append(f"swarm.swarm_key={cfg.swarm.swarm_key}")
+    cfg = config_from_args(args)
+    sets = [*user_sets(args), *forwarded_sets(args)]  # --run-dir, --run-id, --steps: each peer's, see peer_command
     warm_token_cache(cfg)
     slow = parse_slow(args.slow or [], args.peers)
     peer_sets = {i: [f"emulate.hostile={kind}"] for i, kind in parse_hostile(args.hostile or [], args.peers).items()}

@@ -1,4 +1,5 @@
-"""`p2pdiloco bench WHICH`: run one benchmark with the flags the command line gave (see p2pdiloco/cli.py)."""
+"""`p2pdiloco bench WHICH`: one subcommand per benchmark, each with its own flags (`BENCHES`), and running the one
+the command line names."""
 
 from __future__ import annotations
 
@@ -37,6 +38,135 @@ def _names(text: str | None, allowed: tuple[str, ...], flag: str) -> tuple[str, 
     if any(n not in allowed for n in names):
         raise ConfigError(f"{flag} takes a comma-separated list of {', '.join(allowed)}, got {text!r}")
     return names
+
+
+
+FLAGS: dict[str, dict] = {
+    "--seconds": {"type": float, "default": 60.0},
+    "--minutes": {"type": float, "default": 5.0},
+    "--kill-every": {"type": float, "default": 60.0},
+    "--steps": {"type": int},
+    "--h": {},
+    "--peers": {},
+    "--codecs": {"metavar": "C,C,..."},
+    "--seeds": {"type": int, "default": 1},
+    "--modes": {},
+    "--rate-mbit": {"type": float, "default": 10.0},
+    "--sizes": {"metavar": "N[,N...]"},
+    "--hostile": {"type": int, "default": 2},
+    "--kinds": {"metavar": "K[,K...]"},
+    "--group-size": {"type": int},
+    "--dht-seconds": {"type": float},
+    "--profile": {"default": "home", "choices": ["lan", "home", "intercontinental", "mixed"]},
+    "--nat": {"type": int, "default": 4},
+    "--set": {"dest": "sets", "action": "append", "default": [], "metavar": "SECTION.KEY=VALUE"},
+}
+"""What each bench flag parses to, whichever bench takes it (what it means is each bench's, in `BENCHES`)."""
+
+SEEDS_HELP = ("repeat every run with this many initial models (model.init_seed 1234, 1235, ...) and report each "
+              "ratio's mean and spread (default 1)")
+
+BENCHES: dict[str, tuple[str, str, dict[str, str | tuple[str, str]]]] = {
+    "straggler": (
+        "fast peers' steps/s with a 4x slower peer, vs --sync",
+        "Fast peers' inner steps/s with one 4x slower peer ÷ without it, decoupled vs --sync, and eval loss at "
+        "equal wall time (4 runs, about 7 minutes).",
+        {"--seconds": "wall time of each of its 4 runs (default 60)"}),
+    "overhead": (
+        "a peer's steps/s in a swarm ÷ a plain torch loop",
+        "A peer's inner-step throughput in a swarm ÷ a plain torch loop (about 3 minutes).",
+        {"--steps": "inner steps measured (default 600)"}),
+    "churn": (
+        "goodput with a peer killed every minute, vs --sync and data-parallel",
+        "Goodput with a peer killed every minute, decoupled vs --sync vs data-parallel (gloo ranks restarted from "
+        "a checkpoint), and eval loss ÷ a run without churn (4 runs of about --minutes each, about 25 minutes by "
+        "default).",
+        {"--minutes": "length of each of its 4 runs (3 swarms and the data-parallel baseline; default 5)",
+         "--kill-every": "seconds between kills (default 60)"}),
+    "bandwidth": (
+        "bytes per inner step ÷ data-parallel, for each codec and H",
+        "Bytes per inner step ÷ data-parallel for each codec and H, with eval loss at equal tokens (20 runs of 2 "
+        "peers).",
+        {"--steps": "inner steps per peer per run (default 1000)",
+         "--h": ("H[,H...]", "inner steps per round, each tried in turn (default 50,100,250,500)"),
+         "--codecs": "codecs to try (default all)",
+         "--peers": ("N", "peers (default 2)"),
+         "--modes": ("M", "sync or decoupled (default sync)")}),
+    "parity": (
+        "eval loss at equal tokens ÷ data-parallel (gloo)",
+        "Eval loss at equal tokens, decoupled and --sync DiLoCo ÷ data-parallel (gloo).",
+        {"--steps": "inner steps per worker (default 3000)", "--h": ("H", "inner steps per round (default 50)"),
+         "--peers": ("N", "workers (default 4)"), "--seeds": SEEDS_HELP}),
+    "slowlink": (
+        "compute utilization over 10 Mbit/s links, vs --sync (root)",
+        "Compute utilization of peers in network namespaces over tbf-limited links, decoupled vs --sync (needs "
+        "root).",
+        {"--steps": "inner steps per peer (default 250)", "--h": ("H", "inner steps per round (default 25)"),
+         "--peers": ("N", "peers (default 2)"), "--rate-mbit": "link rate each way (default 10)"}),
+    "byzantine": (
+        "honest peers' loss with 2 hostile peers ÷ a clean run",
+        "Honest peers' eval loss with 2 hostile peers ÷ a clean run, per hostile kind, swarm size (5, 9) and mode "
+        "(sync, decoupled), default guards (32 runs, about an hour; --sizes, --modes, --kinds pick fewer).",
+        {"--steps": "inner steps of each run, in sync rounds of 5 (default 100)",
+         "--sizes": "swarm sizes (default 5,9)", "--hostile": "hostile peers in each swarm (default 2)",
+         "--modes": ("M[,M]", "sync, decoupled or both (default both)"),
+         "--kinds": "hostile kinds (default honest_only, nan, scale, noise, signflip, takeover, final, leader; "
+                    "honest_only is a clean run of the honest peers alone)",
+         "--seeds": SEEDS_HELP,
+         "--set": "override one config value of every run, e.g. --set data.tokenizer=tokenizer.json (repeatable)"}),
+    "loader": (
+        "the data loader's tokens/s ÷ the trainer's",
+        "The data loader's tokens/s (cold tokenization, cached load, next_batch) beside the trainer's inner steps "
+        "on CPU, as a ratio (target >= 10x; under a minute; --set picks tokenizer, data, model).",
+        {"--set": "override one config value, e.g. --set data.tokenizer=tokenizer.json (repeatable)"}),
+    "scale": (
+        "a peer's bytes, merge time, memory and CPU per swarm size ÷ the smallest",
+        "Per peer DHT bytes/s, merge bytes per round, merge time, group share, consensus, eval loss, start-up, host "
+        "memory (PSS of its processes) and CPU outside inner steps, for swarms of --peers N (default 4, 8, 16, "
+        "32), each ÷ the smallest swarm's (one run of about 2-3 minutes per N).",
+        {"--steps": "inner steps per peer, padded to 0.3 s each (default 350, about 105 s of training)",
+         "--peers": ("N[,N...]", "swarm sizes, one run each, the smallest the baseline (default 4,8,16,32)"),
+         "--group-size": "swarm.group_size, the largest merge group (default the config's, 8)",
+         "--set": "override one config value, e.g. --set emulate.min_step_s=1 --set swarm.round_seconds=10 "
+                  "(repeatable)"}),
+    "dht": (
+        "per node DHT bytes/s, p2pdiloco's record stores beside hivemind's",
+        "Per node DHT bytes/s of N nodes running only the heartbeat and census loops, p2pdiloco's record stores "
+        "beside hivemind's store (two runs of about --dht-seconds + 20 s per N; default N 4, 16, 32).",
+        {"--peers": ("N[,N...]", "DHT nodes (default 4,16,32)"),
+         "--dht-seconds": "seconds measured per run, after 10 s of settling (default 60)"}),
+    "wan": (
+        "peers behind NAT routers on shaped home links, beside lan (root)",
+        "Peers in homes behind routers (the first --nat of them NAT with a stateful firewall, the rest reachable) "
+        "over links shaped by --profile (tbf rates, delay and loss from an NFQUEUE daemon), beside the same on the "
+        "lan profile: the lab's own measured RTT, rates and loss, then per peer the rounds merged in a group vs "
+        "alone, the group merge time and whether the final global models are identical (two runs of about 2 "
+        "minutes; needs root; docs/wanlab.md).",
+        {"--steps": "inner steps per peer, padded to 0.3 s each (default 200)",
+         "--peers": ("N", "peers, one home each (default 6)"),
+         "--profile": "the links of the homes (default home: 20/100 Mbit/s, 40 ms each way, 0.5 % loss; see "
+                      "docs/wanlab.md)",
+         "--nat": "how many of the peers are behind NAT routers (default 4)",
+         "--set": "override one config value of the peers, e.g. --set data.tokenizer=tokenizer.json (repeatable)"}),
+}
+"""Each benchmark: (one-line help, description, {flag: help, or (metavar, help)}); each takes --out and -v too."""
+
+
+def add_bench_parser(sub: argparse._SubParsersAction, epilog: str) -> None:
+    """`p2pdiloco bench`, and under it one subcommand per benchmark with its own flags."""
+    be = sub.add_parser("bench", help="measure a figure beside its baseline", epilog=epilog,
+                        description="Run one benchmark: its figure beside its baseline, written into --out. "
+                        "`p2pdiloco bench WHICH --help` says what each flag means for that benchmark.")
+    which = be.add_subparsers(dest="which", required=True, metavar="WHICH")
+    for name, (line, description, flags) in BENCHES.items():
+        b = which.add_parser(name, help=line, description=description, epilog=epilog)
+        b.add_argument("--out", metavar="DIR", help=f"output folder (default runs/bench-{name})")
+        for flag, meaning in flags.items():
+            metavar, text = meaning if isinstance(meaning, tuple) else (None, meaning)
+            kwargs = {**FLAGS[flag], **({"metavar": metavar} if metavar else {})}
+            b.add_argument(flag, help=text.replace("%", "%%"), **kwargs)
+        b.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+        b.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
