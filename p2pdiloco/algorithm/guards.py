@@ -130,6 +130,22 @@ def trust_factors(trust: Sequence[float | None], length: int, scale: float = 0.5
     return [1.0 if t is None else min(1.0, max(0.0, t / s)) for t in trust]
 
 
+def moving_trust(old: float | None, cosine: float, decay: float) -> float:
+    """A member's trust score after one more part: t ← decay·t + (1 − decay)·cosine, starting from the first cosine.
+
+    One slice's cosine is noisy, and an honest peer with unusual data can point against the others on some slices
+    for a long time; since slice ownership rotates from merge to merge (allreduce.owned_slice), the average runs
+    over all of the vector, where an honest member stays positive and a sign-flipping one is negative on every
+    slice.
+
+    Args:
+        old: the score so far (None: none yet).
+        cosine: this part's cosine to the judge's momentum.
+        decay: weight of the score so far.
+    """
+    return cosine if old is None else decay * old + (1 - decay) * cosine
+
+
 WEIGHT_CAP = 2.0
 """No member's weight counts for more than this many times the group's median claim (see `bounded_weights`)."""
 
@@ -225,15 +241,9 @@ class GuardBook:
             self.strikes[sender] = 0
 
     def observe(self, sender: str, cosine: float, decay: float) -> float:
-        """Fold one part's cosine to this peer's momentum into `sender`'s trust score; returns the new score.
-
-        t ← decay·t + (1 − decay)·cosine, starting from the first cosine seen. One slice's cosine is noisy, and an
-        honest peer with unusual data can point against the others on some slices for a long time; since slice
-        ownership rotates from merge to merge (allreduce.owned_slice), the average runs over all of the vector,
-        where an honest member stays positive and a sign-flipping one is negative on every slice.
-        """
-        old = self.trust.get(sender)
-        self.trust[sender] = cosine if old is None else decay * old + (1 - decay) * cosine
+        """Fold one part's cosine to this peer's momentum into `sender`'s trust score (`moving_trust`); returns
+        the new score."""
+        self.trust[sender] = moving_trust(self.trust.get(sender), cosine, decay)
         return self.trust[sender]
 
     def remember(self, trust: object) -> None:
