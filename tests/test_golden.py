@@ -2,7 +2,7 @@
 
 A change to the outer step, the rebase, the dense slice guard or the sparse screens shows up here as a difference,
 compared bit for bit (torch.equal), not approximately. The cases run through the learner, the slice guard and the
-sparse exchange's reduction as the peers call them.
+sparse exchange's reduction as the peers call them; the round is replayed on `outer_round` alone too.
 
 Regenerate the fixture only for a change of the math that is meant: `python tests/test_golden.py --write`.
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from p2pdiloco.algorithm.guards import NONFINITE, SHAPE, GuardBook
+from p2pdiloco.algorithm.outer import eager_step, outer_round
 from p2pdiloco.config import GuardConfig, load_config, parse_set
 from p2pdiloco.network.allreduce import group_slice
 from p2pdiloco.network.group import Group
@@ -97,6 +98,46 @@ def round_cases() -> dict:
         far = torch.cat([-3 * learner.g.params, 2 * learner.g.momentum])
         result = MergeResult(group=pair, pseudo_grad=own, total_weight=2.0, global_state=far, state_weight=7.0)
         out["fresh"] = _land(learner, result, at_submit, moved)
+    return out
+
+
+def pure_round_cases() -> dict:
+    """`round_cases` replayed on `outer.outer_round` and `outer.eager_step` alone, with no learner: the same seeded
+    inputs in the same order, the state carried by hand. Checked against the fixture the learner wrote."""
+    g = torch.Generator().manual_seed(1)
+    cfg = load_config(None, [parse_set(["outer.alone_lr=0.4", "outer.rebase_keep=0.3"])]).outer
+    params, momentum = torch.randn(N, generator=g), 0.1 * torch.randn(N, generator=g)
+    local, steps, out = params, [], {}
+
+    def eager() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        own = params - (params + 0.05 * torch.randn(N, generator=g))
+        return own, eager_step(params, momentum, own, cfg), 0.01 * torch.randn(N, generator=g)
+
+    def land(delta, at_submit, moved, **kw) -> dict:
+        nonlocal params, momentum, local
+        now = (local if at_submit is None else at_submit) + moved
+        done = outer_round(params, momentum, delta, cfg, local_now=now, local_at_submit=at_submit,
+                           longest_recent=max(steps[-16:], default=0.0), **kw)
+        params, momentum, local = done.params, done.momentum, done.local
+        steps.append(done.step)
+        return {"global": params, "momentum": momentum, "local": local, "refused": not done.adopted,
+                "state_kept": kw.get("agreed_state") is not None and done.adopted}
+
+    own, at_submit, moved = eager()
+    out["eager"] = at_submit
+    out["group"] = land((own + 0.03 * torch.randn(N, generator=g)) / 2, at_submit, moved)
+    own, at_submit, moved = eager()
+    state = torch.cat([params, momentum]) + 0.01 * torch.randn(2 * N, generator=g)
+    out["agreed"] = land(own * 0.9, at_submit, moved, agreed_state=state, own_weight=100.0)
+    own, at_submit, moved = eager()
+    out["refused"] = land(own * 1.1, at_submit, moved, agreed_state=torch.cat([-10 * params, momentum]),
+                          own_weight=100.0)
+    own, at_submit, moved = eager()
+    out["alone"] = land(own, at_submit, moved, alone=True)
+    own, _, moved = eager()
+    out["no_submit"] = land(own, None, moved)
+    own, at_submit, moved = eager()
+    out["fresh"] = land(own, at_submit, moved, agreed_state=torch.cat([-3 * params, 2 * momentum]), own_weight=0.0)
     return out
 
 
@@ -260,6 +301,15 @@ def _assert_same(got, want, path: str = "") -> None:
 
 def test_round_matches_golden():
     _assert_same(round_cases(), torch.load(GOLDEN)["round"], "round")
+
+
+def test_outer_round_alone_replays_the_golden_round():
+    want = torch.load(GOLDEN)["round"]
+    got = pure_round_cases()
+    _assert_same(got["eager"], want["eager"], "round/eager")
+    for case, values in got.items():
+        if case != "eager":
+            _assert_same(values, {k: want[case][k] for k in values}, f"round/{case}")
 
 
 def test_slice_guard_matches_golden():
