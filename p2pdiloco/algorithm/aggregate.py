@@ -143,8 +143,7 @@ def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], flags: Se
     if policy.state and 2 * sum(counted[i] > 0 for i in keep) > len(keep):
         # a fresh peer's θg (no tokens absorbed) counts for nothing, but only where the members that claim tokens
         # are a majority: at a run's start every honest member is fresh, and one member claiming tokens would
-        # otherwise decide the swarm's model alone (measured: a 5-peer swarm with 2 such members started from
-        # −θ0 and ended 16 % worse)
+        # otherwise decide the swarm's model alone
         keep = [i for i in keep if counted[i] > 0]
     shares = weight_shares(counted, [i in keep for i in range(n)])
     # global models too are combined by the robust rule: where most members agree and one differs (it merged

@@ -3,8 +3,9 @@
 The slice owner of a merge sees every member's part of its slice, so it judges each part against the
 others (DESIGN.md, step 5): wrong length or dtype, non-finite values, a norm far from the group's median,
 a direction that disagrees with the group's coordinate-wise median, or a member whose round counter lags
-the group's far behind. The trust screen weighs each accepted pseudo-gradient part by how its member's parts have
-agreed with the judge's outer momentum over past merges (`cosines_to`, `trust_factors`, `GuardBook.observe`). A rejected part is left out of that slice's average; all members still receive
+the group's far behind. The trust screen (trust.py) weighs each accepted pseudo-gradient part by how its member's
+parts have agreed with the judge's outer momentum over past merges (`cosines_to`, `moving_trust`,
+`trust_factors`). A rejected part is left out of that slice's average (aggregate.py); all members still receive
 the same averaged slice, so they stay bit-identical. Each owner decides for its own slice (see
 docs/security.md for why that is acceptable).
 """
@@ -119,7 +120,7 @@ def trust_factors(trust: Sequence[float | None], length: int, scale: float = 0.5
 
     Args:
         trust: one score per member (an average of its parts' cosines to the judge's momentum, see
-            `GuardBook.observe`); None: no score yet (counts fully, and is not part of the median).
+            `moving_trust`); None: no score yet (counts fully, and is not part of the median).
         length: values in the slice judged.
         scale: share of the upper-median score at which a member counts fully.
     """

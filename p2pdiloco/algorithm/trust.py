@@ -32,7 +32,7 @@ def trust_by_history(parts: Sequence[torch.Tensor], reasons: Sequence[str], refe
     member's score updated by this part's cosine to `reference` (`guards.moving_trust`).
 
     The owner's own part always counts fully: an honest owner has no reason to doubt it and a hostile one decides
-    its slice anyway; judged, a young momentum left an honest owner's own part out. Its score still counts in the
+    its slice anyway, and a young momentum could leave an honest owner's own part out. Its score still counts in the
     median: in a pair, it is the vote that judges the other.
 
     Args:
@@ -75,17 +75,16 @@ def trusted(parts: list[torch.Tensor], reasons: list[str], reference: torch.Tens
     sign-flipped part points against it and same-norm noise is nearly orthogonal to it.
 
     The first merge matters most: its average becomes the momentum every later merge is judged by. Let in, 2
-    sign-flipped parts of 5 turned it so that the next honest parts pointed against it (cosines −0.05 to 0.01 in
-    `bench byzantine`, sparseloco), the majority rule below then turned the screen off, and it stayed off.
+    sign-flipped parts of 5 can turn it so that the next honest parts point against it; the majority rule below
+    then turns the screen off for good (docs/security.md, "Trust for sparse parts").
 
     An honest part left out loses only this round's Δ (error feedback keeps the residual it carried). If the upper
     median is not positive, nothing is left out. If it is positive but no more than 1/√n, the cosine of a random
-    direction, the floor would leave out at least half of the parts (in a 3000-step run, every part at times: the
-    merge failed for all): there only parts that point against the momentum are left out. In a merge whose
-    members' global states differ (`forked`: an agreement is part of it) their momenta differ, so their decisions
-    could too, and a fork would last (in a 3000-step `--sync` run, members left out different parts in ~180 merges
-    in a row): there the parts are judged by their support among themselves (`supported`), which every member
-    computes from the same parts alike.
+    direction, the floor would leave out at least half of the parts, and at times every part: there only parts
+    that point against the momentum are left out. In a merge whose members' global states differ (`forked`: an
+    agreement is part of it) their momenta differ, so their decisions could too, and a fork would last: there the
+    parts are judged by their support among themselves (`supported`), which every member computes from the same
+    parts alike.
     """
     if reference is None:
         return list(reasons)
@@ -107,8 +106,8 @@ def supported(parts: list[torch.Tensor], reasons: list[str]) -> list[str]:
     """`reasons` with TRUST added for each part that fewer other parts have a positive cosine with than the upper
     median of that count, from 3 parts on: the trust screen's rule where there is no momentum to judge by.
 
-    Honest members' first pseudo-gradients point alike (pairwise cosines of their sparse parts were positive in
-    the runs of `bench byzantine`), so with h honest and f flipped parts an honest one has h − 1 + 0 supporters
+    Honest members' first pseudo-gradients point alike (their sparse parts' pairwise cosines are positive), so
+    with h honest and f flipped parts an honest one has h − 1 + 0 supporters
     and a flipped one f − 1: while honest parts are a majority, the upper median is an honest count."""
     idx = [i for i, r in enumerate(reasons) if not r]
     if len(idx) < 3:
