@@ -10,9 +10,10 @@ import torch
 from p2pdiloco.algorithm.codecs import CodecError, ErrorFeedback, NonFiniteError, get_codec
 from p2pdiloco.algorithm.guards import cosines_to
 from p2pdiloco.algorithm.sparse import SparseCodec, rice_decode, rice_encode, rice_parameter
+from p2pdiloco.algorithm.trust import trusted
 from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.rpc import MergeFailed
-from p2pdiloco.network.sparse_exchange import decode_part, reduce_parts, trusted
+from p2pdiloco.network.sparse_exchange import decode_part, reduce_parts
 
 
 def test_keeps_the_top_k_of_each_chunk_with_their_signs_and_two_magnitudes():

@@ -77,7 +77,7 @@ def test_a_member_frozen_before_sending_fails_the_sparse_merge_for_everyone(boot
 
 
 def test_sign_flipped_sparse_parts_are_left_out_by_every_member_alike(bootstrap_dht, net_loop):
-    """The trust screen for all-gathered parts (sparse_exchange.trusted): 2 of 5 members send −Δ; every member
+    """The trust screen for all-gathered parts (algorithm/trust.trusted): 2 of 5 members send −Δ; every member
     judges the parts against the same momentum, leaves the same two out, and ends with the same bits: the mean
     of the three honest parts. The flippers learn that their parts counted nothing (own_kept 0), no strike."""
     cfg = SwarmConfig(run_id="spt", merge_window_s=8, merge_timeout_s=10, codec="sparseloco")

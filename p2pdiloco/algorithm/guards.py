@@ -3,8 +3,9 @@
 The slice owner of a merge sees every member's part of its slice, so it judges each part against the
 others (DESIGN.md, step 5): wrong length or dtype, non-finite values, a norm far from the group's median,
 a direction that disagrees with the group's coordinate-wise median, or a member whose round counter lags
-the group's far behind. The trust screen weighs each accepted pseudo-gradient part by how its member's parts have
-agreed with the judge's outer momentum over past merges (`cosines_to`, `trust_factors`, `GuardBook.observe`). A rejected part is left out of that slice's average; all members still receive
+the group's far behind. The trust screen (trust.py) weighs each accepted pseudo-gradient part by how its member's
+parts have agreed with the judge's outer momentum over past merges (`cosines_to`, `moving_trust`,
+`trust_factors`). A rejected part is left out of that slice's average (aggregate.py); all members still receive
 the same averaged slice, so they stay bit-identical. Each owner decides for its own slice (see
 docs/security.md for why that is acceptable).
 """
@@ -119,7 +120,7 @@ def trust_factors(trust: Sequence[float | None], length: int, scale: float = 0.5
 
     Args:
         trust: one score per member (an average of its parts' cosines to the judge's momentum, see
-            `GuardBook.observe`); None: no score yet (counts fully, and is not part of the median).
+            `moving_trust`); None: no score yet (counts fully, and is not part of the median).
         length: values in the slice judged.
         scale: share of the upper-median score at which a member counts fully.
     """
@@ -128,6 +129,22 @@ def trust_factors(trust: Sequence[float | None], length: int, scale: float = 0.5
         return [1.0] * len(trust)
     s = max(scale * scored[len(scored) // 2], 1.0 / math.sqrt(max(length, 1)))
     return [1.0 if t is None else min(1.0, max(0.0, t / s)) for t in trust]
+
+
+def moving_trust(old: float | None, cosine: float, decay: float) -> float:
+    """A member's trust score after one more part: t ← decay·t + (1 − decay)·cosine, starting from the first cosine.
+
+    One slice's cosine is noisy, and an honest peer with unusual data can point against the others on some slices
+    for a long time; since slice ownership rotates from merge to merge (allreduce.owned_slice), the average runs
+    over all of the vector, where an honest member stays positive and a sign-flipping one is negative on every
+    slice.
+
+    Args:
+        old: the score so far (None: none yet).
+        cosine: this part's cosine to the judge's momentum.
+        decay: weight of the score so far.
+    """
+    return cosine if old is None else decay * old + (1 - decay) * cosine
 
 
 WEIGHT_CAP = 2.0
@@ -225,15 +242,9 @@ class GuardBook:
             self.strikes[sender] = 0
 
     def observe(self, sender: str, cosine: float, decay: float) -> float:
-        """Fold one part's cosine to this peer's momentum into `sender`'s trust score; returns the new score.
-
-        t ← decay·t + (1 − decay)·cosine, starting from the first cosine seen. One slice's cosine is noisy, and an
-        honest peer with unusual data can point against the others on some slices for a long time; since slice
-        ownership rotates from merge to merge (allreduce.owned_slice), the average runs over all of the vector,
-        where an honest member stays positive and a sign-flipping one is negative on every slice.
-        """
-        old = self.trust.get(sender)
-        self.trust[sender] = cosine if old is None else decay * old + (1 - decay) * cosine
+        """Fold one part's cosine to this peer's momentum into `sender`'s trust score (`moving_trust`); returns
+        the new score."""
+        self.trust[sender] = moving_trust(self.trust.get(sender), cosine, decay)
         return self.trust[sender]
 
     def remember(self, trust: object) -> None:

@@ -1,7 +1,8 @@
 """Training math of DiLoCo as pure functions on flat fp32 tensors: no network, no threads.
 
 References: DiLoCo (arXiv 2311.08105) for the pseudo-gradient and the Nesterov outer step; Async Local-SGD
-(arXiv 2401.09135) for keeping the inner steps taken while a merge is in flight (the rebase).
+(arXiv 2401.09135) for keeping the inner steps taken while a merge is in flight (the rebase). `outer_round` is
+all a landed merge does to a peer's tensors; `eager_step` what a decoupled peer does at a submit.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -100,6 +103,95 @@ def rebase(new_global: torch.Tensor, local_now: torch.Tensor, local_at_submit: t
     """θ ← θg + keep·(θ − θ_at_submit): move onto the new global model with `keep` of the steps taken since the
     submit (see `stale_share_kept`)."""
     return new_global + (local_now - local_at_submit) * keep
+
+
+class OuterSettings(Protocol):
+    """The outer optimizer's settings `outer_round` reads (config.OuterOptConfig has them)."""
+
+    lr: float
+    """Outer lr of a step on a group's Δ̄."""
+    alone_lr: float
+    """Outer lr of a step on this peer's own Δ alone (a merge alone, an eager update); 0: `lr`."""
+    momentum: float
+    nesterov: bool
+    rebase_keep: float
+    """Share of the inner steps taken while a merge was in flight that the rebase keeps (`stale_share_kept`)."""
+
+
+def alone_lr(cfg: OuterSettings) -> float:
+    """The outer lr of steps on this peer's own Δ alone: `cfg.alone_lr`, or `cfg.lr` where that is 0."""
+    return cfg.alone_lr or cfg.lr
+
+
+def eager_step(params: torch.Tensor, momentum: torch.Tensor, own_delta: torch.Tensor,
+               cfg: OuterSettings) -> torch.Tensor:
+    """The eager update (arXiv 2502.12996): the local model to go on from while a merge is in flight, the outer
+    step on this peer's own Δ at `alone_lr`, a stand-in for the Δ̄ in flight, so that steps taken meanwhile start
+    near where the merge lands (its rebase moves them by the difference). Not θg − Δ, far from it: at H = 10
+    merges land ~7 steps late. θg and the momentum themselves wait for the merge."""
+    eager, _ = outer_step(params, momentum, own_delta, alone_lr(cfg), cfg.momentum, cfg.nesterov)
+    return eager
+
+
+@dataclass(frozen=True)
+class OuterRound:
+    """What a landed merge makes of this peer's state (`outer_round`)."""
+
+    params: torch.Tensor
+    """θg after the outer step."""
+    momentum: torch.Tensor
+    """The outer momentum after the step."""
+    adopted: bool
+    """False where the group's agreed (θg, momentum) was refused (too far, see `state_within_reach`), else True."""
+    step: float
+    """Length of this outer step, ‖θg after − θg before‖: a unit of the next merges' `state_within_reach`."""
+    local: torch.Tensor | None
+    """The local model moved onto the new θg (`rebase`); None where no local model was given."""
+    keep: float
+    """Share of the inner steps taken since the submit that `local` keeps (0: none, or no local model)."""
+
+
+def outer_round(params: torch.Tensor, momentum: torch.Tensor, pseudo_grad: torch.Tensor, cfg: OuterSettings, *,
+                alone: bool = False, agreed_state: torch.Tensor | None = None, own_weight: float = 1.0,
+                longest_recent: float = 0.0, local_now: torch.Tensor | None = None,
+                local_at_submit: torch.Tensor | None = None) -> OuterRound:
+    """One landed merge: adopt the group's agreed global state if it is within reach, take the outer step on Δ̄,
+    and rebase the local model onto the new θg (DiLoCo, arXiv 2311.08105; Async Local-SGD, arXiv 2401.09135).
+
+    Args:
+        params: flat fp32 θg of this peer before the merge (not modified).
+        momentum: flat fp32 outer momentum before the merge (not modified).
+        pseudo_grad: the merged Δ̄ (this peer's own Δ when alone).
+        cfg: the outer optimizer's settings.
+        alone: merged alone: the step takes `alone_lr`.
+        agreed_state: where members' global models differed, the group's (θg, momentum) concatenated.
+        own_weight: tokens this peer's θg has absorbed. With none (a fresh peer) the agreed state is adopted
+            whatever it is; otherwise only within reach of this peer's own (`state_within_reach`, whose unit is
+            the longer of this round's step on its own θg and `longest_recent`).
+        longest_recent: the longest of this peer's last outer steps (`OuterRound.step`; 0: none).
+        local_now: the local model θ now; None: no rebase.
+        local_at_submit: θ when Δ was taken (after an eager update, `eager_step`'s). θ ← θg + keep·(θ −
+            θ_at_submit), keep from `stale_share_kept`; in sync mode no step was taken since, so θ ← θg exactly.
+            None restarts from θg, every step since the submit given up.
+    """
+    adopted = True
+    if agreed_state is not None:
+        n = params.numel()
+        agreed_params, agreed_momentum = agreed_state[:n], agreed_state[n:]
+        if own_weight > 0:
+            own_next, _ = outer_step(params, momentum, pseudo_grad, cfg.lr, cfg.momentum, cfg.nesterov)
+            adopted = state_within_reach(params, agreed_params, own_next - params, longest_recent=longest_recent)
+        if adopted:  # a copy: the agreed state's buffer belongs to the merge
+            params, momentum = agreed_params.clone(), agreed_momentum.clone()
+    lr = alone_lr(cfg) if alone else cfg.lr
+    new_params, new_momentum = outer_step(params, momentum, pseudo_grad, lr, cfg.momentum, cfg.nesterov)
+    step = float(torch.linalg.vector_norm(new_params - params))
+    local, keep = None, 0.0
+    if local_now is not None:
+        at_submit, keep = ((local_now, 0.0) if local_at_submit is None
+                           else (local_at_submit, stale_share_kept(new_params, local_at_submit, cfg.rebase_keep)))
+        local = rebase(new_params, local_now, at_submit, keep)
+    return OuterRound(new_params, new_momentum, adopted, step, local, keep)
 
 
 def weighted_average(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:

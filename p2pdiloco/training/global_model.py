@@ -10,7 +10,7 @@ from collections import deque
 
 import torch
 
-from p2pdiloco.algorithm.outer import STATE_REACH, outer_step, state_digest, state_within_reach
+from p2pdiloco.algorithm.outer import STATE_REACH, OuterRound, alone_lr, outer_round, state_digest
 from p2pdiloco.config import OuterOptConfig
 from p2pdiloco.network.merger import MergeResult
 
@@ -50,14 +50,15 @@ class GlobalModel:
     def alone_lr(self) -> float:
         """The outer lr of steps on this peer's own Δ alone (a merge alone, an eager update): `outer.alone_lr`,
         or `outer.lr` where that is 0."""
-        return self.outer.alone_lr or self.outer.lr
+        return alone_lr(self.outer)
 
     def anchors(self) -> dict[str, torch.Tensor]:
         """The states this peer can rebuild exactly, by digest, newest first (see `Contribution.anchors`)."""
         return dict(reversed(list(self._anchors.items())))
 
     def merge(self, result: MergeResult, own_weight: float = 1.0) -> bool:
-        """Adopt the group's averaged (θg, momentum) if members disagreed, then take the outer step on Δ̄.
+        """Adopt the group's averaged (θg, momentum) if members disagreed, then take the outer step on Δ̄
+        (`outer.outer_round`, without a local model).
 
         Args:
             result: the merge.
@@ -67,24 +68,22 @@ class GlobalModel:
         Returns:
             False if the group's state was refused (this peer steps its own θg instead), else True.
         """
-        o = self.outer
-        adopted = True
-        if result.global_state is not None:
-            n = self.params.numel()
-            params, momentum = result.global_state[:n], result.global_state[n:]
-            if own_weight > 0:
-                own_next, _ = outer_step(self.params, self.momentum, result.pseudo_grad, o.lr, o.momentum, o.nesterov)
-                adopted = state_within_reach(self.params, params, own_next - self.params,
-                                             longest_recent=max(self._steps, default=0.0))
-            if adopted:  # not an anchor: only the stepped state below is held by every member
-                self.params, self.momentum = params.clone(), momentum.clone()
-        lr = self.alone_lr if result.alone else o.lr
-        before = self.params
-        self.params, self.momentum = outer_step(self.params, self.momentum, result.pseudo_grad, lr, o.momentum,
-                                                o.nesterov)
-        self._steps.append(float(torch.linalg.vector_norm(self.params - before)))
+        done = outer_round(self.params, self.momentum, result.pseudo_grad, self.outer, alone=result.alone,
+                           agreed_state=result.global_state, own_weight=own_weight,
+                           longest_recent=self.longest_recent)
+        self.take(done)
+        return done.adopted
+
+    @property
+    def longest_recent(self) -> float:
+        """The longest of this peer's last outer steps: the unit of `state_within_reach`."""
+        return max(self._steps, default=0.0)
+
+    def take(self, done: OuterRound) -> None:
+        """Hold the (θg, momentum) an `outer_round` stepped to, and remember its step's length."""
+        self.params, self.momentum = done.params, done.momentum
+        self._steps.append(done.step)
         self._remember()
-        return adopted
 
     def adopt(self, params: torch.Tensor, momentum: torch.Tensor) -> None:
         """Continue from another (θg, momentum): a group's average, a donor's state or a checkpoint's."""

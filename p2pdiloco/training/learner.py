@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from p2pdiloco.algorithm.outer import outer_step, pseudo_gradient, rebase, stale_share_kept
+from p2pdiloco.algorithm.outer import eager_step, outer_round, pseudo_gradient
 from p2pdiloco.config import Config
 from p2pdiloco.network.merger import Contribution, Merger, MergeResult
 from p2pdiloco.network.state_sync import GlobalState
@@ -201,11 +201,9 @@ class Learner:
         self.start_round()
 
     def _eager(self, own_delta: torch.Tensor) -> torch.Tensor:
-        """Eager update (arXiv 2502.12996): go on from the outer step on this peer's own Δ, a stand-in for the Δ̄ in
-        flight, so that steps taken meanwhile start near where the merge lands (its rebase moves them by the
-        difference); returns that θ_at_submit. Not from θg − Δ, far from it: at H = 10 merges land ~7 steps late."""
-        o = self.cfg.outer
-        eager, _ = outer_step(self.g.params, self.g.momentum, own_delta, self.g.alone_lr, o.momentum, o.nesterov)
+        """Eager update: go on from the outer step on this peer's own Δ (`outer.eager_step`); returns that
+        θ_at_submit."""
+        eager = eager_step(self.g.params, self.g.momentum, own_delta, self.cfg.outer)
         load_flat_(self.model, eager)
         self.model_moved += 1  # a unit's other ranks take the new θ before their next step (distributed.py)
         return eager
@@ -280,18 +278,20 @@ class Learner:
                 since then is kept: θ ← θg + keep·(θ − θ_at_submit); in sync mode there are none, so θ ← θg
                 exactly. None restarts from θg regardless.
         """
-        if self.g.merge(result, own_weight=self.c.global_tokens):
+        done = outer_round(self.g.params, self.g.momentum, result.pseudo_grad, self.cfg.outer, alone=result.alone,
+                           agreed_state=result.global_state, own_weight=self.c.global_tokens,
+                           longest_recent=self.g.longest_recent, local_now=self._local_params(),
+                           local_at_submit=local_at_submit)
+        self.g.take(done)
+        if done.adopted:
             if result.global_state is not None:  # members disagreed: the group's agreed global model was adopted
                 self.c.global_tokens = max(self.c.global_tokens, result.state_weight)
         else:
             logger.warning("[%s] refused group %s's averaged global model: farther from ours than any honest "
                            "divergence (see algorithm/outer.py, state_within_reach)", self.tag, result.group_id)
             result.global_state, result.state_refused = None, True
-        now = self._local_params()
-        at_submit, keep = ((now, 0.0) if local_at_submit is None  # back to θg: every step since the submit given up
-                           else (local_at_submit, stale_share_kept(self.g.params, local_at_submit, self.cfg.outer.rebase_keep)))
-        load_flat_(self.model, rebase(self.g.params, now, at_submit, keep))
-        self.c.rebase_dropped_s = self.c.compute_in_round * (1.0 - keep)  # of the steps taken since the submit
+        load_flat_(self.model, done.local)
+        self.c.rebase_dropped_s = self.c.compute_in_round * (1.0 - done.keep)  # of the steps taken since the submit
         self.c.add_merge(result)
         self.c.global_digest = self.g.digest()
         self.shared = self.snapshot()
