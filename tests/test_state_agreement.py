@@ -269,6 +269,7 @@ def test_a_holder_serves_only_the_fetchers_dealt_to_it_each_once_and_under_the_s
     from p2pdiloco.network.admission import Request
     from p2pdiloco.network.catch_up import CatchUp, dealt_holder
     from p2pdiloco.network.rpc import MergeFailed
+    from p2pdiloco.network.session import MergeSession
 
     group = Group("g", ["h0", "h1", "f0", "f1", "h2"], [1.0] * 5, [1.0, 3.0, 1.0, 1.0, 1.0], True, {"s": 8},
                   digests=["D", "D", "X", "Y", "D"])
@@ -278,17 +279,19 @@ def test_a_holder_serves_only_the_fetchers_dealt_to_it_each_once_and_under_the_s
     class Replies:  # the rpc's reply, recorded: the handler's decision is what is tested
         peer_id = "h0"
 
-        async def reply(self, reader, writer, op, requester, header, payload=b""):
+        async def reply(self, reader, writer, op, requester, header, payload=b"", phase=None):
             replies.append((requester, header.get("ok"), header.get("error", ""), len(payload)))
 
-    async def expected_group(gid: str) -> Group:
+    session = MergeSession(group, 0, 0)
+
+    async def find_session(gid: str) -> MergeSession:
         if gid != "g":
             raise MergeFailed("unknown group")
-        return group
+        return session
 
     async def main() -> tuple[torch.Tensor, list[float]]:
-        catch_up = CatchUp(Replies(), expected_group, 2.0, GuardBook(0, "h0"))
-        holding = asyncio.ensure_future(catch_up.agree(group, 0, torch.arange(8.0)))
+        catch_up = CatchUp(Replies(), find_session, 2.0, GuardBook(0, "h0"))
+        holding = asyncio.ensure_future(catch_up.agree(session, torch.arange(8.0)))
 
         async def ask(sender: str, index: int, terms: str = group.terms) -> None:
             await catch_up.on_state(Request("catchup", sender, {"group_id": "g", "index": index, "terms": terms}),

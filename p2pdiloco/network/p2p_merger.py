@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import hivemind
 import torch
@@ -36,16 +37,16 @@ from p2pdiloco.config import GuardConfig, SwarmConfig
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.allreduce import AllReduce, PlainReducer, by_values, slice_bounds
 from p2pdiloco.network.catch_up import CatchUp
-from p2pdiloco.network.group import Group
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.merger import Contribution, FaultHook, MergeResult, alone_result
 from p2pdiloco.network.phase import Phase
 from p2pdiloco.network.rpc import MergeFailed, Rpc
+from p2pdiloco.network.session import MergeSession, Sessions
 from p2pdiloco.network.slice_guard import SliceGuard
 from p2pdiloco.network.sparse_exchange import SparseExchange
 from p2pdiloco.network.swarm import BackgroundLoop
 from p2pdiloco.network.swarm_key import SwarmAuth
-from p2pdiloco.network.wire import ByteCounter, WireError, phase_sent
+from p2pdiloco.network.wire import ByteCounter, WireError
 
 __all__ = ["MergeFailed", "P2PMerger"]
 
@@ -92,15 +93,17 @@ class P2PMerger:
         self.rpc = Rpc(dht, cfg.run_id, self.auth, self.counter)
         self.matchmaker = Matchmaker(dht, cfg, self.rpc, self.book, self.guard, fingerprint,
                                      {"d": n_params, "s": 2 * n_params, "a": 2 * n_params})
+        self.sessions = Sessions(self.matchmaker.expected_group, self.matchmaker.forget)
+        """This peer's merges in progress, by group id: where the stream handlers find theirs (session.py)."""
         self.allreduce = AllReduce(
-            self.rpc, self.matchmaker.expected_group, {"d": self.codec, "s": STATE_CODEC, "a": STATE_DIFF_CODEC},
+            self.rpc, self.sessions.find, {"d": self.codec, "s": STATE_CODEC, "a": STATE_DIFF_CODEC},
             SliceGuard(self.guard, self.book) if self.guard.enabled else PlainReducer(),
             merge_timeout_s=cfg.merge_timeout_s, faults=faults,
         )
-        self.sparse = SparseExchange(self.rpc, self.matchmaker.expected_group, self.codec,
+        self.sparse = SparseExchange(self.rpc, self.sessions.find, self.codec,
                                      self.guard if self.guard.enabled else None, self.book, cfg.merge_timeout_s, faults)
         """Pseudo-gradients of a sparse codec are all-gathered instead (sparse_exchange.py)."""
-        self.catch_up = CatchUp(self.rpc, self.matchmaker.expected_group, cfg.merge_timeout_s, self.book)
+        self.catch_up = CatchUp(self.rpc, self.sessions.find, cfg.merge_timeout_s, self.book)
         """Where a majority of a group holds one global model, the others fetch it instead of averaging."""
         self.phase = Phase()
         """When mates said they are looking: where their round ends lie against this peer's (phase.py)."""
@@ -143,78 +146,71 @@ class P2PMerger:
     # ---- one merge ----
 
     async def _merge(self, c: Contribution) -> MergeResult:
-        t0, sent0, recv0 = time.monotonic(), self.counter.sent, self.counter.received
-        rejected0 = sum(self.book.rejected.values())
-        self.allreduce.round = self.sparse.round = c.round
-        matched: float | None = None  # monotonic time when the group was formed
-
-        def finish(result: MergeResult) -> MergeResult:
-            self.matchmaker.record(alone=result.alone)
-            # rounds of a fixed step count drift apart (timed rounds end on a swarm-wide cadence, sync rounds wait);
-            # taken now, when mates whose rounds ended with this peer's have said so too
-            if not (self.cfg.sync or self.cfg.round_seconds > 0):
-                result.phase_shift_s = self.phase.shift_s(c.round_s, t0)
-            result.rejected = sum(self.book.rejected.values()) - rejected0
-            result.bytes_sent = self.counter.sent - sent0
-            result.bytes_received = self.counter.received - recv0
-            result.duration_s = time.monotonic() - t0
-            result.match_s = result.duration_s if matched is None else matched - t0
-            return result
-
-        group = None
+        start = _Start(time.monotonic(), self.counter.sent, self.counter.received, sum(self.book.rejected.values()))
+        session = None
         try:
             group = await self.matchmaker.find_group(c)
-            matched = time.monotonic()
+            start.matched = time.monotonic()
             if group is None:
-                return finish(alone_result(self.peer_id, c))
-            me = group.members.index(self.peer_id)
+                return self._finish(start, c, alone_result(self.peer_id, c))
+            session = self.sessions.open(MergeSession(group, group.members.index(self.peer_id), c.round, c.momentum))
             if self.faults is not None:
                 await self.faults.fire("exchange", c.round, self.peer_id[-6:])
             timeout = self.cfg.merge_timeout_s  # per exchange phase: Δ, and (θg, m) if they disagree
-            group.reference = c.momentum  # its slice guard judges members' parts by it (guards.cosines_to)
             target = self.feedback.compensate(c.pseudo_grad)
-            exchange = (self.allreduce.average(group, me, "d", target) if self.codec.sliced
-                        else self.sparse.average(group, me, target))
+            exchange = (self.allreduce.average(session, "d", target) if self.codec.sliced
+                        else self.sparse.average(session, target))
             # the agreement needs nothing from the Δ exchange, so both run at once: a merge that needs one takes
             # as long as its longer phase, not their sum (two exchanges of its own without a common anchor)
-            agreement = self._agree(group, me, c) if group.need_state else _nothing()
+            agreement = self._agree(session, c) if group.need_state else _nothing()
             (avg, sent, shares), (state, state_shares) = await _together(
                 asyncio.wait_for(exchange, timeout),
                 asyncio.wait_for(agreement, timeout * (1 if group.anchor or group.majority else 2)))
             if not self.codec.sliced:
-                shares = [shares[me]] * len(group.members)  # one part, counted whole or not at all
+                shares = [shares[session.me]] * len(group.members)  # one part, counted whole or not at all
             sent = _rejected_as_dropped(sent, c.pseudo_grad, shares)
             # only now: a failed merge sent nothing that counts. A failed merge falls back to merging alone with
             # the uncompensated Δ, so the residual is neither applied there nor lost: it goes out once, with the
             # next merge. In a slice the group left out, this round's Δ is dropped and the residual carried into
             # it is kept (see _rejected_as_dropped)
             self.feedback.commit(target, sent)
-            return finish(
-                MergeResult(
-                    group=list(group.members), pseudo_grad=avg, total_weight=float(sum(group.weights)),
-                    global_state=state, group_id=group.group_id,
-                    state_weight=group.agreed_state_weight() if state is not None else 0.0, final=group.final,
-                    own_kept=by_values([float(s > 0) for s in shares], group.lengths["d"]),
-                    state_share=by_values(state_shares, group.lengths["s"]) if state is not None else 0.0,
-                    pseudo_grad_bytes_sent=phase_sent(group.slots, "d"),
-                    state_bytes_sent=phase_sent(group.slots, "s") + phase_sent(group.slots, "a"),
-                    state_anchored=state is not None and not group.majority and group.anchor in c.anchors,
-                    state_caught_up=state is not None and bool(group.majority),
-                )
-            )
+            return self._finish(start, c, MergeResult(
+                group=list(group.members), pseudo_grad=avg, total_weight=float(sum(group.weights)),
+                global_state=state, group_id=group.group_id,
+                state_weight=group.agreed_state_weight() if state is not None else 0.0, final=group.final,
+                own_kept=by_values([float(s > 0) for s in shares], group.lengths["d"]),
+                state_share=by_values(state_shares, group.lengths["s"]) if state is not None else 0.0,
+                pseudo_grad_bytes_sent=session.sent("d"), state_bytes_sent=session.sent("s", "a"),
+                state_anchored=state is not None and not group.majority and group.anchor in c.anchors,
+                state_caught_up=state is not None and bool(group.majority),
+            ))
         except (MergeFailed, WireError, TimeoutError, ConnectionError, OSError, P2PDaemonError) as e:
             # a mate that left, froze or cannot be dialed (P2PDaemonError: the daemon's dial failed) is normal
             reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             logger.warning("[%s] merge of round %d failed, merging alone: %s", self.peer_id[-6:], c.round, reason)
-            return finish(alone_result(self.peer_id, c, failure=reason))
+            return self._finish(start, c, alone_result(self.peer_id, c, failure=reason))
         except Exception as e:  # the future must never raise into the learner: a bug here costs one merge
             logger.exception("[%s] unexpected error in merge", self.peer_id[-6:])
-            return finish(alone_result(self.peer_id, c, failure=f"{type(e).__name__}: {e}"))
+            return self._finish(start, c, alone_result(self.peer_id, c, failure=f"{type(e).__name__}: {e}"))
         finally:
-            if group is not None:
-                self.matchmaker.forget(group.group_id)
+            if session is not None:
+                self.sessions.end(session.group.group_id)
 
-    async def _agree(self, group: Group, me: int, c: Contribution) -> tuple[torch.Tensor, list[float]]:
+    def _finish(self, start: _Start, c: Contribution, result: MergeResult) -> MergeResult:
+        """`result` with what the merge cost, counted from `start`."""
+        self.matchmaker.record(alone=result.alone)
+        # rounds of a fixed step count drift apart (timed rounds end on a swarm-wide cadence, sync rounds wait);
+        # taken now, when mates whose rounds ended with this peer's have said so too
+        if not (self.cfg.sync or self.cfg.round_seconds > 0):
+            result.phase_shift_s = self.phase.shift_s(c.round_s, start.t0)
+        result.rejected = sum(self.book.rejected.values()) - start.rejected
+        result.bytes_sent = self.counter.sent - start.sent
+        result.bytes_received = self.counter.received - start.received
+        result.duration_s = time.monotonic() - start.t0
+        result.match_s = result.duration_s if start.matched is None else start.matched - start.t0
+        return result
+
+    async def _agree(self, session: MergeSession, c: Contribution) -> tuple[torch.Tensor, list[float]]:
         """The group's (θg, momentum): where more than half the members hold one model, that model, which the others
         fetch (catch_up.py); else, from a state all members hold, the average of their int8-coded differences from
         it (every member adds the same decoded bits to the same anchor).
@@ -230,21 +226,34 @@ class P2PMerger:
         exchanges took 4 and fp32 8. A peer of the version before, which sent its momentum's difference there too,
         still ends on the group's bits: owners average, and members add the same decoded average to one anchor.
         """
+        group = session.group
         state = torch.cat([c.global_params, c.momentum])
         if group.majority:  # most members hold one model: it is the answer, and only the others need it
-            return await self.catch_up.agree(group, me, state)
+            return await self.catch_up.agree(session, state)
         anchor = c.anchors.get(group.anchor) if group.anchor else None
         if anchor is not None:
-            avg, _, shares = await self.allreduce.average(group, me, "a", state - anchor)
+            avg, _, shares = await self.allreduce.average(session, "a", state - anchor)
             return anchor + avg, shares
-        first, _, _ = await self.allreduce.average(group, me, "s", state)
+        first, _, _ = await self.allreduce.average(session, "s", state)
         n = c.global_params.numel()
         diff = state - first
         # the momentum stays the first exchange's average, but for the one int8 block of it (blocks run from each
         # slice's start) that may also hold the model's last values, and so the model's scale
         diff[n + LinearInt8Codec.BLOCK:] = 0.0
-        avg, _, shares = await self.allreduce.average(group, me, "a", diff)
+        avg, _, shares = await self.allreduce.average(session, "a", diff)
         return first + avg, shares
+
+
+@dataclass
+class _Start:
+    """When a merge started and this peer's counters then: what the merge cost is counted from them."""
+
+    t0: float
+    sent: int
+    received: int
+    rejected: int
+    matched: float | None = None
+    """When matchmaking returned (monotonic), a group or none."""
 
 
 async def _nothing() -> tuple[None, list[float]]:

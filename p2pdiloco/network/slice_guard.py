@@ -55,8 +55,9 @@ class SliceGuard:
         return part, flag
 
     def reduce(self, group: Group, tag: str, me: int, parts: list[torch.Tensor], weights: list[float],
-               flags: dict[int, str]) -> tuple[torch.Tensor, list[float]]:
-        """This peer's slice of the group average: screen every member's part, then combine those accepted.
+               flags: dict[int, str], reference: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+        """This peer's slice of the group average: screen every member's part, then combine those accepted;
+        `reference`: this peer's outer momentum, the whole vector, which trust judges the parts against.
 
         Runs once per slice, on its owner, so whatever it decides every member receives the same bits. Each
         member's share is its weight among the parts combined (0 if left out); a robust rule weighs parts its
@@ -68,7 +69,7 @@ class SliceGuard:
         # a member whose model is the anchor sends zeros, and any norm or direction reference would be arbitrary
         reasons = screen_parts(parts, me, g.norm_bound, g.min_cosine) if tag != "a" else screen_parts(parts, me, 0, -1)
         reasons = [flags.get(i) or r for i, r in enumerate(reasons)]
-        factors = self._trust(group, tag, me, parts, reasons)
+        factors = self._trust(group, tag, me, parts, reasons, reference)
         for i, reason in enumerate(reasons):
             if reason:
                 self.book.reject(group.members[i], reason, group.group_id, f"(slice {tag})", strike=i != me)
@@ -107,7 +108,8 @@ class SliceGuard:
         tie = torch.zeros_like(kept[0], dtype=torch.float32) if tag == "a" else None
         return aggregate(g.aggregate, kept, kept_w, g.robust_min_group, g.trim_fraction, tie), shares
 
-    def _trust(self, group: Group, tag: str, me: int, parts: list[torch.Tensor], reasons: list[str]) -> list[float]:
+    def _trust(self, group: Group, tag: str, me: int, parts: list[torch.Tensor], reasons: list[str],
+               reference: torch.Tensor | None) -> list[float]:
         """How much each member's pseudo-gradient part counts (1 for the agreement phase, or without a reference):
         its trust, the moving average of its parts' cosines to this peer's outer momentum (guards.trust_factors).
 
@@ -118,10 +120,10 @@ class SliceGuard:
         left an honest owner's own part out (3 of 6 trust rejections of one README run, rounds 2–4).
         """
         n = len(parts)
-        if tag != "d" or self.guard.trust_decay < 0 or group.reference is None:
+        if tag != "d" or self.guard.trust_decay < 0 or reference is None:
             return [1.0] * n
         lo, hi = group_slice(group, "d", me)
-        cosines = cosines_to(parts, group.reference[lo:hi])
+        cosines = cosines_to(parts, reference[lo:hi])
         if all(c is None for c in cosines):
             return [1.0] * n  # no momentum yet (the run's first merge): nothing to judge by
         trust: list[float | None] = []
