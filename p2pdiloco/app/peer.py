@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -17,7 +18,6 @@ from hivemind import DHT
 from safetensors.torch import save_file
 
 from p2pdiloco import __version__
-from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.app.heartbeat import Heartbeat, swarm_finished
 from p2pdiloco.app.reach import start_reachability
 from p2pdiloco.app.startup import StartupClock, process_started_monotonic, say
@@ -121,8 +121,8 @@ IDENTITY_FILE = "identity.key"
 """The peer's libp2p identity in its run folder (0600): kept across --resume, replaced on a fresh start."""
 
 
-def resume_from_checkpoint(learner: Learner, sampler: BatchSampler, book: GuardBook, folder: Path,
-                           announce) -> None:
+def resume_from_checkpoint(learner: Learner, sampler: BatchSampler, remember_trust: Callable[[object], None],
+                           folder: Path, announce) -> None:
     """Continue from the newest checkpoint: its state, the data order where this peer's tokens left it, and what
     its guards had learned of the others (kept under the same peer id, see `IDENTITY_FILE`)."""
     found = load_latest(folder)
@@ -131,7 +131,7 @@ def resume_from_checkpoint(learner: Learner, sampler: BatchSampler, book: GuardB
         return
     tensors, meta, path = found
     learner.restore(tensors, meta)
-    book.remember(meta.get("guard_trust"))
+    remember_trust(meta.get("guard_trust"))
     # a unit's tokens count all its ranks' batches; rank 0 skips its own share (followers replay theirs)
     sampler.skip(learner.c.tokens // (sampler.tokens_per_batch * learner.report.data_parallel))
     announce(f"resumed from {path.name}: round {meta['round']}, step {meta['step']}")
@@ -306,7 +306,7 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | 
         learner = Learner(cfg, model, sampler.next_batch, val, hooks.wrap_merger(merger), device, metrics,
                           should_stop=stop, checkpoint_dir=run_dir / "checkpoints", faults=hooks.faults,
                           t_process_start=t_process_start)
-        learner.checkpoint_meta = lambda: {"guard_trust": dict(merger.book.trust)}
+        learner.checkpoint_meta = lambda: {"guard_trust": merger.trust_table()}
         if first_eval is not None:  # θg is the model's weights, as evaluated
             learner.last_eval = (learner.g.digest(), first_eval)
         startup.lap("learner")  # the model on its device, the optimizers, the initial global model
@@ -316,16 +316,16 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | 
         if unit.world_size > 1:
             UnitSync(unit, device).attach(learner)
         state_sync = StateSync(dht, cfg.swarm.run_id, n_params, hooks.wrap_state(lambda: learner.shared),
-                               learner.report.traffic.state, auth=auth, gate=merger.rpc.gate)
+                               learner.report.traffic.state, auth=auth, gate=merger.gate)
         loop.run(state_sync.start(), timeout=30)
         # its bytes count with the state downloads' (both are start-up traffic), not in any merge's
         merger.expect_dialable_verdict()
-        reach = start_reachability(loop, dht, cfg.swarm.run_id, cfg.swarm.initial_peers, maddrs, merger.rpc.gate,
+        reach = start_reachability(loop, dht, cfg.swarm.run_id, cfg.swarm.initial_peers, maddrs, merger.gate,
                                    learner.report.traffic.state,
                                    on_verdict=lambda found: merger.set_dialable(found.reachable is not False))
         loop.submit(learner.report.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
         if cfg.run.resume:
-            resume_from_checkpoint(learner, sampler, merger.book, run_dir / "checkpoints", announce)
+            resume_from_checkpoint(learner, sampler, merger.remember_trust, run_dir / "checkpoints", announce)
         join_swarm_state(learner, state_sync, loop, dht, cfg, peer_id, metrics, every)
         # public: anyone who knows the run id reads it, so no host name or user (the name is opt-in)
         static = {
@@ -347,12 +347,12 @@ def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | 
         if together:
             learner.evaluate_global()  # the first eval (held if taken beside the DHT's start), before the wait
             say("waiting for %d peers to be live", cfg.swarm.wait_for_peers, tag=peer_id[-6:])
-            live = wait_for_peers(loop, dht, cfg, peer_id, stop, start_barrier, merger.matchmaker.census)
+            live = wait_for_peers(loop, dht, cfg, peer_id, stop, start_barrier, merger.census)
             logger.info("[%s] %d of %d peers live; starting", peer_id[-6:], live, cfg.swarm.wait_for_peers)
         summary = learner.run()
         loop.run(learner.report.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's
-        summary.update(name=cfg.run.name, n_params=n_params, **learner.report.bandwidth(), guard=merger.book.report(),
-                       hostile=cfg.emulate.hostile, census=merger.matchmaker.census.counts())
+        summary.update(name=cfg.run.name, n_params=n_params, **learner.report.bandwidth(), guard=merger.guard_report(),
+                       hostile=cfg.emulate.hostile, census=merger.census.counts())
         summary["dht_by_kind"] = dht_bytes_by_kind(learner.report.traffic.dht_by_key, cfg.swarm.run_id)
         write_json_atomic(run_dir / "peer_summary.json", summary)
         if not stop():  # a peer told to stop mid-round still has its last merged state in the checkpoints

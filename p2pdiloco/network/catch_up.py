@@ -41,7 +41,7 @@ from p2pdiloco.network.session import MergeSession
 logger = logging.getLogger(__name__)
 
 TAG = "s"
-"""Bytes of a catch-up count as the agreement's (`MergeResult.state_bytes_sent`)."""
+"""Bytes of a catch-up count as the agreement's (`MergeStats.state_bytes_sent`)."""
 
 
 @dataclass

@@ -41,7 +41,7 @@ class Group:
     lengths: dict[str, int]
     """Vector length per tag: 'd' for the pseudo-gradient, 's' for (θg, momentum)."""
     final: bool = False
-    """A member is finishing its run (see `MergeResult.final`)."""
+    """A member is finishing its run (see `Merged.final`)."""
     anchor: str = ""
     """A state all hold (`Contribution.anchors`): differences from it travel int8 (tag 'a'); '': fp32 (tag 's')."""
     digests: list[str] = field(default_factory=list)

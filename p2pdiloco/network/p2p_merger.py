@@ -31,14 +31,16 @@ import hivemind
 import torch
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
-from p2pdiloco.algorithm.codecs import DeflatedCodec, ErrorFeedback, LinearInt8Codec, get_codec
+from p2pdiloco.algorithm.codecs import DeflatedCodec, LinearInt8Codec, get_codec
+from p2pdiloco.algorithm.feedback import rejected_as_dropped
 from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.config import GuardConfig, SwarmConfig
-from p2pdiloco.network.admission import Request
+from p2pdiloco.network.admission import Request, StreamGate
 from p2pdiloco.network.allreduce import AllReduce, PlainReducer, by_values, slice_bounds
 from p2pdiloco.network.catch_up import CatchUp
+from p2pdiloco.network.census import Census
 from p2pdiloco.network.matchmaking import Matchmaker
-from p2pdiloco.network.merger import Contribution, FaultHook, MergeResult, alone_result
+from p2pdiloco.network.merger import Alone, Contribution, FaultHook, Merged, MergeOutcome, MergeStats
 from p2pdiloco.network.phase import Phase
 from p2pdiloco.network.rpc import MergeFailed, Rpc
 from p2pdiloco.network.session import MergeSession, Sessions
@@ -89,7 +91,6 @@ class P2PMerger:
         difference of a few outer steps loses ~1/254 of itself (deflated: after sparse updates most of it is zero).
         Where the members hold no common anchor, the int8 average of their states themselves (tag 's') is made
         one first (`_agree`)."""
-        self.feedback = ErrorFeedback(cfg.error_feedback and self.codec.lossy, cfg.error_feedback_decay)
         self.rpc = Rpc(dht, cfg.run_id, self.auth, self.counter)
         self.matchmaker = Matchmaker(dht, cfg, self.rpc, self.book, self.guard, fingerprint,
                                      {"d": n_params, "s": 2 * n_params, "a": 2 * n_params})
@@ -107,6 +108,8 @@ class P2PMerger:
         """Where a majority of a group holds one global model, the others fetch it instead of averaging."""
         self.phase = Phase()
         """When mates said they are looking: where their round ends lie against this peer's (phase.py)."""
+        self._round_shift = 0.0
+        """What the last merge measured of `phase` for the learner's round clock (`take_round_shift`)."""
         self._loop.run(self.rpc.start({"ready": self._on_ready, "invite": self.matchmaker.on_invite,
                                        "group": self.matchmaker.on_group, "part": self.allreduce.on_part,
                                        "sparse": self.sparse.on_part, "catchup": self.catch_up.on_state}), timeout=30)
@@ -114,8 +117,37 @@ class P2PMerger:
 
     # ---- the interface the learner sees ----
 
-    def submit(self, contribution: Contribution) -> Future[MergeResult]:
+    def submit(self, contribution: Contribution) -> Future[MergeOutcome]:
+        self._round_shift = 0.0
         return self._loop.submit(self._merge(contribution))
+
+    def take_round_shift(self) -> float:
+        shift, self._round_shift = self._round_shift, 0.0
+        return shift
+
+    # ---- what the peer's other parts need of it ----
+
+    @property
+    def gate(self) -> StreamGate:
+        """The bounds on incoming streams: share them with the peer's other servers (state sync, reachability)."""
+        return self.rpc.gate
+
+    @property
+    def census(self) -> Census:
+        """The census of group mates that matchmaking reads (start-up hands it the count it saw, `Census.expect`)."""
+        return self.matchmaker.census
+
+    def trust_table(self) -> dict[str, float]:
+        """What this peer's guards learned of the others (their trust scores), for its checkpoints."""
+        return dict(self.book.trust)
+
+    def remember_trust(self, table: object) -> None:
+        """Take back a checkpoint's `trust_table` (anything malformed in it is ignored, `GuardBook.remember`)."""
+        self.book.remember(table)
+
+    def guard_report(self) -> dict:
+        """What this peer's guards rejected and banned, for its summary."""
+        return self.book.report()
 
     def expect_dialable_verdict(self) -> None:
         """A dial-back check of this peer is under way (call before the first `submit`): its first search for a
@@ -145,19 +177,19 @@ class P2PMerger:
 
     # ---- one merge ----
 
-    async def _merge(self, c: Contribution) -> MergeResult:
+    async def _merge(self, c: Contribution) -> MergeOutcome:
         start = _Start(time.monotonic(), self.counter.sent, self.counter.received, sum(self.book.rejected.values()))
         session = None
         try:
             group = await self.matchmaker.find_group(c)
             start.matched = time.monotonic()
             if group is None:
-                return self._finish(start, c, alone_result(self.peer_id, c))
+                return self._finish(start, c, Alone())
             session = self.sessions.open(MergeSession(group, group.members.index(self.peer_id), c.round, c.momentum))
             if self.faults is not None:
                 await self.faults.fire("exchange", c.round, self.peer_id[-6:])
             timeout = self.cfg.merge_timeout_s  # per exchange phase: Δ, and (θg, m) if they disagree
-            target = self.feedback.compensate(c.pseudo_grad)
+            target = c.pseudo_grad if c.compensated is None else c.compensated
             exchange = (self.allreduce.average(session, "d", target) if self.codec.sliced
                         else self.sparse.average(session, target))
             # the agreement needs nothing from the Δ exchange, so both run at once: a merge that needs one takes
@@ -168,47 +200,51 @@ class P2PMerger:
                 asyncio.wait_for(agreement, timeout * (1 if group.anchor or group.majority else 2)))
             if not self.codec.sliced:
                 shares = [shares[session.me]] * len(group.members)  # one part, counted whole or not at all
-            sent = _rejected_as_dropped(sent, c.pseudo_grad, shares)
-            # only now: a failed merge sent nothing that counts. A failed merge falls back to merging alone with
-            # the uncompensated Δ, so the residual is neither applied there nor lost: it goes out once, with the
-            # next merge. In a slice the group left out, this round's Δ is dropped and the residual carried into
-            # it is kept (see _rejected_as_dropped)
-            self.feedback.commit(target, sent)
-            return self._finish(start, c, MergeResult(
-                group=list(group.members), pseudo_grad=avg, total_weight=float(sum(group.weights)),
-                global_state=state, group_id=group.group_id,
-                state_weight=group.agreed_state_weight() if state is not None else 0.0, final=group.final,
+            stats = MergeStats(
+                group=list(group.members), group_id=group.group_id,
                 own_kept=by_values([float(s > 0) for s in shares], group.lengths["d"]),
                 state_share=by_values(state_shares, group.lengths["s"]) if state is not None else 0.0,
                 pseudo_grad_bytes_sent=session.sent("d"), state_bytes_sent=session.sent("s", "a"),
                 state_anchored=state is not None and not group.majority and group.anchor in c.anchors,
-                state_caught_up=state is not None and bool(group.majority),
-            ))
+                state_caught_up=state is not None and bool(group.majority))
+            # what error feedback counts as sent: only a merge that succeeded sent anything that counts. A failed
+            # merge falls back to merging alone with the uncompensated Δ, so the residual is neither applied there
+            # nor lost: it goes out once, with the next merge. In a slice the group left out, this round's Δ is
+            # dropped and the residual carried into it is kept (feedback.rejected_as_dropped)
+            sent = rejected_as_dropped(sent, c.pseudo_grad, shares, slice_bounds(sent.numel(), len(shares)))
+            return self._finish(start, c, Merged(
+                average=avg, weight=float(sum(group.weights)), agreed_state=state,
+                state_weight=group.agreed_state_weight() if state is not None else 0.0, final=group.final,
+                sent=sent, stats=stats))
         except (MergeFailed, WireError, TimeoutError, ConnectionError, OSError, P2PDaemonError) as e:
             # a mate that left, froze or cannot be dialed (P2PDaemonError: the daemon's dial failed) is normal
             reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             logger.warning("[%s] merge of round %d failed, merging alone: %s", self.peer_id[-6:], c.round, reason)
-            return self._finish(start, c, alone_result(self.peer_id, c, failure=reason))
+            return self._finish(start, c, Alone(reason))
         except Exception as e:  # the future must never raise into the learner: a bug here costs one merge
             logger.exception("[%s] unexpected error in merge", self.peer_id[-6:])
-            return self._finish(start, c, alone_result(self.peer_id, c, failure=f"{type(e).__name__}: {e}"))
+            return self._finish(start, c, Alone(f"{type(e).__name__}: {e}"))
         finally:
             if session is not None:
                 self.sessions.end(session.group.group_id)
 
-    def _finish(self, start: _Start, c: Contribution, result: MergeResult) -> MergeResult:
-        """`result` with what the merge cost, counted from `start`."""
-        self.matchmaker.record(alone=result.alone)
+    def _finish(self, start: _Start, c: Contribution, outcome: MergeOutcome) -> MergeOutcome:
+        """`outcome` with what the merge cost, counted from `start`, in its stats."""
+        alone = isinstance(outcome, Alone)
+        self.matchmaker.record(alone=alone)
         # rounds of a fixed step count drift apart (timed rounds end on a swarm-wide cadence, sync rounds wait);
         # taken now, when mates whose rounds ended with this peer's have said so too
         if not (self.cfg.sync or self.cfg.round_seconds > 0):
-            result.phase_shift_s = self.phase.shift_s(c.round_s, start.t0)
-        result.rejected = sum(self.book.rejected.values()) - start.rejected
-        result.bytes_sent = self.counter.sent - start.sent
-        result.bytes_received = self.counter.received - start.received
-        result.duration_s = time.monotonic() - start.t0
-        result.match_s = result.duration_s if start.matched is None else start.matched - start.t0
-        return result
+            self._round_shift = self.phase.shift_s(c.round_s, start.t0)
+        stats = outcome.stats
+        if alone:
+            stats.group = [self.peer_id]
+        stats.rejected = sum(self.book.rejected.values()) - start.rejected
+        stats.bytes_sent = self.counter.sent - start.sent
+        stats.bytes_received = self.counter.received - start.received
+        stats.duration_s = time.monotonic() - start.t0
+        stats.match_s = stats.duration_s if start.matched is None else start.matched - start.t0
+        return outcome
 
     async def _agree(self, session: MergeSession, c: Contribution) -> tuple[torch.Tensor, list[float]]:
         """The group's (θg, momentum): where more than half the members hold one model, that model, which the others
@@ -271,21 +307,3 @@ async def _together(*phases):
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-
-
-def _rejected_as_dropped(sent: torch.Tensor, delta: torch.Tensor, shares: list[float]) -> torch.Tensor:
-    """What error feedback counts as gone of each slice: what was sent, and in slices whose owner left this
-    peer's part out (share 0) this round's own Δ, so that the residual there stays the residual carried in.
-
-    The rejected Δ is dropped, not kept: kept whole, a part would come back the next round on top of the next Δ,
-    larger, be left out again by the norm check, and grow every round, until a group small enough to accept it
-    (two members, where each owner's norm reference is its own part) applied it and left the global model worse
-    than its initialization. The residual carried in is not charged as sent: it goes out with the next merge.
-    """
-    if all(s > 0 for s in shares):
-        return sent
-    sent = sent.clone()
-    for share, (lo, hi) in zip(shares, slice_bounds(sent.numel(), len(shares)), strict=True):
-        if share <= 0:
-            sent[lo:hi] = delta[lo:hi]
-    return sent

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pdiloco.algorithm.outer import weight_shares, weighted_average
-from p2pdiloco.network.merger import Contribution, MergeResult
+from p2pdiloco.network.merger import Contribution, Merged, MergeOutcome, MergeStats
 
 
 @dataclass
@@ -22,6 +22,11 @@ class _Rendezvous:
 class InMemoryMerger:
     """A fake merger for tests: peers in one process that share a `hub` dict merge once `group_size` arrive.
 
+    It keeps the merger's contract (tests/test_merge_contract.py runs the same scenarios against it and `P2PMerger`):
+    the weighted average of what the members send (`Contribution.compensated`, else Δ), their total weight, where
+    their global models differ the state-weighted average of their (θg, momentum) standing for the lower median of
+    their state weights (`Group.agreed_state_weight`), and `final` if any member's contribution was its last.
+
     Args:
         peer_id: this peer's id.
         hub: a dict shared by all fakes of one test, with a "lock" and "group_size" entry.
@@ -32,8 +37,8 @@ class InMemoryMerger:
         self.hub = hub
         hub.setdefault("lock", threading.Lock())
 
-    def submit(self, contribution: Contribution) -> Future[MergeResult]:
-        future: Future[MergeResult] = Future()
+    def submit(self, contribution: Contribution) -> Future[MergeOutcome]:
+        future: Future[MergeOutcome] = Future()
         with self.hub["lock"]:
             rv = self.hub.setdefault("pending", _Rendezvous(self.hub["group_size"]))
             rv.contributions[self.peer_id] = contribution
@@ -43,7 +48,8 @@ class InMemoryMerger:
             del self.hub["pending"]
         group = sorted(rv.contributions)
         members = [rv.contributions[p] for p in group]
-        avg = weighted_average([c.pseudo_grad for c in members], [c.weight for c in members])
+        sent = [c.pseudo_grad if c.compensated is None else c.compensated for c in members]
+        avg = weighted_average(sent, [c.weight for c in members])
         state, shares = None, [0.0] * len(members)
         if len({c.state_digest for c in members}) > 1:
             state = weighted_average(
@@ -51,14 +57,17 @@ class InMemoryMerger:
             )
             shares = weight_shares([c.state_weight for c in members])
         total = sum(c.weight for c in members)
-        state_weight = max(c.state_weight for c in members)
+        claims = sorted(c.state_weight for c in members)
+        state_weight = claims[(len(claims) - 1) // 2] if state is not None else 0.0
         final = any(c.final for c in members)
-        for p, share in zip(group, shares, strict=True):
-            rv.futures[p].set_result(
-                MergeResult(group=group, pseudo_grad=avg, total_weight=total, global_state=state, state_weight=state_weight,
-                            final=final, state_share=share)
-            )
+        for p, share, mine in zip(group, shares, sent, strict=True):
+            rv.futures[p].set_result(Merged(
+                average=avg, weight=total, agreed_state=state, state_weight=state_weight, final=final, sent=mine,
+                stats=MergeStats(group=list(group), state_share=share)))
         return future
+
+    def take_round_shift(self) -> float:
+        return 0.0
 
     def close(self) -> None:
         pass

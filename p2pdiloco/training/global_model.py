@@ -12,7 +12,7 @@ import torch
 
 from p2pdiloco.algorithm.outer import STATE_REACH, outer_step, state_digest, state_within_reach
 from p2pdiloco.config import OuterOptConfig
-from p2pdiloco.network.merger import MergeResult
+from p2pdiloco.network.merger import Merged
 
 
 class GlobalModel:
@@ -56,31 +56,32 @@ class GlobalModel:
         """The states this peer can rebuild exactly, by digest, newest first (see `Contribution.anchors`)."""
         return dict(reversed(list(self._anchors.items())))
 
-    def merge(self, result: MergeResult, own_weight: float = 1.0) -> bool:
+    def merge(self, result: Merged, own_weight: float = 1.0, alone: bool = False) -> bool:
         """Adopt the group's averaged (θg, momentum) if members disagreed, then take the outer step on Δ̄.
 
         Args:
-            result: the merge.
+            result: the merge (`merged_alone` for a merge alone).
             own_weight: tokens this peer's θg has absorbed. With none (a fresh peer) the group's state is adopted
                 whatever it is; otherwise only within reach of this peer's own (see `state_within_reach`).
+            alone: the step is on this peer's own Δ alone (it takes `alone_lr`).
 
         Returns:
             False if the group's state was refused (this peer steps its own θg instead), else True.
         """
         o = self.outer
         adopted = True
-        if result.global_state is not None:
+        if result.agreed_state is not None:
             n = self.params.numel()
-            params, momentum = result.global_state[:n], result.global_state[n:]
+            params, momentum = result.agreed_state[:n], result.agreed_state[n:]
             if own_weight > 0:
-                own_next, _ = outer_step(self.params, self.momentum, result.pseudo_grad, o.lr, o.momentum, o.nesterov)
+                own_next, _ = outer_step(self.params, self.momentum, result.average, o.lr, o.momentum, o.nesterov)
                 adopted = state_within_reach(self.params, params, own_next - self.params,
                                              longest_recent=max(self._steps, default=0.0))
             if adopted:  # not an anchor: only the stepped state below is held by every member
                 self.params, self.momentum = params.clone(), momentum.clone()
-        lr = self.alone_lr if result.alone else o.lr
+        lr = self.alone_lr if alone else o.lr
         before = self.params
-        self.params, self.momentum = outer_step(self.params, self.momentum, result.pseudo_grad, lr, o.momentum,
+        self.params, self.momentum = outer_step(self.params, self.momentum, result.average, lr, o.momentum,
                                                 o.nesterov)
         self._steps.append(float(torch.linalg.vector_norm(self.params - before)))
         self._remember()
