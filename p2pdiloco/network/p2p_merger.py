@@ -85,6 +85,7 @@ class P2PMerger:
         self.faults = faults
         self.book = GuardBook(self.guard.ban_after if self.guard.enabled else 0, self.peer_id[-6:])
         self.counter = ByteCounter()
+        """Bytes this peer sent and received on the merge protocols (the peer's traffic report reads it)."""
         self.codec = get_codec(cfg.codec, cfg.sparse_keep)
         """Codec of pseudo-gradient slices and their averages. (θg, momentum) travel as int8 differences from a
         state all members hold (tag 'a'): quantizing the model itself would have no error feedback to undo it, a
