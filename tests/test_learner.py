@@ -373,3 +373,17 @@ def test_the_global_model_is_evaluated_once_a_state_and_a_loss_handed_on_is_used
     meta.pop("eval")  # a checkpoint written before losses were kept
     restarted.restore(tensors, meta)
     assert restarted.evaluate_global() == pytest.approx(moved) and len(measured) == 3
+
+
+def test_a_hung_merger_is_a_merge_alone_that_keeps_its_final(tmp_path):
+    """Past its bound a merge is given up (`InFlight._hung`): the learner merges alone, on its own Δ, and a last
+    contribution stays the last in its metrics line, as any merge alone (`merger.merged_alone`)."""
+    learner = _learner(_cfg(), InMemoryMerger("p0", {"group_size": 2}), tmp_path, 0)  # nobody else: never lands
+    learner.inner_step()
+    learner.submit_round(final=True)
+    learner.in_flight.bound_s = 0.0
+    learner.poll_merge()
+    learner.metrics.close()
+    merge = [json.loads(line) for line in (tmp_path / "p0.jsonl").read_text().splitlines()][-1]
+    assert merge["kind"] == "merge" and merge["failure"] == "merger hung" and merge["final"] is True
+    assert merge["group_size"] == 1 and learner.c.merges == 0 and learner.c.round == 1
