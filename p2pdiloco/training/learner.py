@@ -267,8 +267,8 @@ class Learner:
         flight, self.in_flight = self.in_flight, None
         self.land.record(outcome)
         if isinstance(outcome, Merged):  # a merge alone sent nothing: the residual goes out with the next group merge
-            sent = flight.contribution.compensated
-            self.feedback.commit(sent, sent if outcome.sent is None else outcome.sent)
+            target = flight.contribution.compensated  # what the merge was handed to send
+            self.feedback.commit(target, target if outcome.sent is None else outcome.sent)
         landed = self.apply_merge(outcome, flight.local_at_submit, flight.contribution)
         landed.phase_shift_s = self.merger.take_round_shift()
         self.clock.shift(landed.phase_shift_s)  # toward the mates' round ends (network/phase.py)
