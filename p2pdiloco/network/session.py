@@ -105,9 +105,6 @@ class Sessions:
                 del self._open[group_id]  # never opened (its merge gave up first): nothing kept for it
             raise
 
-    def __contains__(self, group_id: str) -> bool:
-        return group_id in self._open
-
     def _future(self, group_id: str) -> asyncio.Future:
         if group_id not in self._open:
             self._open[group_id] = asyncio.get_running_loop().create_future()
