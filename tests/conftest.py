@@ -178,3 +178,20 @@ def running_mergers(bootstrap: hivemind.DHT, net_loop: BackgroundLoop, n: int, c
             m.close()
         for d in dhts:
             d.shutdown()
+
+
+def flat(outcome):
+    """A merge's outcome (`Merged` or `Alone`) as one flat record, for tests that look at many of its fields: the
+    stats' fields, and `alone`, `failure`, `pseudo_grad` (None alone), `total_weight`, `global_state`,
+    `state_weight`, `final` and `sent`."""
+    from types import SimpleNamespace
+
+    from p2pdiloco.network.merger import Alone
+
+    fields = dict(vars(outcome.stats))
+    if isinstance(outcome, Alone):
+        return SimpleNamespace(**fields, alone=True, failure=outcome.reason, pseudo_grad=None, total_weight=0.0,
+                               global_state=None, state_weight=0.0, final=False, sent=None)
+    return SimpleNamespace(**fields, alone=False, failure="", pseudo_grad=outcome.average,
+                           total_weight=outcome.weight, global_state=outcome.agreed_state,
+                           state_weight=outcome.state_weight, final=outcome.final, sent=outcome.sent)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pdiloco.algorithm.codecs import CodecError, ErrorFeedback, as_held, get_codec, roundtrip
+from p2pdiloco.algorithm.codecs import CodecError, as_held, get_codec, roundtrip
+from p2pdiloco.algorithm.feedback import ErrorFeedback
 from p2pdiloco.config import CODECS
 from p2pdiloco.network.allreduce import slice_bounds
 

@@ -19,6 +19,7 @@ from p2pdiloco.network.allreduce import AllReduce
 from p2pdiloco.network.group import valid_notice
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.p2p_merger import MergeFailed
+from p2pdiloco.network.session import Sessions
 from p2pdiloco.network.state_sync import GlobalState, StateError, unpack_state
 from p2pdiloco.network.wire import WireError, recv_msg
 
@@ -89,7 +90,7 @@ def _bare_matchmaker() -> Matchmaker:
 @given(st.dictionaries(st.text(max_size=12), json_like, max_size=6))
 def test_part_headers_from_strangers_are_refused_without_state(header):  # before any payload is read
     m = _bare_matchmaker()
-    allreduce = AllReduce(None, m.expected_group, {"d": Codec(), "s": Codec()})
+    allreduce = AllReduce(None, Sessions(m.expected_group, m.forget).find, {"d": Codec(), "s": Codec()})
     with pytest.raises(MergeFailed):
         asyncio.run(allreduce._expect_part("stranger", header))
     assert m._groups == {}  # nothing was allocated for an unknown group

@@ -20,7 +20,7 @@ from p2pdiloco.algorithm.outer import eager_step, outer_round
 from p2pdiloco.config import GuardConfig, load_config, parse_set
 from p2pdiloco.network.allreduce import group_slice
 from p2pdiloco.network.group import Group
-from p2pdiloco.network.merger import MergeResult
+from p2pdiloco.network.merger import Alone, Contribution, Merged, MergeOutcome, MergeStats
 from p2pdiloco.network.rpc import MergeFailed
 from p2pdiloco.network.slice_guard import SliceGuard
 from p2pdiloco.network.sparse_exchange import reduce_parts
@@ -43,14 +43,27 @@ def _learner(tmp: Path, **sets: str) -> Learner:
                    torch.device("cpu"), metrics)
 
 
-def _land(learner: Learner, result: MergeResult, at_submit: torch.Tensor | None, moved: torch.Tensor) -> dict:
-    """Move the local model by `moved` (steps taken while the merge is in flight), land `result`, and record."""
+def _merged(average: torch.Tensor, state: torch.Tensor | None = None, state_weight: float = 0.0) -> Merged:
+    return Merged(average=average, weight=2.0, agreed_state=state, state_weight=state_weight,
+                  stats=MergeStats(group=["p0", "p1"]))
+
+
+def _alone(learner: Learner, own: torch.Tensor) -> tuple[Alone, Contribution]:
+    """A merge alone, and the contribution it steps on (this peer's own Δ, weight 1)."""
+    c = Contribution(pseudo_grad=own, weight=1.0, global_params=learner.g.params, momentum=learner.g.momentum,
+                     state_digest=learner.g.digest(), state_weight=learner.c.global_tokens)
+    return Alone(), c
+
+
+def _land(learner: Learner, outcome: MergeOutcome, at_submit: torch.Tensor | None, moved: torch.Tensor,
+          contribution: Contribution | None = None) -> dict:
+    """Move the local model by `moved` (steps taken while the merge is in flight), land `outcome`, and record."""
     load_flat_(learner.model, (learner._local_params() if at_submit is None else at_submit) + moved)
     learner.c.compute_in_round = 0.8
-    learner.apply_merge(result, at_submit)
+    landed = learner.apply_merge(outcome, at_submit, contribution)
     return {"global": learner.g.params.clone(), "momentum": learner.g.momentum.clone(),
             "local": learner._local_params(), "global_tokens": float(learner.c.global_tokens),
-            "refused": result.state_refused, "state_kept": result.global_state is not None,
+            "refused": landed.state_refused, "state_kept": landed.adopted_state,
             "rebase_dropped_s": float(learner.c.rebase_dropped_s)}
 
 
@@ -69,34 +82,34 @@ def round_cases() -> dict:
         learner = _learner(Path(tmp), **{"outer.alone_lr": "0.4", "outer.rebase_keep": "0.3"})
         learner.g.adopt(torch.randn(N, generator=g), 0.1 * torch.randn(N, generator=g))
         learner.c.global_tokens = 100.0
-        pair = ["p0", "p1"]
 
         own, at_submit, moved = _eager(learner, g)
         out["eager"] = at_submit.clone()
         merged = (own + 0.03 * torch.randn(N, generator=g)) / 2
-        out["group"] = _land(learner, MergeResult(group=pair, pseudo_grad=merged, total_weight=2.0), at_submit, moved)
+        out["group"] = _land(learner, _merged(merged), at_submit, moved)
 
         own, at_submit, moved = _eager(learner, g)
         n = 2 * N
         state = torch.cat([learner.g.params, learner.g.momentum]) + 0.01 * torch.randn(n, generator=g)
-        result = MergeResult(group=pair, pseudo_grad=own * 0.9, total_weight=2.0, global_state=state, state_weight=150.0)
+        result = _merged(own * 0.9, state, 150.0)
         out["agreed"] = _land(learner, result, at_submit, moved)
 
         own, at_submit, moved = _eager(learner, g)
         far = torch.cat([-10 * learner.g.params, learner.g.momentum])
-        result = MergeResult(group=pair, pseudo_grad=own * 1.1, total_weight=2.0, global_state=far, state_weight=900.0)
+        result = _merged(own * 1.1, far, 900.0)
         out["refused"] = _land(learner, result, at_submit, moved)
 
         own, at_submit, moved = _eager(learner, g)
-        out["alone"] = _land(learner, MergeResult(group=["p0"], pseudo_grad=own, total_weight=1.0), at_submit, moved)
+        alone, contribution = _alone(learner, own)
+        out["alone"] = _land(learner, alone, at_submit, moved, contribution)
 
         own, _, moved = _eager(learner, g)
-        out["no_submit"] = _land(learner, MergeResult(group=pair, pseudo_grad=own, total_weight=2.0), None, moved)
+        out["no_submit"] = _land(learner, _merged(own), None, moved)
 
         learner.c.global_tokens = 0.0  # a fresh peer adopts the group's state however far
         own, at_submit, moved = _eager(learner, g)
         far = torch.cat([-3 * learner.g.params, 2 * learner.g.momentum])
-        result = MergeResult(group=pair, pseudo_grad=own, total_weight=2.0, global_state=far, state_weight=7.0)
+        result = _merged(own, far, 7.0)
         out["fresh"] = _land(learner, result, at_submit, moved)
     return out
 
@@ -146,9 +159,14 @@ def _book_state(book: GuardBook) -> dict:
             "banned": sorted(book.banned)}
 
 
+REFERENCES: dict[str, torch.Tensor | None] = {}
+"""The outer momentum each test group's owner judges trust by, by group id (a merge session holds it)."""
+
+
 def _slice(guard: GuardConfig, book: GuardBook, group: Group, tag: str, me: int, parts, weights, flags) -> dict:
     try:
-        average, shares = SliceGuard(guard, book).reduce(group, tag, me, parts, weights, flags)
+        average, shares = SliceGuard(guard, book).reduce(group, tag, me, parts, weights, flags,
+                                                         REFERENCES.get(group.group_id))
     except MergeFailed as e:
         return {"failed": str(e), "book": _book_state(book)}
     return {"average": average, "shares": shares, "book": _book_state(book)}
@@ -163,8 +181,8 @@ def slice_cases() -> dict:
     momentum = torch.randn(length, generator=g)
 
     def group(gid: str, reference=momentum, n=5) -> Group:
-        return Group(gid, members[:n], [1.0] * n, [1.0] * n, False, {"d": length, "s": 2 * length, "a": 2 * length},
-                     reference=reference)
+        REFERENCES[gid] = reference
+        return Group(gid, members[:n], [1.0] * n, [1.0] * n, False, {"d": length, "s": 2 * length, "a": 2 * length})
 
     def honest(lo: int, hi: int, n: int = 5) -> list[torch.Tensor]:
         return [momentum[lo:hi] + 0.3 * torch.randn(hi - lo, generator=g) for _ in range(n)]

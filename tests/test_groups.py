@@ -13,7 +13,7 @@ import torch
 from p2pdiloco.config import GuardConfig, SwarmConfig
 from p2pdiloco.network.census import my_group
 from p2pdiloco.network.merger import Contribution
-from tests.conftest import running_mergers
+from tests.conftest import flat, running_mergers
 
 
 def _split(ready, epoch, size):
@@ -56,7 +56,7 @@ def test_real_peers_merge_in_groups_of_at_most_four_with_dht_work_that_does_not_
         futures = [m.submit(Contribution(pseudo_grad=torch.full((64,), 10.0 + i), weight=1.0,
                                          global_params=torch.zeros(64), momentum=torch.zeros(64), state_digest="same",
                                          state_weight=1.0)) for i, m in enumerate(mergers)]
-        results = [f.result(timeout=90) for f in futures]
+        results = [flat(f.result(timeout=90)) for f in futures]
         # the DHT requests of matchmaking, whatever n: census stores for this epoch and the next (one more if an
         # epoch ends during the test, and a store that timed out on a loaded machine is tried again), a read or two
         work = [(m.matchmaker.census.writes, m.matchmaker.census.reads) for m in mergers]
@@ -83,7 +83,7 @@ def test_the_last_merge_of_peers_finishing_together_takes_them_all_and_ends_with
                              state_digest=f"group-history-{i}", state_weight=100.0)
             c.final = True
             futures.append(m.submit(c))
-        results = [f.result(timeout=90) for f in futures]
+        results = [flat(f.result(timeout=90)) for f in futures]
     assert all(len(r.group) == 6 and r.failure == "" and r.final for r in results), [r.group for r in results]
     states = [r.global_state for r in results]
     assert all(s is not None for s in states)
@@ -114,9 +114,9 @@ def test_groups_a_little_out_of_phase_at_the_end_of_a_run_still_end_in_one_last_
 
         ahead = [submit(a1, 1.0, final=True), submit(a2, 2.0, closing=True)]
         pair = [submit(b1, 3.0), submit(b2, 4.0)]
-        assert all(sorted(r.group) == sorted(order[1::2]) for r in (f.result(timeout=30) for f in pair))
+        assert all(sorted(r.group) == sorted(order[1::2]) for r in (flat(f.result(timeout=30)) for f in pair))
         last = [submit(b1, 5.0, closing=True), submit(b2, 6.0, closing=True)]
-        results = [f.result(timeout=30) for f in ahead + last]
+        results = [flat(f.result(timeout=30)) for f in ahead + last]
     assert all(len(r.group) == 4 and r.failure == "" and r.final for r in results), [r.group for r in results]
     assert all(torch.equal(r.pseudo_grad, torch.full((64,), 3.5)) for r in results)  # (1 + 2 + 5 + 6) / 4
 
@@ -146,8 +146,8 @@ def test_a_finishing_peer_does_not_end_in_the_group_of_a_leader_that_is_not_near
 
         leading = submit(lead, 1.0, round_s=40.0)  # a window of 4 s: still looking when the others come
         ending = [submit(last, 2.0, final=True), submit(c1, 3.0, closing=True), submit(c2, 4.0, closing=True)]
-        results = [f.result(timeout=30) for f in ending]
-        lead_result = leading.result(timeout=30)
+        results = [flat(f.result(timeout=30)) for f in ending]
+        lead_result = flat(leading.result(timeout=30))
     finishers = {order[1], order[2], order[3]}
     assert all(set(r.group) == finishers and r.failure == "" and r.final for r in results), [r.group for r in results]
     # (2 + 3 + 4) / 3, to fp32 rounding (summed in member order), the same bits on every member

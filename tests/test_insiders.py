@@ -20,10 +20,11 @@ from p2pdiloco.config import GuardConfig, OuterOptConfig, SwarmConfig
 from p2pdiloco.network import census
 from p2pdiloco.network.census import epoch_of, leader_rank
 from p2pdiloco.network.group import Group, valid_notice
-from p2pdiloco.network.merger import Contribution, MergeResult
+from p2pdiloco.network.merger import Contribution, Merged, MergeOutcome, MergeStats
 from p2pdiloco.network.slice_guard import SliceGuard
 from p2pdiloco.testing.hostile import CLAIM, silent_leader
 from p2pdiloco.training.global_model import GlobalModel
+from tests.conftest import flat
 from tests.test_learner import _cfg, _learner
 
 N = 1001
@@ -48,8 +49,8 @@ def test_a_global_model_far_off_is_refused_unless_this_peer_is_fresh():
     assert not state_within_reach(theta, -theta, step - theta)
     assert not state_within_reach(theta, torch.full((N,), float("nan")), step - theta)
 
-    takeover = MergeResult(group=["a", "b"], pseudo_grad=delta, total_weight=2.0,
-                           global_state=torch.cat([-theta, torch.zeros(N)]), state_weight=CLAIM)
+    takeover = Merged(delta, 2.0,
+                      agreed_state=torch.cat([-theta, torch.zeros(N)]), state_weight=CLAIM)
     g = GlobalModel(theta.clone(), outer)
     assert g.merge(takeover, own_weight=1000.0) is False  # refused: this peer keeps its own model, stepped
     assert torch.equal(g.params, step)
@@ -65,20 +66,20 @@ def test_reach_is_measured_in_the_longest_recent_step_so_a_run_s_last_agreement_
     theta, big = torch.randn(N, generator=gen), 1e-2 * torch.randn(N, generator=gen)
     g = GlobalModel(theta.clone(), OuterOptConfig())
     for _ in range(4):
-        g.merge(MergeResult(group=["a", "b"], pseudo_grad=big, total_weight=2.0))
+        g.merge(Merged(big, 2.0))
     longest = float(torch.linalg.vector_norm(g.params - theta)) / 4  # about one of those steps (momentum grows)
     g.momentum = torch.zeros(N)  # then the inner lr decays: Δ̄ and the steps are a thousandth of those
     small = 1e-3 * big
     other = g.params + 4 * longest * torch.randn(N, generator=gen) / N ** 0.5  # a few long steps away
-    offer = MergeResult(group=["a", "b"], pseudo_grad=small, total_weight=2.0,
-                        global_state=torch.cat([other, torch.zeros(N)]), state_weight=1.0)
+    offer = Merged(small, 2.0,
+                   agreed_state=torch.cat([other, torch.zeros(N)]), state_weight=1.0)
     step, _ = outer_step(g.params, g.momentum, small, g.outer.lr, g.outer.momentum)
     assert not state_within_reach(g.params, other, step - g.params)  # this round's step alone: refused
     assert g.merge(offer, own_weight=1000.0) is True  # the longest recent step: adopted
     assert torch.equal(g.params, outer_step(other, torch.zeros(N), small, g.outer.lr, g.outer.momentum)[0])
     # and −θg is no nearer for it
-    takeover = MergeResult(group=["a", "b"], pseudo_grad=small, total_weight=2.0,
-                           global_state=torch.cat([-g.params, torch.zeros(N)]), state_weight=CLAIM)
+    takeover = Merged(small, 2.0,
+                      agreed_state=torch.cat([-g.params, torch.zeros(N)]), state_weight=CLAIM)
     assert g.merge(takeover, own_weight=1000.0) is False
 
 
@@ -117,7 +118,7 @@ def test_a_member_claiming_huge_weights_and_offering_minus_theta_takes_over_noth
     sent.append(hostile)
     for c in sent[:3]:
         c.anchors = anchors
-    results = [f.result(timeout=60) for f in [m.submit(c) for m, c in zip(guarded_mergers, sent, strict=True)]]
+    results = [flat(f.result(timeout=60)) for f in [m.submit(c) for m, c in zip(guarded_mergers, sent, strict=True)]]
     for r in results:
         assert r.failure == "" and len(r.group) == 4 and torch.equal(r.global_state, results[0].global_state)
         assert r.state_caught_up is (agreement == "caught_up")
@@ -199,10 +200,13 @@ class _FinalGroupMerger:
     def __init__(self):
         self.peer_id = "victim"
 
-    def submit(self, c: Contribution) -> Future[MergeResult]:
-        f: Future[MergeResult] = Future()
-        f.set_result(MergeResult(group=["victim", "liar"], pseudo_grad=c.pseudo_grad, total_weight=c.weight, final=True))
+    def submit(self, c: Contribution) -> Future[MergeOutcome]:
+        f: Future[MergeOutcome] = Future()
+        f.set_result(Merged(c.pseudo_grad, c.weight, final=True, stats=MergeStats(group=["victim", "liar"])))
         return f
+
+    def take_round_shift(self) -> float:
+        return 0.0
 
     def close(self) -> None:
         pass
@@ -258,7 +262,7 @@ def test_a_ready_peer_that_never_invites_does_not_stop_the_others_from_merging(g
     durations = []
     for _ in range(2):
         futures = [m.submit(_honest(theta, 1e-3 * torch.randn(N, generator=gen))) for m in guarded_mergers]
-        results = [f.result(timeout=60) for f in futures]
+        results = [flat(f.result(timeout=60)) for f in futures]
         honest = results[1:]
         # the honest peers merged, together (the captor may join as a member when it accepts an invite)
         assert all(set(r.group) >= {m.peer_id for m in guarded_mergers[1:]} and r.group == honest[0].group
@@ -294,7 +298,7 @@ def test_a_leader_that_tells_members_different_groups_fails_its_merge_for_all(gu
     liar.matchmaker.rpc.request = equivocate
     theta = torch.randn(N, generator=torch.Generator().manual_seed(3))
     futures = [m.submit(_honest(theta, 1e-3 * torch.randn(N))) for m in guarded_mergers]
-    results = [f.result(timeout=60) for f in futures]
+    results = [flat(f.result(timeout=60)) for f in futures]
     failures = [r.failure for r in results]
     assert all(r.alone for r in results) and any("another notice" in f for f in failures), failures
     # parts are refused under the other notice, or as parts of a group their owner already gave up for that reason

@@ -10,7 +10,7 @@ import torch
 
 from p2pdiloco.algorithm.outer import outer_step
 from p2pdiloco.config import load_config, parse_set
-from p2pdiloco.network.merger import MergeResult
+from p2pdiloco.network.merger import Alone, Merged, MergeStats
 from p2pdiloco.testing.inmemory import InMemoryMerger
 from p2pdiloco.training import learner as learner_module
 from p2pdiloco.training.checkpoint import load_latest
@@ -90,7 +90,7 @@ def test_apply_merge_does_outer_step_and_does_not_alias_global_params(tmp_path):
     learner = _learner(cfg, InMemoryMerger("p0", {"group_size": 1}), tmp_path, 0)
     before = learner.global_params.clone()
     delta = torch.full_like(before, 0.01)
-    learner.apply_merge(MergeResult(group=["p0", "p1"], pseudo_grad=delta, total_weight=64.0))
+    learner.apply_merge(Merged(delta, 64.0))
     expected, _ = outer_step(before, torch.zeros_like(before), delta, 0.7, 0.9)
     assert torch.equal(learner.global_params, expected)
     assert learner.c.merges == 1 and learner.c.global_tokens == 64.0
@@ -106,7 +106,7 @@ def test_apply_merge_adopts_group_state_when_members_disagreed(tmp_path):
     n = learner.global_params.numel()
     state = torch.cat([torch.full((n,), 0.5), torch.full((n,), 0.25)])
     zero = torch.zeros(n)
-    learner.apply_merge(MergeResult(group=["p0", "p1"], pseudo_grad=zero, total_weight=1.0, global_state=state))
+    learner.apply_merge(Merged(zero, 1.0, agreed_state=state))
     expected, m = outer_step(torch.full((n,), 0.5), torch.full((n,), 0.25), zero, 0.7, 0.9)
     assert torch.equal(learner.global_params, expected) and torch.equal(learner.momentum, m)
 
@@ -132,7 +132,7 @@ def test_decoupled_apply_rebases_steps_taken_during_the_merge(tmp_path, keep):
     load_flat_(learner.model, now)
     learner.c.compute_in_round = 0.8  # those steps' seconds
     delta = torch.full_like(theta_g, 0.1)
-    learner.apply_merge(MergeResult(group=["p0", "p1"], pseudo_grad=delta, total_weight=1.0), at_submit)
+    learner.apply_merge(Merged(delta, 1.0), at_submit)
     new_g, _ = outer_step(theta_g, torch.zeros_like(theta_g), delta, 0.7, 0.9)
     # θ ← θg' + keep·(θ − θ_at_submit) = θg' + keep·0.25
     torch.testing.assert_close(learner._local_params(), new_g + keep * 0.25)
@@ -155,11 +155,11 @@ def test_eager_update_moves_to_the_own_outer_step_at_submit_and_the_merge_by_the
     assert torch.equal(learner.global_params, theta_g)  # θg itself waits for the merge
     load_flat_(learner.model, eager + 0.25)  # steps taken while the merge is in flight
     others = torch.full_like(theta_g, 0.02)
-    merged = MergeResult(group=["p0", "p1"], pseudo_grad=(own_delta + others) / 2, total_weight=2.0)
+    merged = Merged((own_delta + others) / 2, 2.0)
     flight, learner.in_flight = learner.in_flight, None
     flight.future.cancel()
     learner.apply_merge(merged, flight.local_at_submit)
-    new_g, _ = outer_step(theta_g, torch.zeros_like(theta_g), merged.pseudo_grad, 0.7, 0.9)
+    new_g, _ = outer_step(theta_g, torch.zeros_like(theta_g), merged.average, 0.7, 0.9)
     torch.testing.assert_close(learner._local_params(), new_g + 0.25 * cfg.outer.rebase_keep)  # half of them, stale
     for sets in ({"swarm.sync": "true"}, {"outer.eager": "false"}):
         other = _learner(_cfg(**sets), InMemoryMerger("q0", {"group_size": 2}), tmp_path, 0)
@@ -203,8 +203,9 @@ class _SlowExchangeMerger(InMemoryMerger):
         done, late = super().submit(contribution), Future()
 
         def land():
-            late.set_result(dataclasses.replace(done.result(), group=[self.peer_id, "mate"], match_s=0.0,
-                                                duration_s=self.exchange_s))
+            merged = done.result()
+            late.set_result(dataclasses.replace(merged, stats=dataclasses.replace(
+                merged.stats, group=[self.peer_id, "mate"], match_s=0.0, duration_s=self.exchange_s)))
 
         timer = threading.Timer(self.exchange_s, land)
         self.timers.append(timer)
@@ -231,8 +232,7 @@ def test_land_wait_is_not_spent_where_exchanges_take_longer_than_it_and_lands_ev
 
 
 def _group_merge(duration_s, match_s):
-    return MergeResult(group=["a", "b"], pseudo_grad=torch.zeros(1), total_weight=2.0, duration_s=duration_s,
-                       match_s=match_s)
+    return Merged(torch.zeros(1), 2.0, stats=MergeStats(group=["a", "b"], duration_s=duration_s, match_s=match_s))
 
 
 def test_land_wait_is_due_while_the_median_recent_exchange_fits_its_bound_whatever_the_matchmaking():
@@ -243,7 +243,7 @@ def test_land_wait_is_due_while_the_median_recent_exchange_fits_its_bound_whatev
     gate.record(_group_merge(duration_s=0.2, match_s=0.1))
     gate.record(_group_merge(duration_s=0.2, match_s=0.1))  # median of 0.03, 0.1, 0.1
     assert not gate.due(1.0) and gate.due(3.0)  # 0.1 s ≥ 0.05 s, < 0.15 s
-    gate.record(MergeResult(group=["a"], pseudo_grad=torch.zeros(1), total_weight=1.0, duration_s=5.0))  # alone
+    gate.record(Alone(stats=MergeStats(group=["a"], duration_s=5.0)))  # alone
     gate.record(_group_merge(duration_s=0.02, match_s=0.0))
     gate.record(_group_merge(duration_s=0.51, match_s=0.5))  # the window: 0.1, 0.02, 0.01
     assert gate.due(1.0)
@@ -373,3 +373,17 @@ def test_the_global_model_is_evaluated_once_a_state_and_a_loss_handed_on_is_used
     meta.pop("eval")  # a checkpoint written before losses were kept
     restarted.restore(tensors, meta)
     assert restarted.evaluate_global() == pytest.approx(moved) and len(measured) == 3
+
+
+def test_a_hung_merger_is_a_merge_alone_that_keeps_its_final(tmp_path):
+    """Past its bound a merge is given up (`InFlight._hung`): the learner merges alone, on its own Δ, and a last
+    contribution stays the last in its metrics line, as any merge alone (`merger.merged_alone`)."""
+    learner = _learner(_cfg(), InMemoryMerger("p0", {"group_size": 2}), tmp_path, 0)  # nobody else: never lands
+    learner.inner_step()
+    learner.submit_round(final=True)
+    learner.in_flight.bound_s = 0.0
+    learner.poll_merge()
+    learner.metrics.close()
+    merge = [json.loads(line) for line in (tmp_path / "p0.jsonl").read_text().splitlines()][-1]
+    assert merge["kind"] == "merge" and merge["failure"] == "merger hung" and merge["final"] is True
+    assert merge["group_size"] == 1 and learner.c.merges == 0 and learner.c.round == 1

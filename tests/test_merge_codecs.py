@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from p2pdiloco.algorithm.codecs import get_codec
+from p2pdiloco.algorithm.feedback import ErrorFeedback
 from p2pdiloco.algorithm.outer import weighted_average
 from p2pdiloco.config import CODECS, GuardConfig, SwarmConfig
 from p2pdiloco.network.allreduce import owned_slice, slice_bounds
 from p2pdiloco.network.merger import Contribution
-from tests.conftest import running_mergers
+from tests.conftest import flat, running_mergers
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +34,14 @@ def _contribution(vec: torch.Tensor, weight: float) -> Contribution:
                         momentum=torch.zeros_like(vec), state_digest="same", state_weight=1.0)
 
 
+def _feedback(merger, vec: torch.Tensor, result) -> ErrorFeedback:
+    """A learner's error feedback, none before, after a merge of `vec` that gave `result` (`Learner._apply_in_flight`)."""
+    ef = ErrorFeedback(merger.codec.lossy)
+    if not result.alone:
+        ef.commit(vec, vec if result.sent is None else result.sent)
+    return ef
+
+
 @pytest.mark.parametrize("mergers", [c for c in CODECS if c != "sparseloco"], indirect=True)
 def test_each_codec_really_averages_and_members_agree(mergers):
     """Sliced codecs; sparseloco all-gathers whole parts instead (tests/test_sparse_merge.py)."""
@@ -41,7 +50,7 @@ def test_each_codec_really_averages_and_members_agree(mergers):
     vecs = [torch.randn(N, generator=g) * 1e-2 + i * 1e-2 for i in range(3)]  # distinct means: averaging shows
     weights = [1.0, 2.0, 3.0]
     futures = [m.submit(_contribution(v, w)) for m, v, w in zip(mergers, vecs, weights, strict=True)]
-    results = [f.result(timeout=60) for f in futures]
+    results = [flat(f.result(timeout=60)) for f in futures]
     for r in results:
         assert r.failure == "" and len(r.group) == 3, r.failure
         assert torch.equal(r.pseudo_grad, results[0].pseudo_grad)  # one averaged slice, decoded alike everywhere
@@ -58,13 +67,14 @@ def test_each_codec_really_averages_and_members_agree(mergers):
     # error feedback: what the codec dropped from this round's sends is kept for the next round, and so is what
     # the rounding of the average an owner sent back took from the group (codecs.as_held)
     bounds, ws = slice_bounds(N, 3), [by_id[p][1] for p in order]
+    by_result = {m.peer_id: r for m, r in zip(mergers, results, strict=True)}
     for p in order:
-        m = by_id[p][2]
+        feedback = _feedback(by_id[p][2], by_id[p][0], by_result[p])
         if not codec.lossy:
-            assert m.feedback.residual is None
+            assert feedback.residual is None
             continue
-        me, residual = order.index(p), m.feedback.residual
-        assert residual is not None and m.feedback.norm() > 0
+        me, residual = order.index(p), feedback.residual
+        assert residual is not None and feedback.norm() > 0
         for j in range(3):
             lo, hi = bounds[owned_slice(results[0].group_id, j, 3)]
             decoded = [by_id[q][0][lo:hi] if q == order[j] else codec.decode(codec.encode(by_id[q][0][lo:hi]), hi - lo)
@@ -90,7 +100,7 @@ def test_byte_counters_match_payload_sizes(mergers):
     codec = mergers[0].codec
     vecs = [torch.full((N,), float(i + 1)) for i in range(3)]
     futures = [m.submit(_contribution(v, 1.0)) for m, v in zip(mergers, vecs, strict=True)]
-    results = [f.result(timeout=60) for f in futures]
+    results = [flat(f.result(timeout=60)) for f in futures]
     order = results[0].group
     bounds = slice_bounds(N, 3)
     for r, m in zip(results, mergers, strict=True):
@@ -129,15 +139,15 @@ def test_a_rejected_part_is_dropped_not_carried_into_the_next_round(bootstrap_dh
                 c = _contribution(v, 1.0)
                 c.round = rnd
                 futures.append(m.submit(c))
-            results[rnd] = [f.result(timeout=60) for f in futures]
+            results[rnd] = [flat(f.result(timeout=60)) for f in futures]
             for r in results[rnd]:
                 assert r.failure == "" and len(r.group) == 4, r.failure
             if rnd == 1:
-                residual = ms[-1].feedback.residual
+                residual = _feedback(ms[-1], vecs[-1], results[1][-1]).residual
                 # every member left the 20× part out; its residual is not that part (it held none before)
                 assert results[1][-1].own_kept == 0.0
                 assert residual is None or float(residual.abs().max()) == 0.0, float(residual.norm())
-                honest = ms[0].feedback.residual
+                honest = _feedback(ms[0], vecs[0], results[1][0]).residual
                 assert honest is not None and 0 < float(honest.norm()) < float(vecs[0].norm())  # still compressed
         # the next round's honest part is judged on its own and counts
         assert results[2][-1].own_kept == 1.0, results[2][-1].own_kept

@@ -175,8 +175,8 @@ def drive(merger, cfg: SwarmConfig, start_after: float, rounds: int, step_s: flo
         steps += 1
         if in_flight is not None and in_flight.done():
             result = in_flight.result()
-            c.shift(result.phase_shift_s)
-            log.append(len(result.group))
+            c.shift(merger.take_round_shift())
+            log.append(len(result.stats.group))
             in_flight = None
         if in_flight is None and submitted < rounds and c.round_over(steps):
             in_flight = merger.submit(Contribution(

@@ -31,7 +31,7 @@ from p2pdiloco.network.swarm import (
 from p2pdiloco.network.swarm_key import SwarmKeyError, load_key, write_new_key
 from p2pdiloco.network.wire import ByteCounter, WireError
 from p2pdiloco.testing.hostile import corrupt
-from tests.conftest import interrupt_and_reap, wait_for
+from tests.conftest import flat, interrupt_and_reap, wait_for
 
 pytestmark = pytest.mark.integration
 N = 1001
@@ -121,7 +121,7 @@ def test_peer_without_the_swarm_key_cannot_merge_fetch_state_or_write_records(ke
         wait_for(lambda: refused("part"), timeout=10, what="the part refused")
     vecs = [torch.full((N,), float(i + 1)) for i in range(3)]
     futures = [m.submit(_contribution(v)) for m, v in zip(mergers, vecs, strict=True)]
-    results = [f.result(timeout=60) for f in futures]
+    results = [flat(f.result(timeout=60)) for f in futures]
     assert sorted(results[0].group) == sorted(ids[:2]) and results[0].failure == ""
     assert torch.equal(results[0].pseudo_grad, results[1].pseudo_grad)
     torch.testing.assert_close(results[0].pseudo_grad, torch.full((N,), 1.5))
@@ -156,7 +156,7 @@ def test_each_hostile_kind_is_rejected_in_a_real_merge_and_the_members_agree(fou
         sent = [*honest, corrupt(common, kind, gen)]
         before = [m.book.report()["rejected"] for m in four_mergers[:3]]
         futures = [m.submit(_contribution(v)) for m, v in zip(four_mergers, sent, strict=True)]
-        results = [f.result(timeout=60) for f in futures]
+        results = [flat(f.result(timeout=60)) for f in futures]
         assert hostile.peer_id in results[0].group and len(results[0].group) == 4
         for r in results:
             assert r.failure == "" and torch.equal(r.pseudo_grad, results[0].pseudo_grad)  # every member agrees

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from p2pdiloco.algorithm.codecs import CodecError, ErrorFeedback, NonFiniteError, get_codec
+from p2pdiloco.algorithm.codecs import CodecError, NonFiniteError, get_codec
+from p2pdiloco.algorithm.feedback import ErrorFeedback
 from p2pdiloco.algorithm.guards import cosines_to
 from p2pdiloco.algorithm.sparse import SparseCodec, rice_decode, rice_encode, rice_parameter
 from p2pdiloco.algorithm.trust import trusted

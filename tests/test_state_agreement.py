@@ -12,9 +12,9 @@ from p2pdiloco.algorithm.guards import FORGED
 from p2pdiloco.algorithm.outer import state_digest, weighted_average
 from p2pdiloco.config import GuardConfig, OuterOptConfig, SwarmConfig
 from p2pdiloco.network.group import Group, own_claims_kept
-from p2pdiloco.network.merger import Contribution, MergeResult
+from p2pdiloco.network.merger import Contribution, Merged
 from p2pdiloco.training.global_model import GlobalModel
-from tests.conftest import running_mergers
+from tests.conftest import flat, running_mergers
 
 N = 40_001
 
@@ -24,9 +24,9 @@ def test_a_global_model_keeps_its_recent_states_by_digest_newest_first():
     first = g.digest()
     assert list(g.anchors()) == [first]
     delta = torch.full((N,), 1e-3)
-    g.merge(MergeResult(group=["me"], pseudo_grad=delta, total_weight=1.0))
+    g.merge(Merged(delta, 1.0), alone=True)
     second = g.digest()
-    g.merge(MergeResult(group=["me"], pseudo_grad=delta, total_weight=1.0))
+    g.merge(Merged(delta, 1.0), alone=True)
     assert list(g.anchors()) == [g.digest(), second]  # at most 2: the first fell out
     assert torch.equal(g.anchors()[g.digest()], torch.cat([g.params, g.momentum]))
     g.adopt(torch.ones(N), torch.zeros(N))  # a donor's state is an anchor too
@@ -41,7 +41,7 @@ def test_a_global_models_digest_is_hashed_once_a_state_and_follows_every_change(
     monkeypatch.setattr(gm, "state_digest", lambda *t: hashed.append(1) or state_digest(*t))
     g = GlobalModel(torch.zeros(N), OuterOptConfig())
     assert [g.digest() for _ in range(3)] == [state_digest(g.params, g.momentum)] * 3 and len(hashed) == 1
-    g.merge(MergeResult(group=["me"], pseudo_grad=torch.full((N,), 1e-3), total_weight=1.0))  # new tensors
+    g.merge(Merged(torch.full((N,), 1e-3), 1.0), alone=True)  # new tensors
     assert g.digest() == state_digest(g.params, g.momentum) and len(hashed) == 2
     before = g.digest()
     g.momentum[7] += 1.0  # changed in place, as no caller should, is still seen (the tensor's version)
@@ -72,7 +72,7 @@ def test_differing_members_agree_bit_identically_and_an_anchor_cuts_the_bytes(bo
             c = Contribution(pseudo_grad=torch.zeros(N), weight=1.0, global_params=s[:N], momentum=s[N:],
                              state_digest=f"member-{i}", state_weight=w, anchors={f"own-{i}": s, **held})
             futures.append((m.peer_id, m.submit(c)))
-        results = {pid: f.result(timeout=60) for pid, f in futures}
+        results = {pid: flat(f.result(timeout=60)) for pid, f in futures}
     by_id = {pid: (s, w) for (pid, _), s, w in zip(futures, states, weights, strict=True)}
     first = next(iter(results.values()))
     exact = weighted_average([by_id[p][0] for p in first.group], [by_id[p][1] for p in first.group])
@@ -130,13 +130,13 @@ def test_a_merge_alone_steps_with_the_alone_lr_and_a_group_merge_with_the_outer_
     outer = OuterOptConfig(lr=3.0, momentum=0.0, alone_lr=1.0)
     theta, delta = torch.randn(N, generator=torch.Generator().manual_seed(4)), torch.full((N,), 1e-3)
     g = GlobalModel(theta.clone(), outer)
-    g.merge(MergeResult(group=["me"], pseudo_grad=delta, total_weight=1.0))
+    g.merge(Merged(delta, 1.0), alone=True)
     assert torch.equal(g.params, outer_step(theta, torch.zeros(N), delta, 1.0, 0.0)[0])  # θg − Δ: the local model
     before, momentum = g.params, g.momentum
-    g.merge(MergeResult(group=["me", "you"], pseudo_grad=delta, total_weight=2.0))
+    g.merge(Merged(delta, 2.0))
     assert torch.equal(g.params, outer_step(before, momentum, delta, 3.0, 0.0)[0])  # a group's Δ̄: lr 3
     unset = GlobalModel(theta.clone(), OuterOptConfig(lr=3.0, momentum=0.0))  # 0: the outer lr, as before
-    unset.merge(MergeResult(group=["me"], pseudo_grad=delta, total_weight=1.0))
+    unset.merge(Merged(delta, 1.0), alone=True)
     assert torch.equal(unset.params, outer_step(theta, torch.zeros(N), delta, 3.0, 0.0)[0])
 
 
@@ -196,7 +196,7 @@ def test_a_member_outside_a_majority_fetches_its_model_exactly_and_the_majority_
     held, other = _majority_case(5)
     with running_mergers(bootstrap_dht, net_loop, 4, cfg, N) as mergers:
         offers = [_offer(held), _offer(held), _offer(held), _offer(other)]
-        results = [f.result(timeout=60) for f in [m.submit(c) for m, c in zip(mergers, offers, strict=True)]]
+        results = [flat(f.result(timeout=60)) for f in [m.submit(c) for m, c in zip(mergers, offers, strict=True)]]
     for r in results:
         assert r.failure == "" and len(r.group) == 4 and r.state_caught_up and not r.state_anchored, r.failure
         assert torch.equal(r.global_state, held)  # the majority's model itself, not an int8 round trip of it
@@ -222,7 +222,7 @@ def test_a_member_outside_the_majority_refuses_a_model_other_than_the_majoritys(
     digest = state_digest(held[:N], held[N:])
     offers = [_offer(lie, digest)] * liars + [_offer(held)] * (3 - liars) + [_offer(other)]
     with running_mergers(bootstrap_dht, net_loop, 4, cfg, N) as mergers:
-        results = [f.result(timeout=60) for f in [m.submit(c) for m, c in zip(mergers, offers, strict=True)]]
+        results = [flat(f.result(timeout=60)) for f in [m.submit(c) for m, c in zip(mergers, offers, strict=True)]]
         fetcher, book, liar_ids = results[3], mergers[3].book, {m.peer_id for m in mergers[:liars]}
         struck = {p: n for p, n in book.strikes.items() if n > 0}
     group = results[0].group
@@ -237,7 +237,7 @@ def test_a_member_outside_the_majority_refuses_a_model_other_than_the_majoritys(
     assert not any(r.global_state is not None and torch.equal(r.global_state, lie) for r in results[liars:])
 
 
-def _group_of(members: list[str], result: MergeResult, offers: list[Contribution], mergers) -> Group:
+def _group_of(members: list[str], result, offers: list[Contribution], mergers) -> Group:
     """The group as its members acted on it (members, digests, state weights), rebuilt for `dealt_holder`."""
     by_id = {m.peer_id: c for m, c in zip(mergers, offers, strict=True)}
     return Group(result.group_id, members, [1.0] * len(members), [by_id[p].state_weight for p in members], True,
@@ -269,6 +269,7 @@ def test_a_holder_serves_only_the_fetchers_dealt_to_it_each_once_and_under_the_s
     from p2pdiloco.network.admission import Request
     from p2pdiloco.network.catch_up import CatchUp, dealt_holder
     from p2pdiloco.network.rpc import MergeFailed
+    from p2pdiloco.network.session import MergeSession
 
     group = Group("g", ["h0", "h1", "f0", "f1", "h2"], [1.0] * 5, [1.0, 3.0, 1.0, 1.0, 1.0], True, {"s": 8},
                   digests=["D", "D", "X", "Y", "D"])
@@ -278,17 +279,19 @@ def test_a_holder_serves_only_the_fetchers_dealt_to_it_each_once_and_under_the_s
     class Replies:  # the rpc's reply, recorded: the handler's decision is what is tested
         peer_id = "h0"
 
-        async def reply(self, reader, writer, op, requester, header, payload=b""):
+        async def reply(self, reader, writer, op, requester, header, payload=b"", phase=None):
             replies.append((requester, header.get("ok"), header.get("error", ""), len(payload)))
 
-    async def expected_group(gid: str) -> Group:
+    session = MergeSession(group, 0, 0)
+
+    async def find_session(gid: str) -> MergeSession:
         if gid != "g":
             raise MergeFailed("unknown group")
-        return group
+        return session
 
     async def main() -> tuple[torch.Tensor, list[float]]:
-        catch_up = CatchUp(Replies(), expected_group, 2.0, GuardBook(0, "h0"))
-        holding = asyncio.ensure_future(catch_up.agree(group, 0, torch.arange(8.0)))
+        catch_up = CatchUp(Replies(), find_session, 2.0, GuardBook(0, "h0"))
+        holding = asyncio.ensure_future(catch_up.agree(session, torch.arange(8.0)))
 
         async def ask(sender: str, index: int, terms: str = group.terms) -> None:
             await catch_up.on_state(Request("catchup", sender, {"group_id": "g", "index": index, "terms": terms}),

@@ -25,7 +25,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2pdiloco.config import SwarmConfig
 from p2pdiloco.network.admission import MAX_UNAUTHENTICATED_PER_PEER, StreamGate
 from p2pdiloco.network.census import epoch_of
-from p2pdiloco.network.merger import Contribution
+from p2pdiloco.network.merger import Contribution, Merged
 from p2pdiloco.network.p2p_merger import P2PMerger
 from p2pdiloco.network.state_sync import GlobalState, StateError, StateSync
 from p2pdiloco.network.swarm import start_dht, swarm_auth
@@ -146,6 +146,7 @@ from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.p2p_merger import P2PMerger
 from p2pdiloco.network.state_sync import GlobalState, StateSync
 from p2pdiloco.network.census import epoch_of
+from p2pdiloco.network.merger import Merged
 from p2pdiloco.network.swarm import BackgroundLoop, start_dht, swarm_auth
 from p2pdiloco.network.wire import ByteCounter
 
@@ -155,9 +156,9 @@ dht = start_dht(cfg)
 loop = BackgroundLoop("victim")
 merger = P2PMerger(dht, cfg, loop, n, auth=swarm_auth(cfg))
 state = GlobalState(torch.ones(n), torch.zeros(n), 1, 1, 1.0)
-sync = StateSync(dht, cfg.run_id, n, lambda: state, ByteCounter(), auth=swarm_auth(cfg), gate=merger.rpc.gate)
+sync = StateSync(dht, cfg.run_id, n, lambda: state, ByteCounter(), auth=swarm_auth(cfg), gate=merger.gate)
 loop.run(sync.start(), 10)
-loop.run(merger.matchmaker.census.register(epoch_of(get_dht_time())), 10)
+loop.run(merger.census.register(epoch_of(get_dht_time())), 10)
 print(json.dumps({"id": merger.peer_id, "maddrs": [str(m) for m in dht.get_visible_maddrs()]}), flush=True)
 try:
     for line in sys.stdin:
@@ -165,9 +166,9 @@ try:
             v = torch.ones(n)
             r = merger.submit(Contribution(pseudo_grad=v, weight=1.0, global_params=v, momentum=v,
                                            state_digest="same", state_weight=1.0)).result(60)
-            print(json.dumps({"group": len(r.group), "failure": r.failure}), flush=True)
+            print(json.dumps({"group": len(r.stats.group), "failure": getattr(r, "reason", "")}), flush=True)
         elif line.strip() == "gate":
-            g = merger.rpc.gate
+            g = merger.gate
             print(json.dumps({"open": g.open, "unauthenticated": g.unauthenticated.total(), "refused": g.refused,
                               "unauthorized": g.unauthorized, "dropped": g.dropped, "peak": dict(g.peak)}), flush=True)
 finally:
@@ -248,8 +249,8 @@ def test_a_thousand_stranger_streams_cost_little_memory_and_merges_go_on(keyed, 
             future = honest.submit(_contribution(torch.full((N,), 3.0)))
             answer = victim.ask("merge")
             result = future.result(60)
-            assert answer == {"group": 2, "failure": ""} and result.failure == "", (answer, result.failure)
-            torch.testing.assert_close(result.pseudo_grad, torch.full((N,), 2.0))
+            assert answer == {"group": 2, "failure": ""} and isinstance(result, Merged), (answer, result)
+            torch.testing.assert_close(result.average, torch.full((N,), 2.0))
             got = net_loop.run(honest_sync.fetch_from(victim.id, timeout=10), 20)
             assert torch.equal(got.global_params, torch.ones(N))
 

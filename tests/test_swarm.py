@@ -28,7 +28,7 @@ from p2pdiloco.network.swarm import (
     write_subkey,
 )
 from p2pdiloco.testing.faults import Faults
-from tests.conftest import running_mergers, start_local_dht, wait_for
+from tests.conftest import flat, running_mergers, start_local_dht, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -110,7 +110,7 @@ def test_three_peers_average_exactly_and_agree_bitwise(three_mergers):
     vecs = [torch.randn(1001) for _ in range(3)]
     weights = [100.0, 200.0, 300.0]
     futures = [m.submit(_contribution(v, w)) for m, v, w in zip(three_mergers, vecs, weights, strict=True)]
-    results = [f.result(timeout=60) for f in futures]
+    results = [flat(f.result(timeout=60)) for f in futures]
     for r in results:
         assert r.failure == "" and len(r.group) == 3 and r.global_state is None
         assert r.total_weight == 600.0
@@ -128,7 +128,7 @@ def test_disagreeing_global_models_are_averaged_by_absorbed_tokens(three_mergers
     # three models, no majority (where two of three hold one model the third fetches it: test_state_agreement.py)
     contribs = [_contribution(vecs[0], 1, "a", state_weight=0.0),  # a fresh joiner: its θg counts for nothing
                 _contribution(vecs[1], 1, "b", state_weight=500.0), _contribution(vecs[2], 1, "c", state_weight=500.0)]
-    results = [f.result(timeout=60) for f in [m.submit(c) for m, c in zip(three_mergers, contribs, strict=True)]]
+    results = [flat(f.result(timeout=60)) for f in [m.submit(c) for m, c in zip(three_mergers, contribs, strict=True)]]
     for r in results:
         assert r.failure == "" and r.global_state is not None
         # θg = 10·vec, momentum = 100·vec; averaged 1:1 over the two peers with weight -> 15 and 150 (counting the
@@ -156,10 +156,10 @@ def test_member_frozen_mid_merge_fails_the_merge_for_everyone(bootstrap_dht, net
             c = _contribution(v, 1.0)
             c.round = 7
             futures.append(m.submit(c))
-        for f, v in zip(futures[:2], vecs[:2], strict=True):
-            r = f.result(timeout=60)
+        for f in futures[:2]:
+            r = flat(f.result(timeout=60))
             assert r.failure, "a merge with a frozen member must be reported as failed"
-            assert r.alone and torch.equal(r.pseudo_grad, v)  # own update kept, no partial average applied
+            assert r.alone and r.pseudo_grad is None  # no partial average: the learner steps on its own Δ
         futures[2].cancel()
 
 
@@ -175,10 +175,9 @@ def test_a_dial_that_fails_mid_merge_is_a_warning_and_a_merge_alone_not_an_error
             c = _contribution(torch.full((1001,), value), 1.0)
             c.round = 7
             futures.append(m.submit(c))
-        r = futures[1].result(timeout=60)
+        r = flat(futures[1].result(timeout=60))
         assert r.alone and r.failure.startswith("ControlFailure: Connect failed") and "i/o timeout" in r.failure
-        assert torch.equal(r.pseudo_grad, torch.full((1001,), 2.0))
-        assert futures[0].result(timeout=60).alone  # its mate never sent: nothing partial applied
+        assert flat(futures[0].result(timeout=60)).alone  # its mate never sent: nothing partial applied
     assert "unexpected error" not in caplog.text and "Traceback" not in caplog.text
     assert f"[{natted.peer_id[-6:]}] merge of round 7 failed, merging alone: ControlFailure" in caplog.text
 
@@ -203,7 +202,7 @@ def _finishing_and_arriving_merge_together(done, late, between) -> None:
     regular = _contribution(torch.full((1001,), 3.0), 1.0)
     regular.round_s = 1.0
     arriving = late.submit(regular)
-    for r in [finishing.result(timeout=30), arriving.result(timeout=30)]:
+    for r in [flat(finishing.result(timeout=30)), flat(arriving.result(timeout=30))]:
         assert r.failure == "" and len(r.group) == 2 and r.final
         assert torch.equal(r.pseudo_grad, torch.full((1001,), 2.0))
 

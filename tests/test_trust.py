@@ -78,11 +78,9 @@ def test_trust_decay_is_checked():
         GuardConfig(trust_decay=1.0)
 
 
-def _group(n_values: int, reference: torch.Tensor | None, gid: str = "g1", members: list[str] = MEMBERS) -> Group:
-    group = Group(gid, list(members), [1.0] * len(members), [1.0] * len(members), False,
-                  {"d": n_values, "s": 2 * n_values})
-    group.reference = reference
-    return group
+def _group(n_values: int, gid: str = "g1", members: list[str] = MEMBERS) -> Group:
+    return Group(gid, list(members), [1.0] * len(members), [1.0] * len(members), False,
+                 {"d": n_values, "s": 2 * n_values})
 
 
 def _swarm(dim: int = 5 * 800, seed: int = 0, n: int = 5) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -95,7 +93,7 @@ def _swarm(dim: int = 5 * 800, seed: int = 0, n: int = 5) -> tuple[torch.Tensor,
 
 def _slice(x: torch.Tensor, gid: str = "g1", me: int = 0, n: int = 5) -> torch.Tensor:
     """Member `me`'s slice of `x` in a group of n with id `gid` (ownership rotates with the group id)."""
-    lo, hi = group_slice(_group(x.numel(), None, gid, MEMBERS[:n]), "d", me)
+    lo, hi = group_slice(_group(x.numel(), gid, MEMBERS[:n]), "d", me)
     return x[lo:hi].clone()
 
 
@@ -106,7 +104,7 @@ def test_flipped_and_noise_parts_count_nothing_honest_ones_fully(kind):
     deltas[1], deltas[3] = corrupt(deltas[1], kind, gen), corrupt(deltas[3], kind, gen)
     book = GuardBook(ban_after=3)
     parts = [_slice(d) for d in deltas]
-    avg, shares = SliceGuard(GuardConfig(), book).reduce(_group(100_000, momentum), "d", 0, parts, [1.0] * 5, {})
+    avg, shares = SliceGuard(GuardConfig(), book).reduce(_group(100_000), "d", 0, parts, [1.0] * 5, {}, momentum)
     honest = [0, 2, 4]
     if kind == "signflip":  # rejected outright, without a strike: a ban is for ever
         assert book.rejected[TRUST] == 2 and not any(book.strikes.values()) and not book.banned
@@ -124,7 +122,7 @@ def test_honest_parts_all_kept_and_the_bits_are_the_same_on_every_run():
     results = []
     for _ in range(2):
         book = GuardBook()
-        avg, shares = SliceGuard(GuardConfig(), book).reduce(_group(4000, momentum), "d", 2, parts, [1.0] * 5, {})
+        avg, shares = SliceGuard(GuardConfig(), book).reduce(_group(4000), "d", 2, parts, [1.0] * 5, {}, momentum)
         assert not book.rejected and shares == pytest.approx([0.2] * 5)
         results.append(avg)
     assert torch.equal(results[0], results[1])
@@ -140,13 +138,13 @@ def test_trust_is_earned_over_merges_and_over_slices():
         g = torch.Generator().manual_seed(10 + merge)
         deltas = [0.2 * momentum + torch.randn(4000, generator=g) for _ in range(5)]
         deltas[1] = -deltas[1]  # always flipped
-        lo, hi = group_slice(_group(4000, None, gid), "d", 0)
+        lo, hi = group_slice(_group(4000, gid), "d", 0)
         if lo == 0:
             deltas[4][lo:hi] = -deltas[4][lo:hi]  # an honest peer whose data pull the first slice the other way
         if merge == 6:
             deltas[3] = -deltas[3]  # an honest peer's odd round
         parts = [_slice(d, gid) for d in deltas]
-        _, shares = SliceGuard(guard, book).reduce(_group(4000, momentum, gid), "d", 0, parts, [1.0] * 5, {})
+        _, shares = SliceGuard(guard, book).reduce(_group(4000, gid), "d", 0, parts, [1.0] * 5, {}, momentum)
         assert shares[1] == 0.0
         assert shares[3] > 0.0 and shares[4] > 0.0, f"merge {merge}"
     assert book.trust["peerB"] < 0 < min(book.trust["peerD"], book.trust["peerE"])
@@ -157,11 +155,10 @@ def test_no_momentum_and_the_agreement_phase_are_not_judged_by_trust():
     momentum, deltas = _swarm(seed=4)
     deltas[1] = -deltas[1]
     parts = [_slice(d) for d in deltas]
-    for guard, group, tag in [(GuardConfig(), _group(4000, torch.zeros(4000)), "d"), (GuardConfig(), _group(4000, None), "d"),
-                              (GuardConfig(), _group(2000, momentum), "s"),
-                              (GuardConfig(trust_decay=-1), _group(4000, momentum), "d")]:
+    for guard, n, reference, tag in [(GuardConfig(), 4000, torch.zeros(4000), "d"), (GuardConfig(), 4000, None, "d"),
+                                     (GuardConfig(), 2000, momentum, "s"), (GuardConfig(trust_decay=-1), 4000, momentum, "d")]:
         book = GuardBook()
-        SliceGuard(guard, book).reduce(group, tag, 0, parts, [1.0] * 5, {})
+        SliceGuard(guard, book).reduce(_group(n), tag, 0, parts, [1.0] * 5, {}, reference)
         assert not book.rejected
 
 
@@ -171,8 +168,8 @@ def test_a_pair_is_judged_by_the_momentum_too():
     for flipped, expected in [(False, [0.5, 0.5]), (True, [1.0, 0.0])]:
         parts = [_slice(d, "g", n=2) for d in (deltas[0], -deltas[1] if flipped else deltas[1])]
         book = GuardBook()
-        avg, shares = SliceGuard(GuardConfig(), book).reduce(_group(4000, momentum, "g", MEMBERS[:2]), "d", 0,
-                                                             parts, [1.0, 1.0], {})
+        avg, shares = SliceGuard(GuardConfig(), book).reduce(_group(4000, "g", MEMBERS[:2]), "d", 0,
+                                                             parts, [1.0, 1.0], {}, momentum)
         assert shares == expected and book.rejected[TRUST] == int(flipped)
         if flipped:
             assert_close(avg, parts[0])
@@ -192,5 +189,5 @@ def test_an_owner_counts_its_own_part_whatever_its_cosine_and_judges_the_others(
     deltas[0], deltas[1] = -deltas[0], -deltas[1]  # the owner's own part and member 1's point against the momentum
     parts = [_slice(d) for d in deltas]
     book = GuardBook()
-    _, shares = SliceGuard(GuardConfig(), book).reduce(_group(4000, momentum), "d", 0, parts, [1.0] * 5, {})
+    _, shares = SliceGuard(GuardConfig(), book).reduce(_group(4000), "d", 0, parts, [1.0] * 5, {}, momentum)
     assert shares[0] > 0 and shares[1] == 0.0 and book.rejected[TRUST] == 1

@@ -334,38 +334,6 @@ def roundtrip(codec: Codec, x: torch.Tensor) -> tuple[bytes, torch.Tensor]:
     return data, codec.decode(data, x.numel())
 
 
-class ErrorFeedback:
-    """The residual of past rounds' quantization, added to the next pseudo-gradient.
-
-    Usage per round: ``target = ef.compensate(delta)``; send ``q = Q(target)``; if the merge that sent it
-    is applied, ``ef.commit(target, q)`` (residual ← target − q); if it failed, nothing was sent and the
-    residual stays as it was.
-
-    Args:
-        enabled: with False, `compensate` returns Δ unchanged and the residual stays zero.
-        decay: β, the residual's weight when it is added (1: plain error feedback). SparseLoCo (arXiv 2508.15706)
-            decays it and drops the outer momentum: the decayed accumulator stands in for it.
-    """
-
-    def __init__(self, enabled: bool = True, decay: float = 1.0):
-        self.enabled, self.decay = enabled, decay
-        self.residual: torch.Tensor | None = None
-
-    def compensate(self, pseudo_grad: torch.Tensor) -> torch.Tensor:
-        if not self.enabled or self.residual is None or self.residual.shape != pseudo_grad.shape:
-            return pseudo_grad
-        return pseudo_grad + self.decay * self.residual if self.decay != 1.0 else pseudo_grad + self.residual
-
-    def commit(self, target: torch.Tensor, transmitted: torch.Tensor) -> None:
-        if self.enabled:
-            residual = (target - transmitted).float()
-            # a non-finite pseudo-gradient (a broken accelerator) must not poison every later round
-            self.residual = residual if torch.isfinite(residual).all() else None
-
-    def norm(self) -> float:
-        return float(self.residual.norm()) if self.residual is not None else 0.0
-
-
 def as_held(part: torch.Tensor, exact: torch.Tensor, held: torch.Tensor, share: float, n_members: int) -> torch.Tensor:
     """A slice owner's own part as the average the group holds counts it, for error feedback.
 

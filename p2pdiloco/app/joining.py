@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.app.heartbeat import swarm_finished
 from p2pdiloco.app.startup import say
 from p2pdiloco.config import Config
@@ -22,8 +22,8 @@ from p2pdiloco.training.reporting import MetricsLog
 logger = logging.getLogger(__name__)
 
 
-def resume_from_checkpoint(learner: Learner, sampler: BatchSampler, book: GuardBook, folder: Path,
-                           announce) -> None:
+def resume_from_checkpoint(learner: Learner, sampler: BatchSampler, remember_trust: Callable[[object], None],
+                           folder: Path, announce) -> None:
     """Continue from the newest checkpoint: its state, the data order where this peer's tokens left it, and what
     its guards had learned of the others (kept under the same peer id, see `IDENTITY_FILE`)."""
     found = load_latest(folder)
@@ -32,7 +32,7 @@ def resume_from_checkpoint(learner: Learner, sampler: BatchSampler, book: GuardB
         return
     tensors, meta, path = found
     learner.restore(tensors, meta)
-    book.remember(meta.get("guard_trust"))
+    remember_trust(meta.get("guard_trust"))
     # a unit's tokens count all its ranks' batches; rank 0 skips its own share (followers replay theirs)
     sampler.skip(learner.c.tokens // (sampler.tokens_per_batch * learner.report.data_parallel))
     announce(f"resumed from {path.name}: round {meta['round']}, step {meta['step']}")

@@ -300,7 +300,7 @@ def build_peer(cfg: Config, stop: StopFlag, unit: UnitContext, device: torch.dev
                       should_stop=stop, checkpoint_dir=run_dir / "checkpoints", faults=hooks.faults,
                       t_process_start=t_process_start)
     closing.callback(finish_checkpoints, learner)
-    learner.checkpoint_meta = lambda: {"guard_trust": dict(merger.book.trust)}
+    learner.checkpoint_meta = lambda: {"guard_trust": merger.trust_table()}
     if first_eval is not None:  # θg is the model's weights, as evaluated
         learner.last_eval = (learner.g.digest(), first_eval)
     startup.lap("learner")  # the model on its device, the optimizers, the initial global model
@@ -318,16 +318,16 @@ def start_services(peer: Peer, announce, closing: contextlib.ExitStack) -> None:
     publish the peer record (withdrawn by `closing`)."""
     cfg, dht, loop, merger, learner = peer.cfg, peer.dht, peer.loop, peer.merger, peer.learner
     state_sync = StateSync(dht, cfg.swarm.run_id, peer.n_params, peer.hooks.wrap_state(lambda: learner.shared),
-                           learner.report.traffic.state, auth=peer.auth, gate=merger.rpc.gate)
+                           learner.report.traffic.state, auth=peer.auth, gate=merger.gate)
     loop.run(state_sync.start(), timeout=30)
     # its bytes count with the state downloads' (both are start-up traffic), not in any merge's
     merger.expect_dialable_verdict()
-    reach = start_reachability(loop, dht, cfg.swarm.run_id, cfg.swarm.initial_peers, peer.maddrs, merger.rpc.gate,
+    reach = start_reachability(loop, dht, cfg.swarm.run_id, cfg.swarm.initial_peers, peer.maddrs, merger.gate,
                                learner.report.traffic.state,
                                on_verdict=lambda found: merger.set_dialable(found.reachable is not False))
     loop.submit(learner.report.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
     if cfg.run.resume:
-        resume_from_checkpoint(learner, peer.sampler, merger.book, Path(cfg.run.run_dir) / "checkpoints", announce)
+        resume_from_checkpoint(learner, peer.sampler, merger.remember_trust, Path(cfg.run.run_dir) / "checkpoints", announce)
     join_swarm_state(learner, state_sync, loop, dht, cfg, peer.peer_id, peer.metrics, peer.every)
     # public: anyone who knows the run id reads it, so no host name or user (the name is opt-in)
     static = {
@@ -358,12 +358,12 @@ def train(peer: Peer, start_barrier: Path | None) -> dict:
     if peer.together:
         learner.evaluate_global()  # the first eval (held if taken beside the DHT's start), before the wait
         say("waiting for %d peers to be live", cfg.swarm.wait_for_peers, tag=peer.peer_id[-6:])
-        live = wait_for_peers(loop, dht, cfg, peer.peer_id, stop, start_barrier, merger.matchmaker.census)
+        live = wait_for_peers(loop, dht, cfg, peer.peer_id, stop, start_barrier, merger.census)
         logger.info("[%s] %d of %d peers live; starting", peer.peer_id[-6:], live, cfg.swarm.wait_for_peers)
     summary = learner.run()
     loop.run(learner.report.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's
     summary.update(name=cfg.run.name, n_params=peer.n_params, **learner.report.bandwidth(),
-                   guard=merger.book.report(), hostile=cfg.emulate.hostile, census=merger.matchmaker.census.counts())
+                   guard=merger.guard_report(), hostile=cfg.emulate.hostile, census=merger.census.counts())
     summary["dht_by_kind"] = dht_bytes_by_kind(learner.report.traffic.dht_by_key, cfg.swarm.run_id)
     write_json_atomic(run_dir / "peer_summary.json", summary)
     if not stop():  # a peer told to stop mid-round still has its last merged state in the checkpoints

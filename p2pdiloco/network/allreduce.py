@@ -32,7 +32,8 @@ from p2pdiloco.network.admission import Request
 from p2pdiloco.network.group import Group, check_terms
 from p2pdiloco.network.merger import FaultHook
 from p2pdiloco.network.rpc import MergeFailed, Rpc
-from p2pdiloco.network.wire import WireError, phase_bytes
+from p2pdiloco.network.session import MergeSession
+from p2pdiloco.network.wire import WireError
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +99,10 @@ class SliceReducer(Protocol):
         """
 
     def reduce(self, group: Group, tag: str, me: int, parts: list[torch.Tensor], weights: list[float],
-               flags: dict[int, str]) -> tuple[torch.Tensor, list[float]]:
+               flags: dict[int, str], reference: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
         """The owner's average of its slice, and each member's share of it (`weight_shares` of the parts used:
-        0 for a part left out); flags: {member index: reason} decided on arrival.
+        0 for a part left out); flags: {member index: reason} decided on arrival; reference: this peer's outer
+        momentum, the whole vector (`MergeSession.reference`).
 
         Raises:
             MergeFailed: no average can be given.
@@ -127,7 +129,7 @@ class PlainReducer:
         return part, ""
 
     def reduce(self, group: Group, tag: str, me: int, parts: list[torch.Tensor], weights: list[float],
-               flags: dict[int, str]) -> tuple[torch.Tensor, list[float]]:
+               flags: dict[int, str], reference: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
         return weighted_average(parts, weights), weight_shares(weights)
 
     def accept(self, group: Group, owner: int, averaged: torch.Tensor, mine: torch.Tensor) -> None:
@@ -187,26 +189,24 @@ class AllReduce:
 
     Args:
         rpc: requests to the other members (op 'part').
-        expected_group: group id -> the group, once its notice is here (raises MergeFailed for a group this
-            peer is not part of); see `Matchmaker.expected_group`.
+        find_session: group id -> its merge session, once it is open (raises MergeFailed for a group this
+            peer is not part of); see `Sessions.find`.
         codecs: how the slices of each tag travel: {'d': pseudo-gradient codec, 's': (θg, momentum) codec}.
         reducer: what an owner does with the parts of its slice, and what a member accepts back.
         merge_timeout_s: bound on receiving one part's payload, and on waiting for a slice's average.
-        faults: test hook; stage 'serve_part' fires on each part received from another member, keyed by
-            `round`, which the caller keeps current.
+        faults: test hook; stage 'serve_part' fires on each part received from another member, keyed by the
+            session's round.
     """
 
-    def __init__(self, rpc: Rpc, expected_group: Callable[[str], Awaitable[Group]], codecs: dict[str, Codec],
+    def __init__(self, rpc: Rpc, find_session: Callable[[str], Awaitable[MergeSession]], codecs: dict[str, Codec],
                  reducer: SliceReducer | None = None, merge_timeout_s: float = 30.0, faults: FaultHook | None = None):
-        self.rpc, self.expected_group, self.codecs = rpc, expected_group, codecs
+        self.rpc, self.find_session, self.codecs = rpc, find_session, codecs
         self.reducer = reducer or PlainReducer()
         self.merge_timeout_s, self.faults = merge_timeout_s, faults
-        self.round = -1
-        """This peer's current round (the key of injected faults)."""
 
-    async def average(self, group: Group, me: int, tag: str,
+    async def average(self, session: MergeSession, tag: str,
                       vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
-        """Average `vector` over `group`, in which this peer is member `me`.
+        """Average `vector` over the session's group.
 
         Returns:
             (the average, as every member holds it; `vector` as the group's average took it, for error feedback:
@@ -214,16 +214,17 @@ class AllReduce:
             of its average on the way back (`codecs.as_held`); this peer's share of each slice's average as its
             owner counted it, 0 where its part was left out).
         """
+        group, me = session.group, session.me
         vector = vector.detach().float().contiguous().cpu()
         if vector.numel() != group.lengths[tag]:
             raise MergeFailed(f"vector of {vector.numel()} values, group expects {group.lengths[tag]}")
         codec = self.codecs[tag]
-        phase_bytes(group.slots, tag)  # this task's frames are this phase's (see wire.PHASE_BYTES)
+        phase = session.counter(tag)
         n_members = len(group.members)
         owned = slices_owned(group)  # owner j owns slices[owned[j]]
         slices = torch.tensor_split(vector, len(owned))  # the wire layout: see slice_bounds
         if me in owned:
-            slot = self._slot(group, tag, me)
+            slot = self._slot(session, tag)
             slot.add(me, self._own_part(tag, slices[owned[me]]))
         sent = list(slices)
 
@@ -241,7 +242,7 @@ class AllReduce:
             except NonFiniteError:  # our own Δ is not finite: send it anyway, the owner's guards will say so
                 sent[k] = torch.full((n,), float("nan"))
             header = {"group_id": group.group_id, "tag": tag, "index": me, "codec": codec.name, "terms": group.terms}
-            reply, payload = await self.rpc.call(group.members[j], "part", header, data, codec.encoded_size(n))
+            reply, payload = await self.rpc.call(group.members[j], "part", header, data, codec.encoded_size(n), phase)
             if not reply.get("ok"):
                 raise MergeFailed(f"member {group.members[j][-6:]} could not reduce its slice: {reply.get('error')}")
             try:
@@ -272,14 +273,16 @@ class AllReduce:
         except CodecError:  # not finite: the guards say so
             return part.clone()
 
-    def _slot(self, group: Group, tag: str, me: int) -> _Slot:
-        if tag not in group.slots:
-            def reduce(parts: list, weights: list, flags: dict) -> torch.Tensor:
-                return self.reducer.reduce(group, tag, me, parts, weights, flags)
+    def _slot(self, session: MergeSession, tag: str) -> _Slot:
+        if tag not in session.slots:
+            group = session.group
 
-            group.slots[tag] = _Slot(list(group.weights_for(tag)), [None] * len(group.members),
-                                     asyncio.get_running_loop().create_future(), self.codecs[tag], reduce)
-        return group.slots[tag]
+            def reduce(parts: list, weights: list, flags: dict) -> torch.Tensor:
+                return self.reducer.reduce(group, tag, session.me, parts, weights, flags, session.reference)
+
+            session.slots[tag] = _Slot(list(group.weights_for(tag)), [None] * len(group.members),
+                                       asyncio.get_running_loop().create_future(), self.codecs[tag], reduce)
+        return session.slots[tag]
 
     # ---- the handler: another member sends us its part of the slice we own ----
 
@@ -287,30 +290,30 @@ class AllReduce:
         """A member's part of the slice this peer owns (its tag already checked; the stream is closed after, see
         `Rpc.start`). The payload is read only once the header names a group, tag and member this peer expects a
         part from, and only if it has exactly the size of that part."""
-        sender = request.sender
+        sender, phase = request.sender, None
         try:
-            group, tag, index, me, (lo, hi) = await self._expect_part(sender, request.header)
-            phase_bytes(group.slots, tag)  # this handler's payload and reply are that phase's bytes
-            slot = self._slot(group, tag, me)
+            session, tag, index, (lo, hi) = await self._expect_part(sender, request.header)
+            phase = session.counter(tag)  # this handler's payload and reply are that phase's bytes
+            slot = self._slot(session, tag)
             slot.claim(index)  # one part per member: a second stream for the same part is refused unread
             try:
                 codec = self.codecs[tag]
                 payload = await self.rpc.receive_payload(reader, codec.encoded_size(hi - lo), self.merge_timeout_s,
-                                                         exact=codec.exact_size)
-                data, share = await self._reduce_part(group, tag, index, me, sender, payload)
+                                                         exact=codec.exact_size, phase=phase)
+                data, share = await self._reduce_part(session, tag, index, sender, payload)
             except BaseException:
                 slot.unclaim(index)
                 raise
             reply = {"ok": True, "share": share}
         except (MergeFailed, TimeoutError, WireError) as e:
             reply, data = {"ok": False, "error": f"{type(e).__name__}: {e}"}, b""
-        await self.rpc.reply(reader, writer, "part", sender, reply, data)  # a failed send is not answered twice
+        await self.rpc.reply(reader, writer, "part", sender, reply, data, phase)  # a failed send is not answered twice
 
-    async def _expect_part(self, sender: str, header: dict) -> tuple[Group, str, int, int, tuple[int, int]]:
+    async def _expect_part(self, sender: str, header: dict) -> tuple[MergeSession, str, int, tuple[int, int]]:
         """What a part's header announces, checked before its payload is read.
 
         Returns:
-            (the group, tag, the sender's member index, this peer's member index, [start, end) of its slice).
+            (the merge session, tag, the sender's member index, [start, end) of this peer's slice).
 
         Raises:
             MergeFailed: a malformed header, an unknown group, or a sender that is not that member of it.
@@ -324,23 +327,23 @@ class AllReduce:
             raise MergeFailed(f"{codec.name} parts are all-gathered, not sliced (sparse_exchange.py)")
         if header.get("codec", "none") != codec.name:
             raise MergeFailed(f"part encoded with {header.get('codec')!r}, this peer merges with {codec.name!r}")
-        group = await self.expected_group(gid)
+        session = await self.find_session(gid)
+        group = session.group
         if not 0 <= index < len(group.members) or group.members[index] != sender:
             raise MergeFailed("sender is not that member of the group")
         check_terms(group, header)
-        me = group.members.index(self.rpc.peer_id)
-        return group, tag, index, me, group_slice(group, tag, me)  # raises if this peer owns no slice
+        return session, tag, index, group_slice(group, tag, session.me)  # raises if this peer owns no slice
 
-    async def _reduce_part(self, group: Group, tag: str, index: int, me: int, sender: str,
+    async def _reduce_part(self, session: MergeSession, tag: str, index: int, sender: str,
                            payload: bytes) -> tuple[bytes, float]:
         """Add member `index`'s part of this peer's slice; once all arrived, return the encoded average and that
         member's share of it."""
         codec = self.codecs[tag]
-        lo, hi = group_slice(group, tag, me)
-        part, flag = self.reducer.admit(group, sender, lambda: codec.decode(payload, hi - lo), hi - lo)
+        lo, hi = group_slice(session.group, tag, session.me)
+        part, flag = self.reducer.admit(session.group, sender, lambda: codec.decode(payload, hi - lo), hi - lo)
         if self.faults is not None:
-            await self.faults.fire("serve_part", self.round, self.rpc.peer_id[-6:])
-        slot = self._slot(group, tag, me)
+            await self.faults.fire("serve_part", session.round, self.rpc.peer_id[-6:])
+        slot = self._slot(session, tag)
         slot.add(index, part, flag)
         _, data, shares, _ = await asyncio.wait_for(asyncio.shield(slot.result), self.merge_timeout_s)
         return data, shares[index]

@@ -36,15 +36,12 @@ from p2pdiloco.algorithm.outer import state_digest, weight_shares
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.group import Group, check_terms
 from p2pdiloco.network.rpc import MergeFailed, Rpc
-from p2pdiloco.network.wire import phase_bytes
+from p2pdiloco.network.session import MergeSession
 
 logger = logging.getLogger(__name__)
 
-SLOT = "catch_up"
-"""Key of a holder's served model in `Group.slots`."""
-
 TAG = "s"
-"""Bytes of a catch-up count as the agreement's (`MergeResult.state_bytes_sent`)."""
+"""Bytes of a catch-up count as the agreement's (`MergeStats.state_bytes_sent`)."""
 
 
 @dataclass
@@ -79,16 +76,16 @@ class CatchUp:
 
     Args:
         rpc: requests to the other members (op 'catchup').
-        expected_group: group id -> the group, once its notice is here (see `Matchmaker.expected_group`).
+        find_session: group id -> its merge session, once it is open (see `Sessions.find`).
         merge_timeout_s: bound on one fetch, and on a holder's wait for its fetchers.
         book: where a holder that served a model other than the one it claimed is struck.
     """
 
-    def __init__(self, rpc: Rpc, expected_group: Callable[[str], Awaitable[Group]], merge_timeout_s: float,
+    def __init__(self, rpc: Rpc, find_session: Callable[[str], Awaitable[MergeSession]], merge_timeout_s: float,
                  book: GuardBook):
-        self.rpc, self.expected_group, self.merge_timeout_s, self.book = rpc, expected_group, merge_timeout_s, book
+        self.rpc, self.find_session, self.merge_timeout_s, self.book = rpc, find_session, merge_timeout_s, book
 
-    async def agree(self, group: Group, me: int, state: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+    async def agree(self, session: MergeSession, state: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
         """The group's (θg, momentum), which the majority holds: this peer's own `state` if it holds it, else fetched.
 
         Returns:
@@ -98,11 +95,11 @@ class CatchUp:
         Raises:
             MergeFailed: a fetcher whose holder did not serve the majority's model.
         """
-        phase_bytes(group.slots, TAG)  # this task's frames are the agreement's (see wire.PHASE_BYTES)
+        group, me = session.group, session.me
         holders = holders_of(group)
         if me not in holders:
-            return await self._fetch(group, me), [0.0] * len(group.members)
-        served = self._served(group)
+            return await self._fetch(session), [0.0] * len(group.members)
+        served = self._served(session)
         if not served.state.done():
             served.state.set_result(state.detach().float().contiguous().cpu())
         mine = [j for j in range(len(group.members)) if j not in holders and dealt_holder(group, j) == me]
@@ -116,12 +113,14 @@ class CatchUp:
         shares = weight_shares([group.state_weights[j] for j in holders])
         return state, [shares[holders.index(me)]] * len(group.members)
 
-    async def _fetch(self, group: Group, me: int) -> torch.Tensor:
+    async def _fetch(self, session: MergeSession) -> torch.Tensor:
+        group, me = session.group, session.me
         n = group.lengths["s"]
         j = dealt_holder(group, me)
         header = {"group_id": group.group_id, "index": me, "terms": group.terms}
         reply, payload = await asyncio.wait_for(
-            self.rpc.call(group.members[j], "catchup", header, max_reply=4 * n), self.merge_timeout_s)
+            self.rpc.call(group.members[j], "catchup", header, max_reply=4 * n, phase=session.counter(TAG)),
+            self.merge_timeout_s)
         if not reply.get("ok"):
             raise MergeFailed(f"holder {group.members[j][-6:]} did not serve the majority's model: {reply.get('error')}")
         if len(payload) != 4 * n:
@@ -132,10 +131,10 @@ class CatchUp:
             raise MergeFailed(f"holder {group.members[j][-6:]} served a model other than the majority's")
         return state
 
-    def _served(self, group: Group) -> _Served:
-        if SLOT not in group.slots:
-            group.slots[SLOT] = _Served(asyncio.get_running_loop().create_future())
-        return group.slots[SLOT]
+    def _served(self, session: MergeSession) -> _Served:
+        if session.served is None:
+            session.served = _Served(asyncio.get_running_loop().create_future())
+        return session.served
 
     # ---- the handler: a fetcher asks this holder for the majority's model ----
 
@@ -144,20 +143,20 @@ class CatchUp:
         after, see `Rpc.start`): only for a group this peer is in, whose notice the requester acts on too, to the
         member it names, once, and only where this peer is the holder dealt to it (so a member cannot make every
         holder send it the model, nor one holder send it twice)."""
-        sender, header, data = request.sender, request.header, b""
+        sender, header, data, phase = request.sender, request.header, b"", None
         try:
             gid, index = header.get("group_id"), header.get("index")
             if not isinstance(gid, str) or not isinstance(index, int):
                 raise MergeFailed("malformed request")
-            group = await self.expected_group(gid)
+            session = await self.find_session(gid)
+            group = session.group
             if not 0 <= index < len(group.members) or group.members[index] != sender:
                 raise MergeFailed("sender is not that member of the group")
             check_terms(group, header)
-            me = group.members.index(self.rpc.peer_id)
-            if not group.majority or index in holders_of(group) or dealt_holder(group, index) != me:
+            if not group.majority or index in holders_of(group) or dealt_holder(group, index) != session.me:
                 raise MergeFailed("this peer does not serve that member the majority's model")
-            phase_bytes(group.slots, TAG)  # the reply is the agreement's bytes
-            served = self._served(group)
+            phase = session.counter(TAG)  # the reply is the agreement's bytes
+            served = self._served(session)
             if index in served.asked:
                 raise MergeFailed("that member asked already")
             served.asked.add(index)
@@ -166,7 +165,7 @@ class CatchUp:
             reply = {"ok": True}
         except (MergeFailed, TimeoutError) as e:
             reply, served = {"ok": False, "error": f"{type(e).__name__}: {e}"}, None
-        await self.rpc.reply(reader, writer, "catchup", sender, reply, data)
+        await self.rpc.reply(reader, writer, "catchup", sender, reply, data, phase)
         if served is not None:
             served.served.add(index)
             served.changed.set()

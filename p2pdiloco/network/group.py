@@ -24,9 +24,10 @@ from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.rpc import MergeFailed
 
 
-@dataclass
+@dataclass(frozen=True)
 class Group:
-    """A formed merge group, as its leader announced it."""
+    """A formed merge group, as its leader announced it (frozen: what a merge does with it is its session's,
+    session.py)."""
 
     group_id: str
     members: list[str]
@@ -40,14 +41,9 @@ class Group:
     lengths: dict[str, int]
     """Vector length per tag: 'd' for the pseudo-gradient, 's' for (θg, momentum)."""
     final: bool = False
-    """A member is finishing its run (see `MergeResult.final`)."""
+    """A member is finishing its run (see `Merged.final`)."""
     anchor: str = ""
     """A state all hold (`Contribution.anchors`): differences from it travel int8 (tag 'a'); '': fp32 (tag 's')."""
-    slots: dict = field(default_factory=dict)
-    """The all-reduce's state per tag while this group merges (see `AllReduce`)."""
-    reference: object = None
-    """This peer's outer momentum (flat fp32, the whole vector) as it joined this merge: what its slice guard judges
-    members' pseudo-gradients against (guards.cosines_to); None: no reference."""
     digests: list[str] = field(default_factory=list)
     """Each member's global-model digest as it offered it; `need_state` is whether they differ."""
     owners: list[int] | None = None
@@ -57,8 +53,8 @@ class Group:
 
     def __post_init__(self) -> None:
         # claims, as every member counts them: the same function of the same notice on every member
-        self.weights = bounded_weights(self.weights)
-        self.state_weights = bounded_weights(self.state_weights)
+        object.__setattr__(self, "weights", bounded_weights(self.weights))
+        object.__setattr__(self, "state_weights", bounded_weights(self.state_weights))
 
     @cached_property
     def terms(self) -> str:

@@ -1,4 +1,4 @@
-"""The one narrow interface between the learner and the network: submit a contribution, get a merge result.
+"""The one narrow interface between the learner and the network: submit a contribution, get `Merged` or `Alone`.
 
 The learner never sees a DHT or a socket. `P2PMerger` (in `p2p_merger.py`) implements this over hivemind;
 `p2pdiloco.testing.inmemory.InMemoryMerger` implements it for tests of the learner loop.
@@ -38,10 +38,12 @@ class Contribution:
     """Wall time of the round that produced this contribution (sizes the merge window); 0 if unknown."""
     final: bool = False
     """This peer's last contribution of the run: it waits the whole merge window for every live peer, and
-    whoever merges with it ends the run on the same global model (see `MergeResult.final`)."""
+    whoever merges with it ends the run on the same global model (see `Merged.final`)."""
     closing: bool = False
     """This peer is within about a round of its end, by its own counters (`Learner.near_end`): its search is dealt
     like a final one, so that peers whose last rounds are a little out of phase still meet (`Matchmaker.find_group`)."""
+    compensated: torch.Tensor | None = None
+    """Δ plus this peer's error-feedback residual (`feedback.ErrorFeedback.compensate`): what a group merge sends; None: Δ."""
 
     def last_merges(self) -> bool:
         """Whether this is one of the peer's last merges (`final` or `closing`): its search is dealt the whole census
@@ -50,21 +52,13 @@ class Contribution:
 
 
 @dataclass
-class MergeResult:
-    """The outcome of one merge: a group average, or this peer alone."""
+class MergeStats:
+    """How a merge went, for the learner's metrics: its math never reads these."""
 
-    group: list[str]
+    group: list[str] = field(default_factory=list)
     """Peer ids of the merge group in group order; just this peer when it merged alone."""
-    pseudo_grad: torch.Tensor
-    """Weighted average Δ̄ over the group (this peer's own Δ when alone)."""
-    total_weight: float
-    """Sum of the members' weights (tokens)."""
-    global_state: torch.Tensor | None = None
-    """When members' global models disagreed: the averaged θg and momentum concatenated, else None."""
-    state_weight: float = 0.0
-    """With `global_state`: the most tokens any member's θg had absorbed (what the adopted θg now stands for)."""
-    failure: str = ""
-    """Why a group merge was abandoned (and this peer merged alone instead); empty if none failed."""
+    group_id: str = ""
+    """Identifier of the merge group ('' when alone)."""
     bytes_sent: int = 0
     """Bytes this peer sent for this merge."""
     bytes_received: int = 0
@@ -82,38 +76,55 @@ class MergeResult:
     match_s: float = 0.0
     """Of `duration_s`, the seconds until the group was formed (matchmaking; all of it when no group formed): the
     rest is the exchange, so a slow merge says whether it waited for mates or for its bytes and CPU."""
-    group_id: str = ""
-    """Identifier of the merge group ('' when alone)."""
     rejected: int = 0
     """Contributions this peer's guards rejected during this merge (see guards.py)."""
-    final: bool = False
-    """A member's contribution was its last of the run: the run is over for every member of this group, so
-    that the peers still training end on the global model the finishing ones leave with, instead of each
-    drifting off alone after the others have gone."""
-
-    state_refused: bool = False
-    """The learner refused the group's averaged global model: too far from its own (see `GlobalModel.merge`)."""
     own_kept: float = 1.0
     """Fraction of this peer's Δ (by values) that entered the group's average: a slice whose owner's guards left
     this peer's part out carries none of it (1 when alone). Goodput counts a round reached only by this much."""
     state_share: float = 0.0
     """When global models were averaged: this peer's θg's share of the agreed θg, its state weight ÷ the state
     weights combined (as the group counted them), averaged over the values; 0 where its part was left out."""
-    phase_shift_s: float = 0.0
-    """How much later (> 0) or earlier the round in progress should end to meet the mates' round ends (phase.py;
-    rounds of a fixed step count only)."""
-
-    @property
-    def alone(self) -> bool:
-        return len(self.group) <= 1
 
 
-def alone_result(peer_id: str, contribution: Contribution, failure: str = "", **kwargs) -> MergeResult:
-    """A merge with oneself: DiLoCo with one replica still applies its own outer step."""
-    return MergeResult(
-        group=[peer_id], pseudo_grad=contribution.pseudo_grad, total_weight=contribution.weight, failure=failure,
-        final=contribution.final, **kwargs
-    )
+@dataclass
+class Merged:
+    """A group merge: what the learner applies."""
+
+    average: torch.Tensor
+    """Weighted average Δ̄ over the group."""
+    weight: float
+    """Sum of the members' weights (tokens)."""
+    agreed_state: torch.Tensor | None = None
+    """When members' global models disagreed: the group's (θg, momentum) concatenated, else None."""
+    state_weight: float = 0.0
+    """With `agreed_state`: the tokens the agreed θg stands for (the lower median of the members' claims)."""
+    final: bool = False
+    """A member's contribution was its last of the run: the run is over for every member of this group, so
+    that the peers still training end on the global model the finishing ones leave with, instead of each
+    drifting off alone after the others have gone."""
+    sent: torch.Tensor | None = None
+    """This peer's `Contribution.compensated` as the group's average took it (what error feedback counts as sent,
+    `ErrorFeedback.commit`); None: all of it."""
+    stats: MergeStats = field(default_factory=MergeStats)
+
+
+@dataclass
+class Alone:
+    """No group merge: this peer applies its own Δ alone (DiLoCo with one replica still helps), see `merged_alone`."""
+
+    reason: str = ""
+    """Why a group merge was abandoned; '' when nobody was there to merge with."""
+    stats: MergeStats = field(default_factory=MergeStats)
+
+
+MergeOutcome = Merged | Alone
+
+
+def merged_alone(contribution: Contribution, stats: MergeStats | None = None) -> Merged:
+    """What a merge alone applies: this peer's own Δ (not compensated: error feedback keeps its residual for the
+    next group merge), with its own weight and its own `final`."""
+    return Merged(average=contribution.pseudo_grad, weight=contribution.weight, final=contribution.final,
+                  stats=stats or MergeStats())
 
 
 class Merger(Protocol):
@@ -121,8 +132,13 @@ class Merger(Protocol):
 
     peer_id: str
 
-    def submit(self, contribution: Contribution) -> Future[MergeResult]:
+    def submit(self, contribution: Contribution) -> Future[MergeOutcome]:
         """Start merging `contribution` with whichever peers are ready; the future never raises."""
+        ...
+
+    def take_round_shift(self) -> float:
+        """How much later (> 0) or earlier the round in progress should end to meet the mates' round ends, as the
+        last merge measured it (phase.py; rounds of a fixed step count only); 0 once taken."""
         ...
 
     def close(self) -> None:

@@ -25,27 +25,30 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import hivemind
 import torch
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
-from p2pdiloco.algorithm.codecs import DeflatedCodec, ErrorFeedback, LinearInt8Codec, get_codec
+from p2pdiloco.algorithm.codecs import DeflatedCodec, LinearInt8Codec, get_codec
+from p2pdiloco.algorithm.feedback import rejected_as_dropped
 from p2pdiloco.algorithm.guards import GuardBook
 from p2pdiloco.config import GuardConfig, SwarmConfig
-from p2pdiloco.network.admission import Request
+from p2pdiloco.network.admission import Request, StreamGate
 from p2pdiloco.network.allreduce import AllReduce, PlainReducer, by_values, slice_bounds
 from p2pdiloco.network.catch_up import CatchUp
-from p2pdiloco.network.group import Group
+from p2pdiloco.network.census import Census
 from p2pdiloco.network.matchmaking import Matchmaker
-from p2pdiloco.network.merger import Contribution, FaultHook, MergeResult, alone_result
+from p2pdiloco.network.merger import Alone, Contribution, FaultHook, Merged, MergeOutcome, MergeStats
 from p2pdiloco.network.phase import Phase
 from p2pdiloco.network.rpc import MergeFailed, Rpc
+from p2pdiloco.network.session import MergeSession, Sessions
 from p2pdiloco.network.slice_guard import SliceGuard
 from p2pdiloco.network.sparse_exchange import SparseExchange
 from p2pdiloco.network.swarm import BackgroundLoop
 from p2pdiloco.network.swarm_key import SwarmAuth
-from p2pdiloco.network.wire import ByteCounter, WireError, phase_sent
+from p2pdiloco.network.wire import ByteCounter, WireError
 
 __all__ = ["MergeFailed", "P2PMerger"]
 
@@ -82,28 +85,32 @@ class P2PMerger:
         self.faults = faults
         self.book = GuardBook(self.guard.ban_after if self.guard.enabled else 0, self.peer_id[-6:])
         self.counter = ByteCounter()
+        """Bytes this peer sent and received on the merge protocols (the peer's traffic report reads it)."""
         self.codec = get_codec(cfg.codec, cfg.sparse_keep)
         """Codec of pseudo-gradient slices and their averages. (θg, momentum) travel as int8 differences from a
         state all members hold (tag 'a'): quantizing the model itself would have no error feedback to undo it, a
         difference of a few outer steps loses ~1/254 of itself (deflated: after sparse updates most of it is zero).
         Where the members hold no common anchor, the int8 average of their states themselves (tag 's') is made
         one first (`_agree`)."""
-        self.feedback = ErrorFeedback(cfg.error_feedback and self.codec.lossy, cfg.error_feedback_decay)
         self.rpc = Rpc(dht, cfg.run_id, self.auth, self.counter)
         self.matchmaker = Matchmaker(dht, cfg, self.rpc, self.book, self.guard, fingerprint,
                                      {"d": n_params, "s": 2 * n_params, "a": 2 * n_params})
+        self.sessions = Sessions(self.matchmaker.expected_group, self.matchmaker.forget)
+        """This peer's merges in progress, by group id: where the stream handlers find theirs (session.py)."""
         self.allreduce = AllReduce(
-            self.rpc, self.matchmaker.expected_group, {"d": self.codec, "s": STATE_CODEC, "a": STATE_DIFF_CODEC},
+            self.rpc, self.sessions.find, {"d": self.codec, "s": STATE_CODEC, "a": STATE_DIFF_CODEC},
             SliceGuard(self.guard, self.book) if self.guard.enabled else PlainReducer(),
             merge_timeout_s=cfg.merge_timeout_s, faults=faults,
         )
-        self.sparse = SparseExchange(self.rpc, self.matchmaker.expected_group, self.codec,
+        self.sparse = SparseExchange(self.rpc, self.sessions.find, self.codec,
                                      self.guard if self.guard.enabled else None, self.book, cfg.merge_timeout_s, faults)
         """Pseudo-gradients of a sparse codec are all-gathered instead (sparse_exchange.py)."""
-        self.catch_up = CatchUp(self.rpc, self.matchmaker.expected_group, cfg.merge_timeout_s, self.book)
+        self.catch_up = CatchUp(self.rpc, self.sessions.find, cfg.merge_timeout_s, self.book)
         """Where a majority of a group holds one global model, the others fetch it instead of averaging."""
         self.phase = Phase()
         """When mates said they are looking: where their round ends lie against this peer's (phase.py)."""
+        self._round_shift = 0.0
+        """What the last merge measured of `phase` for the learner's round clock (`take_round_shift`)."""
         self._loop.run(self.rpc.start({"ready": self._on_ready, "invite": self.matchmaker.on_invite,
                                        "group": self.matchmaker.on_group, "part": self.allreduce.on_part,
                                        "sparse": self.sparse.on_part, "catchup": self.catch_up.on_state}), timeout=30)
@@ -111,8 +118,37 @@ class P2PMerger:
 
     # ---- the interface the learner sees ----
 
-    def submit(self, contribution: Contribution) -> Future[MergeResult]:
+    def submit(self, contribution: Contribution) -> Future[MergeOutcome]:
+        self._round_shift = 0.0
         return self._loop.submit(self._merge(contribution))
+
+    def take_round_shift(self) -> float:
+        shift, self._round_shift = self._round_shift, 0.0
+        return shift
+
+    # ---- what the peer's other parts need of it ----
+
+    @property
+    def gate(self) -> StreamGate:
+        """The bounds on incoming streams: share them with the peer's other servers (state sync, reachability)."""
+        return self.rpc.gate
+
+    @property
+    def census(self) -> Census:
+        """The census of group mates that matchmaking reads (start-up hands it the count it saw, `Census.expect`)."""
+        return self.matchmaker.census
+
+    def trust_table(self) -> dict[str, float]:
+        """What this peer's guards learned of the others (their trust scores), for its checkpoints."""
+        return dict(self.book.trust)
+
+    def remember_trust(self, table: object) -> None:
+        """Take back a checkpoint's `trust_table` (anything malformed in it is ignored, `GuardBook.remember`)."""
+        self.book.remember(table)
+
+    def guard_report(self) -> dict:
+        """What this peer's guards rejected and banned, for its summary."""
+        return self.book.report()
 
     def expect_dialable_verdict(self) -> None:
         """A dial-back check of this peer is under way (call before the first `submit`): its first search for a
@@ -142,79 +178,76 @@ class P2PMerger:
 
     # ---- one merge ----
 
-    async def _merge(self, c: Contribution) -> MergeResult:
-        t0, sent0, recv0 = time.monotonic(), self.counter.sent, self.counter.received
-        rejected0 = sum(self.book.rejected.values())
-        self.allreduce.round = self.sparse.round = c.round
-        matched: float | None = None  # monotonic time when the group was formed
-
-        def finish(result: MergeResult) -> MergeResult:
-            self.matchmaker.record(alone=result.alone)
-            # rounds of a fixed step count drift apart (timed rounds end on a swarm-wide cadence, sync rounds wait);
-            # taken now, when mates whose rounds ended with this peer's have said so too
-            if not (self.cfg.sync or self.cfg.round_seconds > 0):
-                result.phase_shift_s = self.phase.shift_s(c.round_s, t0)
-            result.rejected = sum(self.book.rejected.values()) - rejected0
-            result.bytes_sent = self.counter.sent - sent0
-            result.bytes_received = self.counter.received - recv0
-            result.duration_s = time.monotonic() - t0
-            result.match_s = result.duration_s if matched is None else matched - t0
-            return result
-
-        group = None
+    async def _merge(self, c: Contribution) -> MergeOutcome:
+        start = _Start(time.monotonic(), self.counter.sent, self.counter.received, sum(self.book.rejected.values()))
+        session = None
         try:
             group = await self.matchmaker.find_group(c)
-            matched = time.monotonic()
+            start.matched = time.monotonic()
             if group is None:
-                return finish(alone_result(self.peer_id, c))
-            me = group.members.index(self.peer_id)
+                return self._finish(start, c, Alone())
+            session = self.sessions.open(MergeSession(group, group.members.index(self.peer_id), c.round, c.momentum))
             if self.faults is not None:
                 await self.faults.fire("exchange", c.round, self.peer_id[-6:])
             timeout = self.cfg.merge_timeout_s  # per exchange phase: Δ, and (θg, m) if they disagree
-            group.reference = c.momentum  # its slice guard judges members' parts by it (guards.cosines_to)
-            target = self.feedback.compensate(c.pseudo_grad)
-            exchange = (self.allreduce.average(group, me, "d", target) if self.codec.sliced
-                        else self.sparse.average(group, me, target))
+            target = c.pseudo_grad if c.compensated is None else c.compensated
+            exchange = (self.allreduce.average(session, "d", target) if self.codec.sliced
+                        else self.sparse.average(session, target))
             # the agreement needs nothing from the Δ exchange, so both run at once: a merge that needs one takes
             # as long as its longer phase, not their sum (two exchanges of its own without a common anchor)
-            agreement = self._agree(group, me, c) if group.need_state else _nothing()
+            agreement = self._agree(session, c) if group.need_state else _nothing()
             (avg, sent, shares), (state, state_shares) = await _together(
                 asyncio.wait_for(exchange, timeout),
                 asyncio.wait_for(agreement, timeout * (1 if group.anchor or group.majority else 2)))
             if not self.codec.sliced:
-                shares = [shares[me]] * len(group.members)  # one part, counted whole or not at all
-            sent = _rejected_as_dropped(sent, c.pseudo_grad, shares)
-            # only now: a failed merge sent nothing that counts. A failed merge falls back to merging alone with
-            # the uncompensated Δ, so the residual is neither applied there nor lost: it goes out once, with the
-            # next merge. In a slice the group left out, this round's Δ is dropped and the residual carried into
-            # it is kept (see _rejected_as_dropped)
-            self.feedback.commit(target, sent)
-            return finish(
-                MergeResult(
-                    group=list(group.members), pseudo_grad=avg, total_weight=float(sum(group.weights)),
-                    global_state=state, group_id=group.group_id,
-                    state_weight=group.agreed_state_weight() if state is not None else 0.0, final=group.final,
-                    own_kept=by_values([float(s > 0) for s in shares], group.lengths["d"]),
-                    state_share=by_values(state_shares, group.lengths["s"]) if state is not None else 0.0,
-                    pseudo_grad_bytes_sent=phase_sent(group.slots, "d"),
-                    state_bytes_sent=phase_sent(group.slots, "s") + phase_sent(group.slots, "a"),
-                    state_anchored=state is not None and not group.majority and group.anchor in c.anchors,
-                    state_caught_up=state is not None and bool(group.majority),
-                )
-            )
+                shares = [shares[session.me]] * len(group.members)  # one part, counted whole or not at all
+            stats = MergeStats(
+                group=list(group.members), group_id=group.group_id,
+                own_kept=by_values([float(s > 0) for s in shares], group.lengths["d"]),
+                state_share=by_values(state_shares, group.lengths["s"]) if state is not None else 0.0,
+                pseudo_grad_bytes_sent=session.sent("d"), state_bytes_sent=session.sent("s", "a"),
+                state_anchored=state is not None and not group.majority and group.anchor in c.anchors,
+                state_caught_up=state is not None and bool(group.majority))
+            # what error feedback counts as sent: only a merge that succeeded sent anything that counts. A failed
+            # merge falls back to merging alone with the uncompensated Δ, so the residual is neither applied there
+            # nor lost: it goes out once, with the next merge. In a slice the group left out, this round's Δ is
+            # dropped and the residual carried into it is kept (feedback.rejected_as_dropped)
+            sent = rejected_as_dropped(sent, c.pseudo_grad, shares, slice_bounds(sent.numel(), len(shares)))
+            return self._finish(start, c, Merged(
+                average=avg, weight=float(sum(group.weights)), agreed_state=state,
+                state_weight=group.agreed_state_weight() if state is not None else 0.0, final=group.final,
+                sent=sent, stats=stats))
         except (MergeFailed, WireError, TimeoutError, ConnectionError, OSError, P2PDaemonError) as e:
             # a mate that left, froze or cannot be dialed (P2PDaemonError: the daemon's dial failed) is normal
             reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             logger.warning("[%s] merge of round %d failed, merging alone: %s", self.peer_id[-6:], c.round, reason)
-            return finish(alone_result(self.peer_id, c, failure=reason))
+            return self._finish(start, c, Alone(reason))
         except Exception as e:  # the future must never raise into the learner: a bug here costs one merge
             logger.exception("[%s] unexpected error in merge", self.peer_id[-6:])
-            return finish(alone_result(self.peer_id, c, failure=f"{type(e).__name__}: {e}"))
+            return self._finish(start, c, Alone(f"{type(e).__name__}: {e}"))
         finally:
-            if group is not None:
-                self.matchmaker.forget(group.group_id)
+            if session is not None:
+                self.sessions.end(session.group.group_id)
 
-    async def _agree(self, group: Group, me: int, c: Contribution) -> tuple[torch.Tensor, list[float]]:
+    def _finish(self, start: _Start, c: Contribution, outcome: MergeOutcome) -> MergeOutcome:
+        """`outcome` with what the merge cost, counted from `start`, in its stats."""
+        alone = isinstance(outcome, Alone)
+        self.matchmaker.record(alone=alone)
+        # rounds of a fixed step count drift apart (timed rounds end on a swarm-wide cadence, sync rounds wait);
+        # taken now, when mates whose rounds ended with this peer's have said so too
+        if not (self.cfg.sync or self.cfg.round_seconds > 0):
+            self._round_shift = self.phase.shift_s(c.round_s, start.t0)
+        stats = outcome.stats
+        if alone:
+            stats.group = [self.peer_id]
+        stats.rejected = sum(self.book.rejected.values()) - start.rejected
+        stats.bytes_sent = self.counter.sent - start.sent
+        stats.bytes_received = self.counter.received - start.received
+        stats.duration_s = time.monotonic() - start.t0
+        stats.match_s = stats.duration_s if start.matched is None else start.matched - start.t0
+        return outcome
+
+    async def _agree(self, session: MergeSession, c: Contribution) -> tuple[torch.Tensor, list[float]]:
         """The group's (θg, momentum): where more than half the members hold one model, that model, which the others
         fetch (catch_up.py); else, from a state all members hold, the average of their int8-coded differences from
         it (every member adds the same decoded bits to the same anchor).
@@ -230,21 +263,34 @@ class P2PMerger:
         exchanges took 4 and fp32 8. A peer of the version before, which sent its momentum's difference there too,
         still ends on the group's bits: owners average, and members add the same decoded average to one anchor.
         """
+        group = session.group
         state = torch.cat([c.global_params, c.momentum])
         if group.majority:  # most members hold one model: it is the answer, and only the others need it
-            return await self.catch_up.agree(group, me, state)
+            return await self.catch_up.agree(session, state)
         anchor = c.anchors.get(group.anchor) if group.anchor else None
         if anchor is not None:
-            avg, _, shares = await self.allreduce.average(group, me, "a", state - anchor)
+            avg, _, shares = await self.allreduce.average(session, "a", state - anchor)
             return anchor + avg, shares
-        first, _, _ = await self.allreduce.average(group, me, "s", state)
+        first, _, _ = await self.allreduce.average(session, "s", state)
         n = c.global_params.numel()
         diff = state - first
         # the momentum stays the first exchange's average, but for the one int8 block of it (blocks run from each
         # slice's start) that may also hold the model's last values, and so the model's scale
         diff[n + LinearInt8Codec.BLOCK:] = 0.0
-        avg, _, shares = await self.allreduce.average(group, me, "a", diff)
+        avg, _, shares = await self.allreduce.average(session, "a", diff)
         return first + avg, shares
+
+
+@dataclass
+class _Start:
+    """When a merge started and this peer's counters then: what the merge cost is counted from them."""
+
+    t0: float
+    sent: int
+    received: int
+    rejected: int
+    matched: float | None = None
+    """When matchmaking returned (monotonic), a group or none."""
 
 
 async def _nothing() -> tuple[None, list[float]]:
@@ -262,21 +308,3 @@ async def _together(*phases):
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-
-
-def _rejected_as_dropped(sent: torch.Tensor, delta: torch.Tensor, shares: list[float]) -> torch.Tensor:
-    """What error feedback counts as gone of each slice: what was sent, and in slices whose owner left this
-    peer's part out (share 0) this round's own Δ, so that the residual there stays the residual carried in.
-
-    The rejected Δ is dropped, not kept: kept whole, a part would come back the next round on top of the next Δ,
-    larger, be left out again by the norm check, and grow every round, until a group small enough to accept it
-    (two members, where each owner's norm reference is its own part) applied it and left the global model worse
-    than its initialization. The residual carried in is not charged as sent: it goes out with the next merge.
-    """
-    if all(s > 0 for s in shares):
-        return sent
-    sent = sent.clone()
-    for share, (lo, hi) in zip(shares, slice_bounds(sent.numel(), len(shares)), strict=True):
-        if share <= 0:
-            sent[lo:hi] = delta[lo:hi]
-    return sent

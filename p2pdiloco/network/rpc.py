@@ -80,8 +80,10 @@ class Rpc:
             p2p, self._p2p = self._p2p, None
             await p2p.shutdown()
 
-    async def call(self, peer: str, op: str, header: dict, payload: bytes = b"", max_reply: int = 0) -> tuple[dict, bytes]:
-        """Send one request to `peer` and return its (reply header, reply payload).
+    async def call(self, peer: str, op: str, header: dict, payload: bytes = b"", max_reply: int = 0,
+                   phase: ByteCounter | None = None) -> tuple[dict, bytes]:
+        """Send one request to `peer` and return its (reply header, reply payload); `phase`: the merge phase's byte
+        counter, where the request's and reply's bytes are added too.
 
         Raises:
             MergeFailed: the reply does not carry the swarm key's tag.
@@ -89,11 +91,12 @@ class Rpc:
         """
         _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.proto(op))
         try:
-            await send_msg(writer, {**header, "auth": self.auth.tag(op, self.peer_id, peer)}, payload, self.counter)
-            reply = await recv_header(reader, self.counter)
+            await send_msg(writer, {**header, "auth": self.auth.tag(op, self.peer_id, peer)}, payload, self.counter,
+                           phase=phase)
+            reply = await recv_header(reader, self.counter, phase)
             if not self.auth.verify(op + ":reply", peer, self.peer_id, reply.get("auth")):
                 raise MergeFailed(f"{op} reply from {peer[-6:]} without the swarm key")  # its payload unread
-            data = await recv_payload(reader, max_reply, self.counter)
+            data = await recv_payload(reader, max_reply, self.counter, phase=phase)
         finally:
             writer.close()
         return reply, data
@@ -108,16 +111,17 @@ class Rpc:
             return None
 
     async def receive_payload(self, reader: asyncio.StreamReader, size: int = 0,
-                              timeout_s: float = RPC_TIMEOUT_S, exact: bool = True) -> bytes:
+                              timeout_s: float = RPC_TIMEOUT_S, exact: bool = True,
+                              phase: ByteCounter | None = None) -> bytes:
         """A handler's request payload, which must be exactly `size` bytes (at most `size` if not `exact`) and
-        arrive within `timeout_s`.
+        arrive within `timeout_s`; `phase`: the merge phase's byte counter, where its bytes are added too.
 
         Raises:
             WireError: another size was declared (nothing of it is read), or the stream broke.
             TimeoutError: it did not arrive in time.
         """
         async with asyncio.timeout(timeout_s):
-            return await recv_payload(reader, size, self.counter, exact=exact)
+            return await recv_payload(reader, size, self.counter, exact=exact, phase=phase)
 
     def authorized(self, op: str, requester: str, header: dict) -> bool:
         """Whether a request's header carries the swarm key's tag (a refusal is logged)."""
@@ -127,9 +131,9 @@ class Rpc:
         return False
 
     async def reply(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, op: str, requester: str,
-                    header: dict, payload: bytes = b"") -> None:
+                    header: dict, payload: bytes = b"", phase: ByteCounter | None = None) -> None:
         """Send a handler's reply, within `send_deadline` of its size, and keep the stream open until the requester
-        has read it (see wire.py)."""
+        has read it (see wire.py); `phase`: the merge phase's byte counter, where its bytes are added too."""
         await send_msg(writer, {**header, "auth": self.auth.tag(op + ":reply", self.peer_id, requester)}, payload,
-                       self.counter, deadline_s=send_deadline(len(payload)))
+                       self.counter, deadline_s=send_deadline(len(payload)), phase=phase)
         await await_requester_close(reader)

@@ -43,9 +43,10 @@ class SliceGuard:
         return part, flag
 
     def reduce(self, group: Group, tag: str, me: int, parts: list[torch.Tensor], weights: list[float],
-               flags: dict[int, str]) -> tuple[torch.Tensor, list[float]]:
+               flags: dict[int, str], reference: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
         """This peer's slice of the group average (`aggregate.aggregate` under `aggregate.slice_policy`), with its
-        decisions counted in the book: strikes for screened parts, trust scores updated, accepts.
+        decisions counted in the book: strikes for screened parts, trust scores updated, accepts. `reference`: this
+        peer's outer momentum, the whole vector, which trust judges the parts against.
 
         Runs once per slice, on its owner, so whatever it decides every member receives the same bits. Each
         member's share is its weight among the parts combined (0 if left out). The trust reference is this peer's
@@ -55,10 +56,11 @@ class SliceGuard:
         g = self.guard
         policy = slice_policy(tag, me, g.aggregate, g.norm_bound, g.min_cosine, g.trust_decay, g.robust_min_group,
                               g.trim_fraction)
-        reference = None
-        if policy.trust and group.reference is not None:
+        if policy.trust and reference is not None:
             lo, hi = group_slice(group, "d", me)
-            reference = group.reference[lo:hi]
+            reference = reference[lo:hi]
+        else:
+            reference = None
         history = [self.book.trust.get(m) for m in group.members]
         out = aggregate(parts, weights, [flags.get(i, "") for i in range(len(parts))], reference, policy,
                         history)

@@ -33,15 +33,13 @@ from p2pdiloco.algorithm.codecs import Codec, CodecError, NonFiniteError
 from p2pdiloco.algorithm.guards import NONFINITE, SHAPE, TRUST, GuardBook
 from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.admission import Request
-from p2pdiloco.network.group import Group, check_terms
+from p2pdiloco.network.group import check_terms
 from p2pdiloco.network.merger import FaultHook
 from p2pdiloco.network.rpc import MergeFailed, Rpc
-from p2pdiloco.network.wire import WireError, phase_bytes
+from p2pdiloco.network.session import MergeSession
+from p2pdiloco.network.wire import WireError
 
 logger = logging.getLogger(__name__)
-
-SLOT = "sparse"
-"""Key of the gathered parts in `Group.slots`."""
 
 
 def decode_part(codec: Codec, data: bytes, n: int) -> tuple[torch.Tensor, str]:
@@ -109,41 +107,41 @@ class SparseExchange:
 
     Args:
         rpc: requests to the other members (op 'sparse').
-        expected_group: group id -> the group, once its notice is here (see `Matchmaker.expected_group`).
+        find_session: group id -> its merge session, once it is open (see `Sessions.find`).
         codec: the sparse codec (`encoded_size` bounds a part's bytes).
         guard: bounds on received parts (None: no guards).
         book: where rejected members are counted.
         merge_timeout_s: bound on receiving one part, and on waiting for all of them.
-        faults: test hook; stage 'serve_part' fires on each part received, keyed by `round`.
+        faults: test hook; stage 'serve_part' fires on each part received, keyed by the session's round.
     """
 
-    def __init__(self, rpc: Rpc, expected_group: Callable[[str], Awaitable[Group]], codec: Codec,
+    def __init__(self, rpc: Rpc, find_session: Callable[[str], Awaitable[MergeSession]], codec: Codec,
                  guard: GuardConfig | None, book: GuardBook, merge_timeout_s: float = 30.0,
                  faults: FaultHook | None = None):
-        self.rpc, self.expected_group, self.codec, self.guard, self.book = rpc, expected_group, codec, guard, book
+        self.rpc, self.find_session, self.codec, self.guard, self.book = rpc, find_session, codec, guard, book
         self.merge_timeout_s, self.faults = merge_timeout_s, faults
-        self.round = -1
 
-    async def average(self, group: Group, me: int,
+    async def average(self, session: MergeSession,
                       vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
-        """Average `vector` (a pseudo-gradient) over `group`, in which this peer is member `me`.
+        """Average `vector` (a pseudo-gradient) over the session's group.
 
         Returns:
             (the average, as every member computes it; `vector` as the others decoded it, zero where this
             member's part was left out, for error feedback; each member's share of the average).
         """
+        group, me = session.group, session.me
         n = group.lengths["d"]
         vector = vector.detach().float().contiguous().cpu()
         if vector.numel() != n:
             raise MergeFailed(f"vector of {vector.numel()} values, group expects {n}")
         data = self.codec.encode(vector)
-        phase_bytes(group.slots, "d")  # this task's frames are the Δ phase's (see wire.PHASE_BYTES)
-        gathered = self._gathered(group)
+        phase = session.counter("d")
+        gathered = self._gathered(session)
         gathered.add(me, data)
         header = {"group_id": group.group_id, "index": me, "codec": self.codec.name, "terms": group.terms}
 
         async def send(j: int) -> None:
-            reply, _ = await self.rpc.call(group.members[j], "sparse", header, data, 0)
+            reply, _ = await self.rpc.call(group.members[j], "sparse", header, data, 0, phase)
             if not reply.get("ok"):
                 raise MergeFailed(f"member {group.members[j][-6:]} refused our part: {reply.get('error')}")
 
@@ -151,8 +149,7 @@ class SparseExchange:
         await asyncio.wait_for(asyncio.shield(gathered.done), self.merge_timeout_s)
         decoded = [decode_part(self.codec, p, n) for p in gathered.parts]
         parts, flags = [d[0] for d in decoded], [d[1] for d in decoded]
-        reference = group.reference if isinstance(group.reference, torch.Tensor) else None
-        average, reasons, shares = reduce_parts(parts, flags, list(group.weights_for("d")), self.guard, reference,
+        average, reasons, shares = reduce_parts(parts, flags, list(group.weights_for("d")), self.guard, session.reference,
                                                 forked=group.need_state)
         for i, reason in enumerate(reasons):
             if reason:
@@ -164,35 +161,36 @@ class SparseExchange:
         sent = parts[me] if not reasons[me] else torch.zeros(n)
         return average, sent, shares
 
-    def _gathered(self, group: Group) -> _Gathered:
-        if SLOT not in group.slots:
-            group.slots[SLOT] = _Gathered([None] * len(group.members), asyncio.get_running_loop().create_future())
-        return group.slots[SLOT]
+    def _gathered(self, session: MergeSession) -> _Gathered:
+        if session.gathered is None:
+            session.gathered = _Gathered([None] * len(session.group.members), asyncio.get_running_loop().create_future())
+        return session.gathered
 
     async def on_part(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Another member's encoded part: read only once the header names a group and member this peer expects a
         part from, and only up to the codec's bound for the group's vector length."""
-        sender, header = request.sender, request.header
+        sender, header, phase = request.sender, request.header, None
         try:
             gid, index = header.get("group_id"), header.get("index")
             if not isinstance(gid, str) or not isinstance(index, int):
                 raise MergeFailed("malformed part header")
             if header.get("codec") != self.codec.name:
                 raise MergeFailed(f"part encoded with {header.get('codec')!r}, this peer merges with {self.codec.name!r}")
-            group = await self.expected_group(gid)
+            session = await self.find_session(gid)
+            group = session.group
             if not 0 <= index < len(group.members) or group.members[index] != sender:
                 raise MergeFailed("sender is not that member of the group")
             check_terms(group, header)
-            phase_bytes(group.slots, "d")
-            gathered = self._gathered(group)
+            phase = session.counter("d")
+            gathered = self._gathered(session)
             if gathered.parts[index] is not None:
                 raise MergeFailed(f"duplicate part from member {index}")
             payload = await self.rpc.receive_payload(reader, self.codec.encoded_size(group.lengths["d"]),
-                                                     self.merge_timeout_s, exact=False)
+                                                     self.merge_timeout_s, exact=False, phase=phase)
             if self.faults is not None:
-                await self.faults.fire("serve_part", self.round, self.rpc.peer_id[-6:])
+                await self.faults.fire("serve_part", session.round, self.rpc.peer_id[-6:])
             gathered.add(index, payload)
             reply = {"ok": True}
         except (MergeFailed, TimeoutError, WireError) as e:
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        await self.rpc.reply(reader, writer, "sparse", sender, reply)
+        await self.rpc.reply(reader, writer, "sparse", sender, reply, phase=phase)

@@ -10,7 +10,6 @@ huge message, is refused before its payload is read.
 from __future__ import annotations
 
 import asyncio
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import msgpack
@@ -41,25 +40,8 @@ class ByteCounter:
     received: int = 0
 
 
-PHASE_BYTES: ContextVar[ByteCounter | None] = ContextVar("phase_bytes", default=None)
-"""Where the frames of the exchange phase the current task works for are counted too, besides the peer's own
-counter: a merge's phases (its Δ, its agreement) run at once, so the peer's counter alone cannot tell their bytes
-apart. Set only in the task of one phase (`phase_bytes`) or in a handler serving one."""
-
-
-def phase_bytes(group_slots: dict, tag: str) -> None:
-    """Count the current task's frames in the counter of phase `tag` of a group (kept in its `slots`)."""
-    PHASE_BYTES.set(group_slots.setdefault(("bytes", tag), ByteCounter()))
-
-
-def phase_sent(group_slots: dict, tag: str) -> int:
-    """Bytes this peer sent in phase `tag` of a group (see `phase_bytes`); 0 if it had no such phase."""
-    counter = group_slots.get(("bytes", tag))
-    return counter.sent if counter is not None else 0
-
-
-def _count(counter: ByteCounter | None, sent: int = 0, received: int = 0) -> None:
-    for c in (counter, PHASE_BYTES.get()):
+def _count(counter: ByteCounter | None, phase: ByteCounter | None, sent: int = 0, received: int = 0) -> None:
+    for c in (counter, phase):
         if c is not None:
             c.sent += sent
             c.received += received
@@ -71,7 +53,8 @@ def send_deadline(nbytes: int) -> float:
 
 
 async def send_msg(writer: asyncio.StreamWriter, header: dict, payload: bytes | memoryview = b"",
-                   counter: ByteCounter | None = None, deadline_s: float | None = None) -> None:
+                   counter: ByteCounter | None = None, deadline_s: float | None = None,
+                   phase: ByteCounter | None = None) -> None:
     """Write one frame and wait until it is flushed.
 
     Args:
@@ -83,6 +66,7 @@ async def send_msg(writer: asyncio.StreamWriter, header: dict, payload: bytes | 
             taken within `deadline_s` seconds and each `SEND_CHUNK` of it within `SEND_STALL_S`, or the stream
             is aborted (its buffered bytes dropped) and WireError raised: handlers use this, so that a reader
             that never reads holds neither the handler nor a copy of the payload for long.
+        phase: where to add them too: the counter of the merge phase the frame belongs to (`MergeSession.counter`).
     """
     head = msgpack.packb(header, use_bin_type=True)
     if len(head) > MAX_HEADER_BYTES:
@@ -108,15 +92,17 @@ async def send_msg(writer: asyncio.StreamWriter, header: dict, payload: bytes | 
             if transport is not None:
                 transport.abort()  # close() would keep the unsent bytes until the reader takes them
             raise WireError(f"the reader took less than {len(payload)} bytes in {deadline_s:.0f} s") from None
-    _count(counter, sent=len(prefix) + len(payload))
+    _count(counter, phase, sent=len(prefix) + len(payload))
 
 
-async def recv_header(reader: asyncio.StreamReader, counter: ByteCounter | None = None) -> dict:
+async def recv_header(reader: asyncio.StreamReader, counter: ByteCounter | None = None,
+                      phase: ByteCounter | None = None) -> dict:
     """Read a frame's header (not its payload length); raise WireError if it is malformed or too large.
 
     Args:
         reader: the stream.
         counter: where to add the bytes read.
+        phase: where to add them too (see `send_msg`).
     """
     try:
         head_len = int.from_bytes(await reader.readexactly(4), "big")
@@ -125,7 +111,7 @@ async def recv_header(reader: asyncio.StreamReader, counter: ByteCounter | None 
         head = await reader.readexactly(head_len)
     except asyncio.IncompleteReadError as e:
         raise WireError("stream closed mid-message") from e
-    _count(counter, received=4 + head_len)
+    _count(counter, phase, received=4 + head_len)
     try:
         header = msgpack.unpackb(head, raw=False)
     except Exception as e:  # msgpack raises several unrelated types on garbage
@@ -136,7 +122,7 @@ async def recv_header(reader: asyncio.StreamReader, counter: ByteCounter | None 
 
 
 async def recv_payload(reader: asyncio.StreamReader, max_payload: int, counter: ByteCounter | None = None,
-                       exact: bool = False) -> bytes:
+                       exact: bool = False, phase: ByteCounter | None = None) -> bytes:
     """Read a frame's payload length and payload, after `recv_header`; raise WireError on a wrong size.
 
     Args:
@@ -144,6 +130,7 @@ async def recv_payload(reader: asyncio.StreamReader, max_payload: int, counter: 
         max_payload: the largest payload this message may carry, in bytes.
         counter: where to add the bytes read.
         exact: the payload must be exactly `max_payload` bytes (a request whose size the receiver knows).
+        phase: where to add them too (see `send_msg`).
     """
     try:
         payload_len = int.from_bytes(await reader.readexactly(8), "big")
@@ -154,7 +141,7 @@ async def recv_payload(reader: asyncio.StreamReader, max_payload: int, counter: 
         payload = await reader.readexactly(payload_len) if payload_len else b""
     except asyncio.IncompleteReadError as e:
         raise WireError("stream closed mid-message") from e
-    _count(counter, received=8 + payload_len)
+    _count(counter, phase, received=8 + payload_len)
     return payload
 
 

@@ -17,6 +17,7 @@ docs/security.md, "Insiders who lie about themselves", says how each is stopped.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from concurrent.futures import Future
 
@@ -24,7 +25,7 @@ import torch
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import HOSTILE_KINDS as KINDS
-from p2pdiloco.network.merger import Contribution, Merger, MergeResult
+from p2pdiloco.network.merger import Contribution, Merged, MergeOutcome, Merger
 from p2pdiloco.network.state_sync import GlobalState
 
 logger = logging.getLogger(__name__)
@@ -77,19 +78,48 @@ class HostileMerger:
             silent_leader(inner)
         logger.warning("[%s] HOSTILE peer: %s", self.peer_id[-6:], kind)
 
-    def submit(self, contribution: Contribution) -> Future[MergeResult]:
+    def submit(self, contribution: Contribution) -> Future[MergeOutcome]:
         c = contribution
         if self.kind in CORRUPTING:
-            c = Contribution(**{**c.__dict__, "pseudo_grad": corrupt(c.pseudo_grad, self.kind, self._gen)})
-        elif self.kind == "takeover":
+            # the lie is what is sent, with the learner's error-feedback residual on top as for an honest Δ; the
+            # learner's residual is then the lie's less what the group took of it (`_residual_of_lie`)
+            bad = corrupt(c.pseudo_grad, self.kind, self._gen)
+            lie = bad if c.compensated is None or c.compensated is c.pseudo_grad else bad + (c.compensated - c.pseudo_grad)
+            told = Contribution(**{**c.__dict__, "pseudo_grad": bad, "compensated": lie})
+            truth = c.pseudo_grad if c.compensated is None else c.compensated
+            return _residual_of_lie(self.inner.submit(told), truth - lie)
+        if self.kind == "takeover":
             c = Contribution(**{**c.__dict__, "global_params": -c.global_params, "weight": CLAIM, "state_weight": CLAIM,
                                 "state_digest": "takeover-" + c.state_digest})
         elif self.kind == "final":
             c = Contribution(**{**c.__dict__, "final": True})
         return self.inner.submit(c)
 
+    def take_round_shift(self) -> float:
+        return self.inner.take_round_shift()
+
     def close(self) -> None:
         self.inner.close()
+
+
+def _residual_of_lie(future: Future[MergeOutcome], offset: torch.Tensor) -> Future[MergeOutcome]:
+    """`future`, with `Merged.sent` moved by `offset` (what the learner offered less what was sent), so that the
+    learner's error feedback keeps the lie's residual, as a merger that compensated the lie itself would."""
+    out: Future[MergeOutcome] = Future()
+
+    def landed(f: Future[MergeOutcome]) -> None:
+        if f.cancelled():
+            out.cancel()
+            return
+        outcome = f.result()
+        if isinstance(outcome, Merged) and outcome.sent is not None:
+            outcome = dataclasses.replace(outcome, sent=outcome.sent + offset)
+        if out.set_running_or_notify_cancel():
+            out.set_result(outcome)
+
+    future.add_done_callback(landed)
+    out.add_done_callback(lambda f: future.cancel() if f.cancelled() else None)
+    return out
 
 
 def silent_leader(merger) -> None:

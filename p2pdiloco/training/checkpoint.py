@@ -228,9 +228,15 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: list[torch.Tensor],
     return True
 
 
+RESIDUAL = "error_feedback"
+"""Tensor name of the error-feedback residual (`feedback.ErrorFeedback.residual`) in a learner's checkpoint."""
+
+
 def learner_checkpoint(state: GlobalState, tokens: int, opt: torch.optim.Optimizer, params: list[torch.Tensor],
-                       config: dict, extra: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """A learner's checkpoint as (tensors, meta): θg, outer momentum, inner optimizer state (copies) and counters.
+                       config: dict, extra: dict | None = None,
+                       residual: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """A learner's checkpoint as (tensors, meta): θg, outer momentum, inner optimizer state (copies), the
+    error-feedback residual and counters.
 
     Args:
         state: the learner's global state now (its counters included).
@@ -238,9 +244,11 @@ def learner_checkpoint(state: GlobalState, tokens: int, opt: torch.optim.Optimiz
         opt, params: the inner optimizer and the model's parameters, in order.
         config: the run's config as a dict, for the record.
         extra: more metadata (JSON), under keys of its own.
+        residual: the error-feedback residual, flat fp32 (None: none yet, or error feedback off); never changed in
+            place (`ErrorFeedback.commit` replaces it), so the tensor itself is handed over.
     """
     tensors = {"global_params": state.global_params, "momentum": state.momentum,
-               **optimizer_state_tensors(opt, params)}
+               **optimizer_state_tensors(opt, params), **({RESIDUAL: residual} if residual is not None else {})}
     meta = {**(extra or {}), "round": state.round, "step": state.step, "tokens": tokens,
             "global_tokens": state.global_tokens, "config": config}
     return tensors, meta
@@ -260,3 +268,12 @@ def learner_state(tensors: dict[str, torch.Tensor], meta: dict) -> tuple[GlobalS
     state = GlobalState(tensors["global_params"], tensors["momentum"], int(meta["round"]), int(meta["step"]),
                         float(meta["global_tokens"]))
     return state, int(meta.get("tokens", 0))
+
+
+def feedback_residual(tensors: dict[str, torch.Tensor], n_params: int) -> torch.Tensor | None:
+    """The error-feedback residual a learner's checkpoint holds; None (a zero residual) where it holds none (a
+    checkpoint written before it held one, or with error feedback off) or one that does not fit the model."""
+    residual = tensors.get(RESIDUAL)
+    if residual is None or residual.numel() != n_params:
+        return None
+    return residual.float().flatten().clone()

@@ -196,6 +196,9 @@ class _NoMerger:
     def submit(self, contribution) -> Future:
         raise RuntimeError("a follower rank does not merge")
 
+    def take_round_shift(self) -> float:
+        return 0.0
+
     def close(self) -> None:
         pass
 

@@ -12,7 +12,7 @@ import torch
 
 from p2pdiloco.algorithm.outer import STATE_REACH, OuterRound, alone_lr, outer_round, state_digest
 from p2pdiloco.config import OuterOptConfig
-from p2pdiloco.network.merger import MergeResult
+from p2pdiloco.network.merger import Merged
 
 
 class GlobalModel:
@@ -56,20 +56,21 @@ class GlobalModel:
         """The states this peer can rebuild exactly, by digest, newest first (see `Contribution.anchors`)."""
         return dict(reversed(list(self._anchors.items())))
 
-    def merge(self, result: MergeResult, own_weight: float = 1.0) -> bool:
+    def merge(self, result: Merged, own_weight: float = 1.0, alone: bool = False) -> bool:
         """Adopt the group's averaged (θg, momentum) if members disagreed, then take the outer step on Δ̄
         (`outer.outer_round`, without a local model).
 
         Args:
-            result: the merge.
+            result: the merge (`merged_alone` for a merge alone).
             own_weight: tokens this peer's θg has absorbed. With none (a fresh peer) the group's state is adopted
                 whatever it is; otherwise only within reach of this peer's own (see `state_within_reach`).
+            alone: the step is on this peer's own Δ alone (it takes `alone_lr`).
 
         Returns:
             False if the group's state was refused (this peer steps its own θg instead), else True.
         """
-        done = outer_round(self.params, self.momentum, result.pseudo_grad, self.outer, alone=result.alone,
-                           agreed_state=result.global_state, own_weight=own_weight,
+        done = outer_round(self.params, self.momentum, result.average, self.outer, alone=alone,
+                           agreed_state=result.agreed_state, own_weight=own_weight,
                            longest_recent=self.longest_recent)
         self.take(done)
         return done.adopted

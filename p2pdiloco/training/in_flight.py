@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pdiloco.network.merger import Contribution, MergeResult
+from p2pdiloco.network.merger import Alone, Contribution, MergeOutcome, MergeStats
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +32,13 @@ class InFlight:
     peer_id: str
     bound_s: float  # no merge can legitimately take longer (`Learner.merge_bound`): past it the merger is hung
 
-    def result(self) -> MergeResult | None:
+    def result(self) -> MergeOutcome | None:
         """The merge's result if it has finished, a merge alone if it hung, else None; never waits."""
         if self.future.done():
             return self.future.result()
         return self._hung() if self._overdue() else None
 
-    def wait(self, should_stop: Callable[[], bool]) -> MergeResult | None:
+    def wait(self, should_stop: Callable[[], bool]) -> MergeOutcome | None:
         """Block until `result` has one; None (the merge cancelled) if `should_stop()` turns true first."""
         while True:
             try:
@@ -60,13 +60,11 @@ class InFlight:
     def _overdue(self) -> bool:
         return time.monotonic() - self.submitted_at > self.bound_s
 
-    def _hung(self) -> MergeResult:
+    def _hung(self) -> Alone:
         """A merger bug must not stop this peer from ever merging again: give up on it, keep our own update."""
         logger.error("[%s] merge did not finish in %.0f s; merging alone", self.peer_id[-6:], self.bound_s)
         self.future.cancel()
-        c = self.contribution
-        return MergeResult(group=[self.peer_id], pseudo_grad=c.pseudo_grad, total_weight=c.weight,
-                           failure="merger hung")
+        return Alone("merger hung", MergeStats(group=[self.peer_id]))
 
 
 @dataclass
@@ -99,8 +97,8 @@ class LandWait:
             return False
         return not self.exchanges or statistics.median(self.exchanges) < self.bound_s(round_s)
 
-    def record(self, result: MergeResult) -> None:
+    def record(self, outcome: MergeOutcome) -> None:
         """A merge landed (waited for or not); a group merge's exchange time goes into the window."""
-        if result.alone:
+        if isinstance(outcome, Alone):
             return
-        self.exchanges.append(max(0.0, result.duration_s - result.match_s))
+        self.exchanges.append(max(0.0, outcome.stats.duration_s - outcome.stats.match_s))

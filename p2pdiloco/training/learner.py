@@ -17,13 +17,16 @@ from pathlib import Path
 
 import torch
 
+from p2pdiloco.algorithm.codecs import get_codec
+from p2pdiloco.algorithm.feedback import ErrorFeedback
 from p2pdiloco.algorithm.outer import eager_step, outer_round, pseudo_gradient
 from p2pdiloco.config import Config
-from p2pdiloco.network.merger import Contribution, Merger, MergeResult
+from p2pdiloco.network.merger import Alone, Contribution, Merged, MergeOutcome, Merger, merged_alone
 from p2pdiloco.network.state_sync import GlobalState
 from p2pdiloco.training.accel import autocast_for, compile_for_training
 from p2pdiloco.training.checkpoint import (
     CheckpointWriter,
+    feedback_residual,
     learner_checkpoint,
     learner_state,
     load_optimizer_state,
@@ -33,7 +36,7 @@ from p2pdiloco.training.flat import flat_params, load_flat_
 from p2pdiloco.training.global_model import GlobalModel
 from p2pdiloco.training.in_flight import InFlight, LandWait
 from p2pdiloco.training.optim import InnerSchedule, build_inner_optimizer
-from p2pdiloco.training.reporting import Counters, MetricsLog, Reporter
+from p2pdiloco.training.reporting import Counters, Landed, MetricsLog, Reporter
 from p2pdiloco.training.rounds import RoundClock
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,10 @@ class Learner:
         self.model_moved = 0
         """Moves of the local model outside a merge (eager updates): a unit's other ranks follow them too."""
         self.g = GlobalModel(self._local_params(), cfg.outer, cfg.swarm.state_anchors)
+        s = cfg.swarm
+        self.feedback = ErrorFeedback(s.error_feedback and get_codec(s.codec, s.sparse_keep).lossy, s.error_feedback_decay)
+        """The residual of past rounds' quantization, added to the next Δ a group merge sends (codecs.py); checkpoints
+        hold it."""
         self.c = Counters()
         self.report = Reporter(cfg, self.c, metrics, merger.peer_id, device, self.g.params.numel(), t_process_start)
         """Metrics lines, the heartbeat record, the summary and the bandwidth report (reporting.py)."""
@@ -85,7 +92,7 @@ class Learner:
         self.land = LandWait(cfg.outer.land_wait)
         self.clock, self.train_s = RoundClock(cfg.swarm, cfg.run.time_limit_s), 0.0
         self.ended_with_swarm = False
-        """A group merge included another peer's last contribution: the run is over (see `MergeResult.final`)."""
+        """A group merge included another peer's last contribution: the run is over (see `Merged.final`)."""
         self.last_eval: tuple[str, float] | None = None  # (digest of θg, its eval loss): see `evaluate_global`
         self.last_round_steps, self.last_round_s = 0, 0.0  # of the last round submitted (what `near_end` counts in)
 
@@ -185,11 +192,12 @@ class Learner:
             final: this is the peer's last contribution of the run (see `Contribution.final`).
         """
         local = self._local_params()
+        delta = pseudo_gradient(self.g.params, local)
         contribution = Contribution(
-            pseudo_grad=pseudo_gradient(self.g.params, local), weight=float(self.c.tokens_in_round),
+            pseudo_grad=delta, weight=float(self.c.tokens_in_round),
             global_params=self.g.params, momentum=self.g.momentum, state_digest=self.g.digest(),
             state_weight=self.c.global_tokens, anchors=self.g.anchors(), round=self.c.round, round_s=self.clock.round_s(), final=final,
-            closing=self.near_end())
+            closing=self.near_end(), compensated=self.feedback.compensate(delta))
         future = self.merger.submit(contribution)
         if self.cfg.outer.eager and not self.cfg.swarm.sync:
             local = self._eager(contribution.pseudo_grad)
@@ -253,48 +261,62 @@ class Learner:
             self.submit_round(final=True)
             self.wait_merge()
 
-    def _apply_in_flight(self, result: MergeResult) -> None:
+    def _apply_in_flight(self, outcome: MergeOutcome) -> None:
         flight, self.in_flight = self.in_flight, None
-        self.land.record(result)
-        self.apply_merge(result, flight.local_at_submit)
-        self.clock.shift(result.phase_shift_s)  # toward the mates' round ends (network/phase.py)
-        if result.final and not result.alone and not flight.contribution.final:
+        self.land.record(outcome)
+        if isinstance(outcome, Merged):  # a merge alone sent nothing: the residual goes out with the next group merge
+            target = flight.contribution.compensated  # what the merge was handed to send
+            self.feedback.commit(target, target if outcome.sent is None else outcome.sent)
+        landed = self.apply_merge(outcome, flight.local_at_submit, flight.contribution)
+        landed.phase_shift_s = self.merger.take_round_shift()
+        self.clock.shift(landed.phase_shift_s)  # toward the mates' round ends (network/phase.py)
+        if landed.merged.final and not landed.alone and not flight.contribution.final:
             if self.near_end():
                 self.ended_with_swarm = True  # the steps taken since this contribution are not in any global model
                 logger.info("[%s] merged with a peer that finished its run: ending at step %d", self.tag, self.c.step)
             else:  # a claim from another peer, which may lie; only this peer's own counters end its run
                 logger.warning("[%s] a member of group %s said the run is over, but this peer is at step %d of %d: "
-                               "going on", self.tag, result.group_id, self.c.step, self.cfg.run.total_steps)
-        self.report.merge(result, flight.compute_s, self.c.global_digest, self.scheduled_eval())
+                               "going on", self.tag, landed.stats.group_id, self.c.step, self.cfg.run.total_steps)
+        self.report.merge(landed, flight.compute_s, self.c.global_digest, self.scheduled_eval())
         if self.checkpoint_due():
             self.checkpoint()
 
-    def apply_merge(self, result: MergeResult, local_at_submit: torch.Tensor | None = None) -> None:
+    def apply_merge(self, outcome: MergeOutcome, local_at_submit: torch.Tensor | None = None,
+                    contribution: Contribution | None = None) -> Landed:
         """Outer Nesterov step on the merged Δ̄, then move the local model onto the new θg.
 
         Args:
-            result: the merge.
+            outcome: the merge.
             local_at_submit: the local model when Δ was taken. `outer.rebase_keep` of the inner steps taken
                 since then is kept: θ ← θg + keep·(θ − θ_at_submit); in sync mode there are none, so θ ← θg
                 exactly. None restarts from θg regardless.
+            contribution: what was submitted (a merge alone steps on its Δ).
+
+        Returns:
+            the merge as applied, for the counters and the metrics.
         """
-        done = outer_round(self.g.params, self.g.momentum, result.pseudo_grad, self.cfg.outer, alone=result.alone,
-                           agreed_state=result.global_state, own_weight=self.c.global_tokens,
+        alone = isinstance(outcome, Alone)
+        merged = merged_alone(contribution, outcome.stats) if alone else outcome
+        landed = Landed(merged, alone, outcome.reason if alone else "")
+        done = outer_round(self.g.params, self.g.momentum, merged.average, self.cfg.outer, alone=alone,
+                           agreed_state=merged.agreed_state, own_weight=self.c.global_tokens,
                            longest_recent=self.g.longest_recent, local_now=self._local_params(),
                            local_at_submit=local_at_submit)
         self.g.take(done)
         if done.adopted:
-            if result.global_state is not None:  # members disagreed: the group's agreed global model was adopted
-                self.c.global_tokens = max(self.c.global_tokens, result.state_weight)
+            if merged.agreed_state is not None:  # members disagreed: the group's agreed global model was adopted
+                self.c.global_tokens = max(self.c.global_tokens, merged.state_weight)
+                landed.adopted_state = True
         else:
             logger.warning("[%s] refused group %s's averaged global model: farther from ours than any honest "
-                           "divergence (see algorithm/outer.py, state_within_reach)", self.tag, result.group_id)
-            result.global_state, result.state_refused = None, True
+                           "divergence (see algorithm/outer.py, state_within_reach)", self.tag, merged.stats.group_id)
+            landed.state_refused = True
         load_flat_(self.model, done.local)
         self.c.rebase_dropped_s = self.c.compute_in_round * (1.0 - done.keep)  # of the steps taken since the submit
-        self.c.add_merge(result)
+        self.c.add_merge(landed)
         self.c.global_digest = self.g.digest()
         self.shared = self.snapshot()
+        return landed
 
     # ---- state: sharing with joiners, adopting the swarm's, checkpoints ----
 
@@ -321,7 +343,8 @@ class Learner:
         """θg, momentum, optimizer state and counters (checkpoint.py), written in the background; `wait`: on disk."""
         kill = self.faults.get(("checkpoint", self.c.round)) == "kill"
         tensors, meta = learner_checkpoint(self.snapshot(), self.c.tokens, self.opt, list(self.model.parameters()),
-                                           self.cfg.to_dict(), extra={**self.checkpoint_meta(), "eval": self.last_eval})
+                                           self.cfg.to_dict(), extra={**self.checkpoint_meta(), "eval": self.last_eval},
+                                           residual=self.feedback.residual)
         self.checkpoints.submit(self.checkpoint_dir, self.c.round, tensors, meta, kill_midway=kill)
         return self.checkpoints.wait() if wait else None
 
@@ -330,6 +353,7 @@ class Learner:
         state, tokens = learner_state(tensors, meta)
         self.adopt_state(state)
         self.c.tokens, self.last_eval = tokens, tuple(meta["eval"]) if meta.get("eval") else None  # θg's, if measured
+        self.feedback.residual = feedback_residual(tensors, self.g.params.numel())
         if load_optimizer_state(self.opt, list(self.model.parameters()), tensors):
             self.schedule.moments_restored()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from p2pdiloco.config import Config
-from p2pdiloco.network.merger import MergeResult
+from p2pdiloco.network.merger import Merged, MergeStats
 from p2pdiloco.network.traffic import Traffic, bandwidth_report
 from p2pdiloco.training.accel import compute_dtype, flops_per_token, mfu, peak_flops, peak_memory
 from p2pdiloco.training.meters import Ema, RateMeter
@@ -39,6 +39,28 @@ class MetricsLog:
 
 
 @dataclass
+class Landed:
+    """A merge as this learner applied it: what its counters and its metrics line are made of."""
+
+    merged: Merged
+    """What was applied: the group's merge, or this peer's own Δ when alone (`merger.merged_alone`)."""
+    alone: bool = False
+    """No group merge: the outer step was on this peer's own Δ."""
+    failure: str = ""
+    """Why a group merge was abandoned (and this peer merged alone instead); empty if none failed."""
+    adopted_state: bool = False
+    """The group's agreed global model was adopted (members' global models differed)."""
+    state_refused: bool = False
+    """The learner refused the group's agreed global model: too far from its own (see `GlobalModel.merge`)."""
+    phase_shift_s: float = 0.0
+    """How much the round in progress was moved to meet the mates' round ends (`Merger.take_round_shift`)."""
+
+    @property
+    def stats(self) -> MergeStats:
+        return self.merged.stats
+
+
+@dataclass
 class Counters:
     """A learner's counts since it started (some survive a resume or are adopted from the swarm, as noted)."""
 
@@ -52,7 +74,7 @@ class Counters:
     bytes_sent: int = 0
     bytes_received: int = 0
     pseudo_grad_bytes_sent: int = 0
-    """Of `bytes_sent`, those of pseudo-gradient exchanges (see `MergeResult.pseudo_grad_bytes_sent`)."""
+    """Of `bytes_sent`, those of pseudo-gradient exchanges (see `MergeStats.pseudo_grad_bytes_sent`)."""
     state_merges: int = 0
     """Merges that averaged (θg, momentum) too, because the members' global models differed."""
     state_merges_anchored: int = 0
@@ -105,22 +127,23 @@ class Counters:
         self.tokens_in_round += tokens
         self.tokens_run += tokens
 
-    def add_merge(self, result: MergeResult) -> None:
+    def add_merge(self, landed: Landed) -> None:
         """Count an applied merge (a round completed)."""
+        stats = landed.stats
         self.round += 1
-        self.global_tokens += result.total_weight
-        self.merges += 0 if result.alone else 1
-        self.merge_failures += 1 if result.failure else 0
-        self.bytes_sent += result.bytes_sent
-        self.bytes_received += result.bytes_received
-        self.pseudo_grad_bytes_sent += result.pseudo_grad_bytes_sent
-        self.state_merges += result.global_state is not None
-        self.state_merges_anchored += result.global_state is not None and result.state_anchored
-        self.state_merges_caught_up += result.global_state is not None and result.state_caught_up
-        self.state_bytes_sent += result.state_bytes_sent
-        self.last_group_size = len(result.group)
-        self.max_group_size = max(self.max_group_size, len(result.group))
-        self.last_merge_s = result.duration_s
+        self.global_tokens += landed.merged.weight
+        self.merges += 0 if landed.alone else 1
+        self.merge_failures += 1 if landed.failure else 0
+        self.bytes_sent += stats.bytes_sent
+        self.bytes_received += stats.bytes_received
+        self.pseudo_grad_bytes_sent += stats.pseudo_grad_bytes_sent
+        self.state_merges += landed.adopted_state
+        self.state_merges_anchored += landed.adopted_state and stats.state_anchored
+        self.state_merges_caught_up += landed.adopted_state and stats.state_caught_up
+        self.state_bytes_sent += stats.state_bytes_sent
+        self.last_group_size = len(stats.group)
+        self.max_group_size = max(self.max_group_size, len(stats.group))
+        self.last_merge_s = stats.duration_s
         self.last_merge_time = time.time()
 
 
@@ -226,38 +249,40 @@ class Reporter:
         )
         self._loss_sum, self._loss_n, self._t_log, self._tokens_log = 0.0, 0, now, self.c.tokens
 
-    def merge(self, result: MergeResult, round_compute_s: float, global_digest: str,
+    def merge(self, landed: Landed, round_compute_s: float, global_digest: str,
               eval_loss: float | None) -> None:
         """After a merge is applied: `join_s` on the first group merge, and the `merge` line (what goodput is
         computed from, bench/goodput.py: `round_compute_s`, `group_size`, `own_kept`, `adopted_state`,
         `state_refused` and `state_share`).
 
         Args:
-            result: the merge.
+            landed: the merge, as this learner applied it.
             round_compute_s: inner-step seconds that produced this peer's contribution.
             global_digest: the new global model's digest.
             eval_loss: the new global model's eval loss, if it was evaluated this round.
         """
-        if not result.alone and self.c.join_s is None:
+        result = landed.stats
+        if not landed.alone and self.c.join_s is None:
             self.c.join_s = time.monotonic() - self.t_process_start
         if eval_loss is not None:
             self.last_eval_loss = eval_loss
         self.metrics.write(
             kind="merge", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round, tokens=self.c.tokens,
-            group_size=len(result.group), group_id=result.group_id, merges=self.c.merges, failure=result.failure,
+            group_size=len(result.group), group_id=result.group_id, merges=self.c.merges, failure=landed.failure,
             merge_s=result.duration_s, match_s=result.match_s, bytes_sent=self.bytes_io()[0], bytes_received=self.bytes_io()[1],
-            global_digest=global_digest, adopted_state=result.global_state is not None, state_refused=result.state_refused, eval_loss=eval_loss,
+            global_digest=global_digest, adopted_state=landed.adopted_state, state_refused=landed.state_refused,
+            eval_loss=eval_loss,
             eval_loss_per_byte=self.per_byte(eval_loss),
             round_compute_s=round_compute_s, rebase_dropped_s=self.c.rebase_dropped_s, rejected=result.rejected,
-            final=result.final,
+            final=landed.merged.final,
             own_kept=result.own_kept, state_share=result.state_share, state_anchored=result.state_anchored,
             state_caught_up=result.state_caught_up,
-            state_bytes_sent=result.state_bytes_sent, phase_shift_s=result.phase_shift_s,
+            state_bytes_sent=result.state_bytes_sent, phase_shift_s=landed.phase_shift_s,
             **({"traffic": self.traffic.snapshot()} if self.traffic else {}),
         )
         logger.info(
             "[%s] round %d: merged with %d peer(s) in %.2f s%s%s", self.tag, self.c.round,
-            len(result.group), result.duration_s, f" (failed: {result.failure})" if result.failure else "",
+            len(result.group), result.duration_s, f" (failed: {landed.failure})" if landed.failure else "",
             f", eval loss {eval_loss:.4f}" if eval_loss is not None else "",
         )
 
