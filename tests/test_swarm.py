@@ -16,6 +16,7 @@ from p2pdiloco.network import census
 from p2pdiloco.network.allreduce import by_values, slice_bounds
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.merger import Contribution
+from p2pdiloco.network.peer_tag import PeerLog
 from p2pdiloco.network.reachability import tcp_endpoint
 from p2pdiloco.network.swarm import (
     SwarmError,
@@ -244,6 +245,7 @@ def test_epochs_of_a_few_rounds_are_warned_of_once_where_groups_do_not_span_the_
 
     m = Matchmaker.__new__(Matchmaker)  # only the warning, no network
     m.cfg, m.peer_id, m._warned_epochs = SwarmConfig(group_size=8, epoch_s=30.0), "peerA", False
+    m.log = PeerLog(logging.getLogger("p2pdiloco.network.matchmaking"), m.peer_id)
     for size, round_s, warned in [(8, 10.0, False), (9, 2.0, False), (9, 10.0, True)]:
         m.census, m._round_ema = types.SimpleNamespace(size=size), round_s
         caplog.clear()

@@ -12,6 +12,7 @@ from pathlib import Path
 from p2pdiloco.app.heartbeat import swarm_finished
 from p2pdiloco.app.startup import say
 from p2pdiloco.config import Config
+from p2pdiloco.network.peer_tag import short_id
 from p2pdiloco.network.state_sync import StateSync
 from p2pdiloco.network.swarm import BackgroundLoop, live_records, read_peers
 from p2pdiloco.training.batches import BatchSampler
@@ -49,7 +50,7 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
     Args:
         every: the swarm's peer records as read at this peer's start (`read_peers`), or None to read them here."""
     say("joining the swarm %s: %s its peer records", cfg.swarm.run_id, "reading" if every is None else "checking",
-        tag=peer_id[-6:])
+        tag=short_id(peer_id))
     if every is None:
         every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
     finished = swarm_finished(every, peer_id, cfg.run.total_steps)
@@ -57,14 +58,14 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
         learner.ended_with_swarm = learner.report.arrived_after_end = True
         metrics.write(kind="swarm_finished", peer=finished[0], step=finished[1])
         logger.warning("[%s] the swarm already finished this run (peer %s left at step %d): nothing left to train; "
-                       "keeping this peer's model as it is", peer_id[-6:], finished[0][-6:], finished[1])
+                       "keeping this peer's model as it is", short_id(peer_id), short_id(finished[0]), finished[1])
         return
     records = live_records(every)
     ahead = {p: r for p, r in records.items()
              if p != peer_id and float(r.get("global_tokens") or 0) > learner.c.global_tokens}
     if not ahead:
         return
-    say("joining: downloading the swarm's state (%d live peer(s) ahead of this one)", len(ahead), tag=peer_id[-6:])
+    say("joining: downloading the swarm's state (%d live peer(s) ahead of this one)", len(ahead), tag=short_id(peer_id))
     t0 = time.monotonic()
 
     async def refresh() -> dict[str, dict]:
@@ -77,11 +78,11 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
                    timeout=(cfg.swarm.merge_timeout_s + cfg.swarm.heartbeat_s + 5) * (len(records) + 1) * passes + 10)
     if got is None:
         logger.warning("[%s] no live peer could give its state; the first merge will bring this peer in line",
-                       peer_id[-6:])
+                       short_id(peer_id))
         return
     state, donor = got
     learner.adopt_state(state)
     metrics.write(kind="join", donor=donor, round=state.round, step=state.step,
                   download_s=time.monotonic() - t0, global_digest=learner.g.digest())
-    logger.info("[%s] downloaded the swarm's state (round %d, step %d) from %s in %.2f s", peer_id[-6:],
-                state.round, state.step, donor[-6:], time.monotonic() - t0)
+    logger.info("[%s] downloaded the swarm's state (round %d, step %d) from %s in %.2f s", short_id(peer_id),
+                state.round, state.step, short_id(donor), time.monotonic() - t0)

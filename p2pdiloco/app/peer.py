@@ -25,6 +25,7 @@ from p2pdiloco.app.startup import StartupClock, process_started_monotonic, say
 from p2pdiloco.app.together import wait_for_peers
 from p2pdiloco.config import Config, fingerprint_digest
 from p2pdiloco.network.p2p_merger import P2PMerger
+from p2pdiloco.network.peer_tag import short_id
 from p2pdiloco.network.state_sync import StateSync
 from p2pdiloco.network.swarm import (
     BackgroundLoop,
@@ -295,7 +296,7 @@ def build_peer(cfg: Config, stop: StopFlag, unit: UnitContext, device: torch.dev
     merger = P2PMerger(dht, cfg.swarm, loop, count_params(model), auth=auth, guard=cfg.guard,
                        fingerprint=fingerprint_digest(fingerprint), faults=hooks.faults)
     closing.callback(merger.close)
-    say("merger ready in %.1f s (codec %s)", startup.lap("merger"), cfg.swarm.codec, tag=peer_id[-6:])
+    say("merger ready in %.1f s (codec %s)", startup.lap("merger"), cfg.swarm.codec, tag=short_id(peer_id))
     learner = Learner(cfg, model, sampler.next_batch, val, hooks.wrap_merger(merger), device, metrics,
                       should_stop=stop, checkpoint_dir=run_dir / "checkpoints", faults=hooks.faults,
                       t_process_start=t_process_start)
@@ -357,9 +358,9 @@ def train(peer: Peer, start_barrier: Path | None) -> dict:
     run_dir = Path(cfg.run.run_dir)
     if peer.together:
         learner.evaluate_global()  # the first eval (held if taken beside the DHT's start), before the wait
-        say("waiting for %d peers to be live", cfg.swarm.wait_for_peers, tag=peer.peer_id[-6:])
+        say("waiting for %d peers to be live", cfg.swarm.wait_for_peers, tag=short_id(peer.peer_id))
         live = wait_for_peers(loop, dht, cfg, peer.peer_id, stop, start_barrier, merger.census)
-        logger.info("[%s] %d of %d peers live; starting", peer.peer_id[-6:], live, cfg.swarm.wait_for_peers)
+        logger.info("[%s] %d of %d peers live; starting", short_id(peer.peer_id), live, cfg.swarm.wait_for_peers)
     summary = learner.run()
     loop.run(learner.report.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's
     summary.update(name=cfg.run.name, n_params=peer.n_params, **learner.report.bandwidth(),

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from hivemind import DHT
 
 from p2pdiloco.network.admission import StreamGate
+from p2pdiloco.network.peer_tag import short_id
 from p2pdiloco.network.reachability import (
     Reachability,
     ReachService,
@@ -74,11 +75,11 @@ def start_reachability(loop: BackgroundLoop, dht: DHT, run_id: str, initial_peer
         found = await find_reachability(p2p, maddrs, candidates, counter, on_attempt=on_verdict)
         fields.update(found.record())
         if found.reachable:
-            logger.info("[%s] reachable: %s dialed back %s", me[-6:], found.checker[-6:], found.observed_ip)
+            logger.info("[%s] reachable: %s dialed back %s", short_id(me), short_id(found.checker), found.observed_ip)
         elif found.reachable is False:
-            logger.warning("[%s] %s", me[-6:], unreachable_message(found, maddrs))
+            logger.warning("[%s] %s", short_id(me), unreachable_message(found, maddrs))
         else:
-            logger.warning("[%s] could not learn whether others can dial this peer: %s", me[-6:], found.detail)
+            logger.warning("[%s] could not learn whether others can dial this peer: %s", short_id(me), found.detail)
 
     loop.submit(check())
     return fields

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from p2pdiloco.config import Config
 from p2pdiloco.network.census import Census, registered_now
+from p2pdiloco.network.peer_tag import short_id
 from p2pdiloco.network.swarm import BackgroundLoop
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, peer_id: str, stop: C
                 (barrier / peer_id).touch()
                 told = True
             except OSError as e:  # the folder is gone (its run folder removed): the census alone, as without one
-                logger.warning("[%s] cannot write to %s (%s): waiting on the census alone", peer_id[-6:], barrier, e)
+                logger.warning("[%s] cannot write to %s (%s): waiting on the census alone", short_id(peer_id), barrier, e)
                 barrier = None
         live = len(registered | {peer_id})
         # with a folder, not before this peer's own file is there: the others wait for it (a copy that held every

@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from p2pdiloco.network.peer_tag import short_id
 from p2pdiloco.network.wire import HEADER_TIMEOUT_S, ByteCounter, WireError, recv_header
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ async def serve_stream(gate: StreamGate, op: str, me: str, authorize: Callable[[
                 header = await recv_header(reader, counter)
         except (WireError, TimeoutError, ConnectionError, OSError) as e:
             gate.dropped += 1
-            logger.debug("[%s] dropped a %s stream from %s before its header: %r", me[-6:], op, requester[-8:], e)
+            logger.debug("[%s] dropped a %s stream from %s before its header: %r", short_id(me), op, requester[-8:], e)
             return
         if not authorize(requester, header):
             gate.unauthorized += 1
@@ -138,7 +139,7 @@ async def serve_stream(gate: StreamGate, op: str, me: str, authorize: Callable[[
         authenticated = True
         await handler(Request(op, requester, header), reader, writer)
     except Exception as e:  # a requester that went away or sent garbage is normal in a swarm
-        logger.debug("[%s] %s request from %s failed: %r", me[-6:], op, requester[-8:], e)
+        logger.debug("[%s] %s request from %s failed: %r", short_id(me), op, requester[-8:], e)
     finally:
         if admitted:
             gate.release(requester, authenticated)

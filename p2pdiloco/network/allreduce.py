@@ -31,6 +31,7 @@ from p2pdiloco.algorithm.outer import weight_shares, weighted_average
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.group import Group, check_terms
 from p2pdiloco.network.merger import FaultHook
+from p2pdiloco.network.peer_tag import short_id
 from p2pdiloco.network.rpc import MergeFailed, Rpc
 from p2pdiloco.network.session import MergeSession
 from p2pdiloco.network.wire import WireError
@@ -123,9 +124,9 @@ class PlainReducer:
         try:
             part = decode()
         except CodecError as e:
-            raise MergeFailed(f"bad part from {sender[-6:]}: {e}") from None
+            raise MergeFailed(f"bad part from {short_id(sender)}: {e}") from None
         if not torch.isfinite(part).all():
-            raise MergeFailed(f"non-finite values from {sender[-6:]}")
+            raise MergeFailed(f"non-finite values from {short_id(sender)}")
         return part, ""
 
     def reduce(self, group: Group, tag: str, me: int, parts: list[torch.Tensor], weights: list[float],
@@ -244,13 +245,13 @@ class AllReduce:
             header = {"group_id": group.group_id, "tag": tag, "index": me, "codec": codec.name, "terms": group.terms}
             reply, payload = await self.rpc.call(group.members[j], "part", header, data, codec.encoded_size(n), phase)
             if not reply.get("ok"):
-                raise MergeFailed(f"member {group.members[j][-6:]} could not reduce its slice: {reply.get('error')}")
+                raise MergeFailed(f"member {short_id(group.members[j])} could not reduce its slice: {reply.get('error')}")
             try:
                 averaged = codec.decode(payload, n)
             except CodecError as e:
-                raise MergeFailed(f"member {group.members[j][-6:]} returned an undecodable slice: {e}") from None
+                raise MergeFailed(f"member {short_id(group.members[j])} returned an undecodable slice: {e}") from None
             if not torch.isfinite(averaged).all():
-                raise MergeFailed(f"member {group.members[j][-6:]} returned non-finite values")
+                raise MergeFailed(f"member {short_id(group.members[j])} returned non-finite values")
             self.reducer.accept(group, j, averaged, slices[k])  # the owner of a slice could return anything
             return averaged, _share(reply.get("share"))
 
@@ -342,7 +343,7 @@ class AllReduce:
         lo, hi = group_slice(session.group, tag, session.me)
         part, flag = self.reducer.admit(session.group, sender, lambda: codec.decode(payload, hi - lo), hi - lo)
         if self.faults is not None:
-            await self.faults.fire("serve_part", session.round, self.rpc.peer_id[-6:])
+            await self.faults.fire("serve_part", session.round, short_id(self.rpc.peer_id))
         slot = self._slot(session, tag)
         slot.add(index, part, flag)
         _, data, shares, _ = await asyncio.wait_for(asyncio.shield(slot.result), self.merge_timeout_s)

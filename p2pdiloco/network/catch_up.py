@@ -35,6 +35,7 @@ from p2pdiloco.algorithm.guards import FORGED, GuardBook
 from p2pdiloco.algorithm.outer import state_digest, weight_shares
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.group import Group, check_terms
+from p2pdiloco.network.peer_tag import short_id
 from p2pdiloco.network.rpc import MergeFailed, Rpc
 from p2pdiloco.network.session import MergeSession
 
@@ -122,13 +123,13 @@ class CatchUp:
             self.rpc.call(group.members[j], "catchup", header, max_reply=4 * n, phase=session.counter(TAG)),
             self.merge_timeout_s)
         if not reply.get("ok"):
-            raise MergeFailed(f"holder {group.members[j][-6:]} did not serve the majority's model: {reply.get('error')}")
+            raise MergeFailed(f"holder {short_id(group.members[j])} did not serve the majority's model: {reply.get('error')}")
         if len(payload) != 4 * n:
-            raise MergeFailed(f"holder {group.members[j][-6:]} served {len(payload)} bytes, not {4 * n}")
+            raise MergeFailed(f"holder {short_id(group.members[j])} served {len(payload)} bytes, not {4 * n}")
         state = torch.from_numpy(np.frombuffer(payload, dtype=np.float32).copy())
         if state_digest(state[: n // 2], state[n // 2:]) != group.majority:
             self.book.reject(group.members[j], FORGED, group.group_id, "(catch-up)")
-            raise MergeFailed(f"holder {group.members[j][-6:]} served a model other than the majority's")
+            raise MergeFailed(f"holder {short_id(group.members[j])} served a model other than the majority's")
         return state
 
     def _served(self, session: MergeSession) -> _Served:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from p2pdiloco.network.peer_tag import PeerLog
+
 logger = logging.getLogger(__name__)
 
 VERDICT_WAIT_S = 8.0
@@ -28,6 +30,7 @@ class Dialability:
 
     def __init__(self, me: str):
         self.me = me
+        self.log = PeerLog(logger, me)
         self.own = True
         """Whether other peers can open connections to this one (the check's verdict; until then, yes)."""
         self.known = asyncio.Event()
@@ -77,6 +80,6 @@ class Dialability:
         """Once: this peer merges alone because neither it nor any ready mate can be dialed, so nobody can lead."""
         if not self._warned:
             self._warned = True
-            logger.warning("[%s] merging alone: nobody can dial this peer nor any of its %d ready mates, so none of "
-                           "them can lead a group; a peer others can dial must join the swarm (docs/operations.md, "
-                           "Behind a home router)", self.me[-6:], ready_mates)
+            self.log.warning("merging alone: nobody can dial this peer nor any of its %d ready mates, so none of "
+                             "them can lead a group; a peer others can dial must join the swarm (docs/operations.md, "
+                             "Behind a home router)", ready_mates)

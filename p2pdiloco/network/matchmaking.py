@@ -35,6 +35,7 @@ from p2pdiloco.network.census import Census, epoch_of, my_group
 from p2pdiloco.network.dialable import Dialability
 from p2pdiloco.network.group import Group, group_of_notice, own_claims_kept, valid_notice
 from p2pdiloco.network.merger import Contribution
+from p2pdiloco.network.peer_tag import PeerLog, short_id
 from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed, Rpc
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class Matchmaker:
                  fingerprint: str, lengths: dict[str, int]):
         self.dht, self.cfg, self.rpc, self.book, self.guard = dht, cfg, rpc, book, guard
         self.fingerprint, self.lengths, self.peer_id = fingerprint, lengths, rpc.peer_id
+        self.log = PeerLog(logger, self.peer_id)
         self._search: _Search | None = None
         self._groups: dict[str, asyncio.Future] = {}
         self._last_submit, self._closed, self._alone_streak = time.monotonic(), False, 0
@@ -241,9 +243,9 @@ class Matchmaker:
         if (not self._warned_epochs and self._round_ema and self.census.size > self.cfg.group_size
                 and self.cfg.epoch_s < EPOCH_ROUNDS * self._round_ema):
             self._warned_epochs = True
-            logger.warning("[%s] groups are redrawn every %.0f s, %.1f of this peer's rounds: most merges will agree "
-                           "on global models too; set swarm.epoch_s to %d rounds or more", self.peer_id[-6:],
-                           self.cfg.epoch_s, self.cfg.epoch_s / self._round_ema, EPOCH_ROUNDS)
+            self.log.warning("groups are redrawn every %.0f s, %.1f of this peer's rounds: most merges will agree "
+                             "on global models too; set swarm.epoch_s to %d rounds or more",
+                             self.cfg.epoch_s, self.cfg.epoch_s / self._round_ema, EPOCH_ROUNDS)
 
     def _window(self, round_s: float) -> float:
         """How long to wait for others to become ready.
@@ -310,14 +312,14 @@ class Matchmaker:
         group = group_of_notice(notice, self.lengths)
         self._group_future(gid).set_result(group)
         await asyncio.gather(*(self.rpc.request(p, "group", notice) for p in members[1:]))
-        logger.info("[%s] leading merge group %s of %d peers", self.peer_id[-6:], gid, len(members))
+        self.log.info("leading merge group %s of %d peers", gid, len(members))
         return group
 
     async def _await_group(self, search: _Search) -> Group | None:
         try:
             return await asyncio.wait_for(asyncio.shield(self._group_future(search.accepted_gid)), RPC_TIMEOUT_S)
         except TimeoutError:
-            logger.info("[%s] leader %s never sent the group; merging alone", self.peer_id[-6:], search.leader[-6:])
+            self.log.info("leader %s never sent the group; merging alone", short_id(search.leader))
             self._groups.pop(search.accepted_gid, None)
             return None
 
@@ -340,8 +342,8 @@ class Matchmaker:
             reply["error"] = f"wire protocol {theirs} differs from this peer's {PROTOCOL_VERSION}"
             if leader not in self._other_protocol:  # once per leader: it invites every round
                 self._other_protocol.add(leader)
-                logger.warning("[%s] declined the invites of %s: it speaks wire protocol %s, this peer %d",
-                               self.peer_id[-6:], leader[-6:], theirs, PROTOCOL_VERSION)
+                self.log.warning("declined the invites of %s: it speaks wire protocol %s, this peer %d",
+                                 short_id(leader), theirs, PROTOCOL_VERSION)
         elif header.get("fp", "") != self.fingerprint:
             reply["error"] = "config fingerprint differs"
         elif search is not None and self._follows_only_closers(search.contribution) and header.get("closing") is not True:

@@ -41,6 +41,7 @@ from p2pdiloco.network.catch_up import CatchUp
 from p2pdiloco.network.census import Census
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.merger import Alone, Contribution, FaultHook, Merged, MergeOutcome, MergeStats
+from p2pdiloco.network.peer_tag import PeerLog, short_id
 from p2pdiloco.network.phase import Phase
 from p2pdiloco.network.rpc import MergeFailed, Rpc
 from p2pdiloco.network.session import MergeSession, Sessions
@@ -79,11 +80,12 @@ class P2PMerger:
                  faults: FaultHook | None = None):
         self.dht, self.cfg, self._loop, self.n_params = dht, cfg, loop, n_params
         self.peer_id = dht.peer_id.to_base58()
+        self.log = PeerLog(logger, self.peer_id)
         self.auth = auth or SwarmAuth(None, cfg.run_id)
         self.guard = guard or GuardConfig()
         self.fingerprint = fingerprint
         self.faults = faults
-        self.book = GuardBook(self.guard.ban_after if self.guard.enabled else 0, self.peer_id[-6:])
+        self.book = GuardBook(self.guard.ban_after if self.guard.enabled else 0, short_id(self.peer_id))
         self.counter = ByteCounter()
         """Bytes this peer sent and received on the merge protocols (the peer's traffic report reads it)."""
         self.codec = get_codec(cfg.codec, cfg.sparse_keep)
@@ -169,7 +171,7 @@ class P2PMerger:
         try:
             self._loop.run(self.rpc.close(), timeout=5)
         except Exception as e:  # shutting down: log, never raise
-            logger.debug("[%s] closing the p2p client: %r", self.peer_id[-6:], e)
+            self.log.debug("closing the p2p client: %r", e)
 
     async def _on_ready(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if request.header.get("looking") is True:  # when its round ended, as this peer's clock saw it
@@ -188,7 +190,7 @@ class P2PMerger:
                 return self._finish(start, c, Alone())
             session = self.sessions.open(MergeSession(group, group.members.index(self.peer_id), c.round, c.momentum))
             if self.faults is not None:
-                await self.faults.fire("exchange", c.round, self.peer_id[-6:])
+                await self.faults.fire("exchange", c.round, short_id(self.peer_id))
             timeout = self.cfg.merge_timeout_s  # per exchange phase: Δ, and (θg, m) if they disagree
             target = c.pseudo_grad if c.compensated is None else c.compensated
             exchange = (self.allreduce.average(session, "d", target) if self.codec.sliced
@@ -220,10 +222,10 @@ class P2PMerger:
         except (MergeFailed, WireError, TimeoutError, ConnectionError, OSError, P2PDaemonError) as e:
             # a mate that left, froze or cannot be dialed (P2PDaemonError: the daemon's dial failed) is normal
             reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            logger.warning("[%s] merge of round %d failed, merging alone: %s", self.peer_id[-6:], c.round, reason)
+            self.log.warning("merge of round %d failed, merging alone: %s", c.round, reason)
             return self._finish(start, c, Alone(reason))
         except Exception as e:  # the future must never raise into the learner: a bug here costs one merge
-            logger.exception("[%s] unexpected error in merge", self.peer_id[-6:])
+            self.log.exception("unexpected error in merge")
             return self._finish(start, c, Alone(f"{type(e).__name__}: {e}"))
         finally:
             if session is not None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from hivemind.p2p import PeerID
 
 from p2pdiloco.network.admission import Request, StreamGate, serve_stream
+from p2pdiloco.network.peer_tag import PeerLog, short_id
 from p2pdiloco.network.swarm import BackgroundLoop
 from p2pdiloco.network.wire import ByteCounter, await_requester_close, recv_header, send_msg
 
@@ -98,6 +99,7 @@ class ReachService:
     def __init__(self, me: str, gate: StreamGate | None = None, counter: ByteCounter | None = None,
                  dial_timeout_s: float = DIAL_TIMEOUT_S):
         self.me, self.gate, self.counter = me, gate or StreamGate(), counter or ByteCounter()
+        self.log = PeerLog(logger, me)
         self.dial_timeout_s = dial_timeout_s
         self._busy: set[str] = set()
         self._slots = asyncio.Semaphore(MAX_CHECKS)
@@ -143,7 +145,7 @@ class ReachService:
                 results = [[port, await _dial(ip, port, self.dial_timeout_s)] for port in request.header["ports"]]
         finally:
             self._busy.discard(request.sender)
-        logger.debug("[%s] dial-back of %s at %s: %s", self.me[-6:], request.sender[-6:], ip, results)
+        self.log.debug("dial-back of %s at %s: %s", short_id(request.sender), ip, results)
         await self._reply(reader, writer, {"observed": ip, "ports": results})
 
     async def _reply(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, header: dict) -> None:
@@ -190,7 +192,7 @@ def verdict(reply: dict, checker: str, announced: list[str]) -> Reachability | N
     own_ips = {e[0] for m in announced if (e := tcp_endpoint(m)) is not None}
     nat = f"; it announces {', '.join(sorted(own_ips))} but connects from {observed[:64]} (behind NAT?)" \
         if own_ips and observed not in own_ips else ""
-    return Reachability(False, checker, observed[:64], f"{checker[-6:]} could not connect to {observed[:64]}:{port} "
+    return Reachability(False, checker, observed[:64], f"{short_id(checker)} could not connect to {observed[:64]}:{port} "
                                                        f"({str(why)[:60]}){nat}")
 
 
@@ -214,12 +216,12 @@ async def check_reachability(p2p, checkers: list[str], announced: list[str], cou
         try:
             reply = await ask(p2p, checker, ports, counter, timeout_s)
         except Exception as e:  # an old node without the protocol, a dead one, a slow one: ask the next
-            tried.append(f"{checker[-6:]}: {type(e).__name__}")
+            tried.append(f"{short_id(checker)}: {type(e).__name__}")
             continue
         found = verdict(reply, checker, announced)
         if found is not None:
             return found
-        tried.append(f"{checker[-6:]}: {str(reply.get('refused', 'malformed reply'))[:80]}")
+        tried.append(f"{short_id(checker)}: {str(reply.get('refused', 'malformed reply'))[:80]}")
     return Reachability(None, detail="no node could check: " + ("; ".join(tried) if tried else "none known yet"))
 
 

@@ -16,6 +16,7 @@ import hivemind
 from hivemind.p2p import PeerID
 
 from p2pdiloco.network.admission import Handler, StreamGate, serve_stream
+from p2pdiloco.network.peer_tag import PeerLog, short_id
 from p2pdiloco.network.swarm_key import SwarmAuth
 from p2pdiloco.network.wire import (
     ByteCounter,
@@ -53,6 +54,7 @@ class Rpc:
         self.dht, self.run_id, self.auth, self.counter = dht, run_id, auth, counter
         self.gate = gate or StreamGate()
         self.peer_id = dht.peer_id.to_base58()
+        self.log = PeerLog(logger, self.peer_id)
         self._p2p = None
 
     def proto(self, op: str) -> str:
@@ -95,7 +97,7 @@ class Rpc:
                            phase=phase)
             reply = await recv_header(reader, self.counter, phase)
             if not self.auth.verify(op + ":reply", peer, self.peer_id, reply.get("auth")):
-                raise MergeFailed(f"{op} reply from {peer[-6:]} without the swarm key")  # its payload unread
+                raise MergeFailed(f"{op} reply from {short_id(peer)} without the swarm key")  # its payload unread
             data = await recv_payload(reader, max_reply, self.counter, phase=phase)
         finally:
             writer.close()
@@ -107,7 +109,7 @@ class Rpc:
             reply, _ = await asyncio.wait_for(self.call(peer, op, header), RPC_TIMEOUT_S)
             return reply
         except Exception as e:  # an unreachable or dead peer is normal in a swarm
-            logger.debug("[%s] %s to %s failed: %r", self.peer_id[-6:], op, peer[-6:], e)
+            self.log.debug("%s to %s failed: %r", op, short_id(peer), e)
             return None
 
     async def receive_payload(self, reader: asyncio.StreamReader, size: int = 0,
@@ -127,7 +129,7 @@ class Rpc:
         """Whether a request's header carries the swarm key's tag (a refusal is logged)."""
         if self.auth.verify(op, requester, self.peer_id, header.get("auth")):
             return True
-        logger.warning("[%s] refused a %s request from %s: no valid swarm key", self.peer_id[-6:], op, requester[-8:])
+        self.log.warning("refused a %s request from %s: no valid swarm key", op, requester[-8:])
         return False
 
     async def reply(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, op: str, requester: str,

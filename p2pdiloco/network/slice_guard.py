@@ -16,6 +16,7 @@ from p2pdiloco.algorithm.guards import BANNED, FAR, NONFINITE, SHAPE, TRUST, Gua
 from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.allreduce import group_slice
 from p2pdiloco.network.group import Group
+from p2pdiloco.network.peer_tag import short_id
 from p2pdiloco.network.rpc import MergeFailed
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class SliceGuard:
                 if t is not None:
                     self.book.trust[member] = t
             logger.debug("[%s] merge %s: cosine to momentum, trust, factor: %s", self.book.tag, group.group_id,
-                         ", ".join(f"{m[-6:]} {c if c is None else round(c, 3)} {t if t is None else round(t, 3)} "
+                         ", ".join(f"{short_id(m)} {c if c is None else round(c, 3)} {t if t is None else round(t, 3)} "
                                    f"{f:.2f}" for m, c, t, f in zip(group.members, out.cosines, out.trust,
                                                                     out.factors, strict=True)))
         for i, reason in enumerate(out.reasons):
@@ -88,4 +89,4 @@ class SliceGuard:
         bad = check_average(averaged, mine, self.guard.norm_bound)
         if bad:
             self.book.reject(group.members[owner], bad, group.group_id, "in its averaged slice")
-            raise MergeFailed(f"member {group.members[owner][-6:]} returned a bad average ({bad})")
+            raise MergeFailed(f"member {short_id(group.members[owner])} returned a bad average ({bad})")

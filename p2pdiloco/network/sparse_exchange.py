@@ -35,6 +35,7 @@ from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.group import check_terms
 from p2pdiloco.network.merger import FaultHook
+from p2pdiloco.network.peer_tag import short_id
 from p2pdiloco.network.rpc import MergeFailed, Rpc
 from p2pdiloco.network.session import MergeSession
 from p2pdiloco.network.wire import WireError
@@ -143,7 +144,7 @@ class SparseExchange:
         async def send(j: int) -> None:
             reply, _ = await self.rpc.call(group.members[j], "sparse", header, data, 0, phase)
             if not reply.get("ok"):
-                raise MergeFailed(f"member {group.members[j][-6:]} refused our part: {reply.get('error')}")
+                raise MergeFailed(f"member {short_id(group.members[j])} refused our part: {reply.get('error')}")
 
         await asyncio.gather(*(send(j) for j in range(len(group.members)) if j != me))
         await asyncio.wait_for(asyncio.shield(gathered.done), self.merge_timeout_s)
@@ -188,7 +189,7 @@ class SparseExchange:
             payload = await self.rpc.receive_payload(reader, self.codec.encoded_size(group.lengths["d"]),
                                                      self.merge_timeout_s, exact=False, phase=phase)
             if self.faults is not None:
-                await self.faults.fire("serve_part", session.round, self.rpc.peer_id[-6:])
+                await self.faults.fire("serve_part", session.round, short_id(self.rpc.peer_id))
             gathered.add(index, payload)
             reply = {"ok": True}
         except (MergeFailed, TimeoutError, WireError) as e:

@@ -31,6 +31,7 @@ from hivemind.p2p import PeerID
 
 from p2pdiloco.algorithm.outer import state_digest
 from p2pdiloco.network.admission import Request, StreamGate, serve_stream
+from p2pdiloco.network.peer_tag import PeerLog, short_id
 from p2pdiloco.network.swarm_key import SwarmAuth
 from p2pdiloco.network.wire import (
     HEADER_TIMEOUT_S,
@@ -152,6 +153,7 @@ class StateSync:
         self.auth = auth or SwarmAuth(None, run_id)
         self.gate = gate or StreamGate()
         self.me = dht.peer_id.to_base58()
+        self.log = PeerLog(logger, self.me)
         self._serving = asyncio.Semaphore(SERVING_SLOTS)
         self.aborted = 0
         """Downloads cut off because the joiner did not read them in time."""
@@ -166,7 +168,7 @@ class StateSync:
     def _authorized(self, joiner: str, header: dict) -> bool:
         if self.auth.verify("state", joiner, self.me, header.get("auth")):
             return True
-        logger.warning("[%s] refused a state request from %s: no valid swarm key", self.me[-6:], joiner[-8:])
+        self.log.warning("refused a state request from %s: no valid swarm key", joiner[-8:])
         return False
 
     async def _on_request(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -190,9 +192,9 @@ class StateSync:
                                    deadline_s=send_deadline(len(payload)))
                 except WireError as e:
                     self.aborted += 1
-                    logger.warning("[%s] cut off a state download to %s: %s", self.me[-6:], joiner[-6:], e)
+                    self.log.warning("cut off a state download to %s: %s", short_id(joiner), e)
                     return
-            logger.info("[%s] served state of round %d to %s", self.me[-6:], state.round, joiner[-6:])
+            self.log.info("served state of round %d to %s", state.round, short_id(joiner))
         await await_requester_close(reader)  # closing at once could lose the reply (see wire.py)
 
     async def fetch_from(self, peer: str, timeout: float) -> GlobalState:
@@ -253,14 +255,14 @@ class StateSync:
                 try:
                     state = await asyncio.wait_for(self.fetch_from(donor, timeout), timeout)
                 except (StateError, WireError, TimeoutError, ConnectionError, OSError, Exception) as e:
-                    logger.warning("state download from %s failed (%s); trying the next donor", donor[-6:], e)
+                    logger.warning("state download from %s failed (%s); trying the next donor", short_id(donor), e)
                     continue
                 digest = state_digest(state.global_params, state.momentum)
                 got.setdefault(digest, (state, donor))
                 served.setdefault(digest, set()).add(donor)
                 if (found := agreed(records)) is not None:
                     return found
-                logger.info("the state from %s is held by no other live peer yet; trying the next donor", donor[-6:])
+                logger.info("the state from %s is held by no other live peer yet; trying the next donor", short_id(donor))
             if refresh is None or attempt == passes:
                 break
             records = note(await refresh())

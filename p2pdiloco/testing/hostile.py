@@ -26,6 +26,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import HOSTILE_KINDS as KINDS
 from p2pdiloco.network.merger import Contribution, Merged, MergeOutcome, Merger
+from p2pdiloco.network.peer_tag import PeerLog
 from p2pdiloco.network.state_sync import GlobalState
 
 logger = logging.getLogger(__name__)
@@ -73,10 +74,11 @@ class HostileMerger:
             raise ValueError(f"unknown hostile kind {kind!r}")
         self.inner, self.kind = inner, kind
         self.peer_id = inner.peer_id
+        self.log = PeerLog(logger, self.peer_id)
         self._gen = torch.Generator().manual_seed(seed)
         if kind == "leader":
             silent_leader(inner)
-        logger.warning("[%s] HOSTILE peer: %s", self.peer_id[-6:], kind)
+        self.log.warning("HOSTILE peer: %s", kind)
 
     def submit(self, contribution: Contribution) -> Future[MergeOutcome]:
         c = contribution

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pdiloco.network.merger import Alone, Contribution, MergeOutcome, MergeStats
+from p2pdiloco.network.peer_tag import PeerLog
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class InFlight:
 
     def _hung(self) -> Alone:
         """A merger bug must not stop this peer from ever merging again: give up on it, keep our own update."""
-        logger.error("[%s] merge did not finish in %.0f s; merging alone", self.peer_id[-6:], self.bound_s)
+        PeerLog(logger, self.peer_id).error("merge did not finish in %.0f s; merging alone", self.bound_s)
         self.future.cancel()
         return Alone("merger hung", MergeStats(group=[self.peer_id]))
 

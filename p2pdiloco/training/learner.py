@@ -22,6 +22,7 @@ from p2pdiloco.algorithm.feedback import ErrorFeedback
 from p2pdiloco.algorithm.outer import eager_step, outer_round, pseudo_gradient
 from p2pdiloco.config import Config
 from p2pdiloco.network.merger import Alone, Contribution, Merged, MergeOutcome, Merger, merged_alone
+from p2pdiloco.network.peer_tag import PeerLog, short_id
 from p2pdiloco.network.state_sync import GlobalState
 from p2pdiloco.training.accel import autocast_for, compile_for_training
 from p2pdiloco.training.checkpoint import (
@@ -85,7 +86,8 @@ class Learner:
         self.checkpoint_meta: Callable[[], dict] = dict  # more for its checkpoints (peer.py: its guards' trust)
         self.checkpoints = CheckpointWriter()  # written in the background; `checkpoint(wait=True)` waits
         self.shared = self.snapshot()
-        self.tag = merger.peer_id[-6:]
+        self.tag = short_id(merger.peer_id)
+        self.log = PeerLog(logger, self.tag)
         if cfg.run.compile:
             self.train_model = compile_for_training(model, self.tag)
         self.in_flight: InFlight | None = None
@@ -273,10 +275,10 @@ class Learner:
         if landed.merged.final and not landed.alone and not flight.contribution.final:
             if self.near_end():
                 self.ended_with_swarm = True  # the steps taken since this contribution are not in any global model
-                logger.info("[%s] merged with a peer that finished its run: ending at step %d", self.tag, self.c.step)
+                self.log.info("merged with a peer that finished its run: ending at step %d", self.c.step)
             else:  # a claim from another peer, which may lie; only this peer's own counters end its run
-                logger.warning("[%s] a member of group %s said the run is over, but this peer is at step %d of %d: "
-                               "going on", self.tag, landed.stats.group_id, self.c.step, self.cfg.run.total_steps)
+                self.log.warning("a member of group %s said the run is over, but this peer is at step %d of %d: "
+                                 "going on", landed.stats.group_id, self.c.step, self.cfg.run.total_steps)
         self.report.merge(landed, flight.compute_s, self.c.global_digest, self.scheduled_eval())
         if self.checkpoint_due():
             self.checkpoint()
@@ -308,8 +310,8 @@ class Learner:
                 self.c.global_tokens = max(self.c.global_tokens, merged.state_weight)
                 landed.adopted_state = True
         else:
-            logger.warning("[%s] refused group %s's averaged global model: farther from ours than any honest "
-                           "divergence (see algorithm/outer.py, state_within_reach)", self.tag, merged.stats.group_id)
+            self.log.warning("refused group %s's averaged global model: farther from ours than any honest "
+                             "divergence (see algorithm/outer.py, state_within_reach)", merged.stats.group_id)
             landed.state_refused = True
         load_flat_(self.model, done.local)
         self.c.rebase_dropped_s = self.c.compute_in_round * (1.0 - done.keep)  # of the steps taken since the submit

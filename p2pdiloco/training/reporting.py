@@ -17,6 +17,7 @@ import torch
 
 from p2pdiloco.config import Config
 from p2pdiloco.network.merger import Merged, MergeStats
+from p2pdiloco.network.peer_tag import PeerLog, short_id
 from p2pdiloco.network.traffic import Traffic, bandwidth_report
 from p2pdiloco.training.accel import compute_dtype, flops_per_token, mfu, peak_flops, peak_memory
 from p2pdiloco.training.meters import Ema, RateMeter
@@ -165,7 +166,8 @@ class Reporter:
     def __init__(self, cfg: Config, counters: Counters, metrics: MetricsLog, peer_id: str, device: torch.device,
                  n_params: int, t_process_start: float | None = None):
         self.cfg, self.c, self.metrics, self.peer_id, self.device = cfg, counters, metrics, peer_id, device
-        self.tag = peer_id[-6:]
+        self.tag = short_id(peer_id)
+        self.log = PeerLog(logger, self.tag)
         self.n_params = n_params
         self.flops_per_token = flops_per_token(cfg.model, n_params)
         self.peak_flops = peak_flops(device, cfg.run.peak_flops)
@@ -218,9 +220,9 @@ class Reporter:
         self.metrics.write(kind="eval", elapsed_s=self.elapsed(), step=self.c.step, tokens=self.c.tokens,
                            eval_loss=eval_loss, eval_loss_per_byte=self.per_byte(eval_loss),
                            process_s=self.first_step_s)
-        logger.info("[%s] eval loss at start %.4f", self.tag, eval_loss)
+        self.log.info("eval loss at start %.4f", eval_loss)
         # the last of the peer's progress lines (app/startup.py): `local` reads it as "training"
-        logger.info("[%s] start-up: first inner step after %.1f s", self.tag, self.first_step_s)
+        self.log.info("start-up: first inner step after %.1f s", self.first_step_s)
         self.throughput.add(self.c.tokens)
 
     def training_ends(self, eval_loss: float) -> None:
@@ -280,8 +282,8 @@ class Reporter:
             state_bytes_sent=result.state_bytes_sent, phase_shift_s=landed.phase_shift_s,
             **({"traffic": self.traffic.snapshot()} if self.traffic else {}),
         )
-        logger.info(
-            "[%s] round %d: merged with %d peer(s) in %.2f s%s%s", self.tag, self.c.round,
+        self.log.info(
+            "round %d: merged with %d peer(s) in %.2f s%s%s", self.c.round,
             len(result.group), result.duration_s, f" (failed: {landed.failure})" if landed.failure else "",
             f", eval loss {eval_loss:.4f}" if eval_loss is not None else "",
         )
