@@ -195,3 +195,11 @@ def flat(outcome):
     return SimpleNamespace(**fields, alone=False, failure="", pseudo_grad=outcome.average,
                            total_weight=outcome.weight, global_state=outcome.agreed_state,
                            state_weight=outcome.state_weight, final=outcome.final, sent=outcome.sent)
+
+
+async def recv_msg(reader, max_payload: int, counter=None) -> tuple[dict, bytes]:
+    """Read one frame as a requester does: `wire.recv_header` then `wire.recv_payload`."""
+    from p2pdiloco.network.wire import recv_header, recv_payload
+
+    header = await recv_header(reader, counter)
+    return header, await recv_payload(reader, max_payload, counter)

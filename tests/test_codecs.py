@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pdiloco.algorithm.codecs import CodecError, as_held, get_codec, roundtrip
+from p2pdiloco.algorithm.codecs import Codec, CodecError, as_held, get_codec
 from p2pdiloco.algorithm.feedback import ErrorFeedback
 from p2pdiloco.config import CODECS
 from p2pdiloco.network.allreduce import slice_bounds
@@ -51,6 +51,12 @@ def test_wrong_length_is_refused_not_misread(name):
         with pytest.raises(CodecError):
             codec.decode(bad, 1000)
 
+
+
+def roundtrip(codec: Codec, x: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+    """(bytes sent, what the receiver decodes from them)."""
+    data = codec.encode(x)
+    return data, codec.decode(data, x.numel())
 
 def test_int8_non_finite_block_scale_is_refused():
     codec = get_codec("int8")

@@ -21,7 +21,8 @@ from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.p2p_merger import MergeFailed
 from p2pdiloco.network.session import Sessions
 from p2pdiloco.network.state_sync import GlobalState, StateError, unpack_state
-from p2pdiloco.network.wire import WireError, recv_msg
+from p2pdiloco.network.wire import WireError
+from tests.conftest import recv_msg
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

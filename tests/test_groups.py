@@ -4,16 +4,15 @@ epoch, and every peer computes the same split from the same ready records."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 
 import pytest
 import torch
 
 from p2pdiloco.config import GuardConfig, SwarmConfig
-from p2pdiloco.network.census import my_group
+from p2pdiloco.network.census import my_group, registered_now
 from p2pdiloco.network.merger import Contribution
-from tests.conftest import flat, running_mergers
+from tests.conftest import flat, running_mergers, wait_for
 
 
 def _split(ready, epoch, size):
@@ -50,7 +49,9 @@ def test_groups_change_every_epoch_and_no_peer_leads_every_one():
 def test_real_peers_merge_in_groups_of_at_most_four_with_dht_work_that_does_not_grow(bootstrap_dht, net_loop, n):
     cfg = SwarmConfig(run_id=f"groups{n}", merge_window_s=15, merge_timeout_s=10, codec="none", group_size=4, sync=True)
     with running_mergers(bootstrap_dht, net_loop, n, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:
-        time.sleep(1.0)  # every peer record stored before the first search reads them
+        # every census record stored (read through the bootstrap node: the mergers' own reads are counted)
+        wait_for(lambda: len(net_loop.run(registered_now(bootstrap_dht, cfg.run_id, 5, cfg.epoch_s), 10)) >= n, 30,
+                 what="every peer in the census")
         # parts 10..21: no group's largest is over 4x its median norm (with 0..11, a group such as 0, 1, 3, 9 had
         # its largest part left out by the norm guard, and this test failed about one run in 15)
         futures = [m.submit(Contribution(pseudo_grad=torch.full((64,), 10.0 + i), weight=1.0,

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.network.census import registered_now
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.phase import DEAD_ZONE, Phase, phase_of
 from p2pdiloco.training.rounds import RoundClock
-from tests.conftest import running_mergers
+from tests.conftest import running_mergers, wait_for
 
 P = 12.8  # the README run's rounds: 50 steps of ~0.256 s
 
@@ -196,7 +197,9 @@ def test_real_peers_split_into_two_pairs_half_a_round_apart_merge_as_four_again(
                       merge_timeout_s=10, codec="none", group_size=8)
     logs: list[list[int]] = [[] for _ in range(4)]
     with running_mergers(bootstrap_dht, net_loop, 4, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:
-        time.sleep(1.0)  # every census record stored before the first search reads them
+        # every census record stored (read through the bootstrap node: the mergers' own reads are counted)
+        wait_for(lambda: len(net_loop.run(registered_now(bootstrap_dht, cfg.run_id, 5, cfg.epoch_s), 10)) >= 4, 30,
+                 what="every peer in the census")
         # rounds of 20 steps of 0.1 s: 2 s; windows of 0.5 s; the second pair starts 1 s after the first
         threads = [threading.Thread(target=drive, args=(m, cfg, 0.0 if i < 2 else 1.0, 14, 0.1, logs[i]))
                    for i, m in enumerate(mergers)]

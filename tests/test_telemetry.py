@@ -6,9 +6,10 @@ import math
 import urllib.request
 
 import pytest
+from prometheus_client import generate_latest
 
 from p2pdiloco.config import ConfigError
-from p2pdiloco.observe.telemetry import MetricsServer, render_prometheus
+from p2pdiloco.observe.telemetry import MetricsServer, metrics_registry
 from p2pdiloco.training.meters import Ema, RateMeter
 
 
@@ -73,7 +74,7 @@ def check_exposition(text: str, snapshot: dict) -> dict:
 
 
 def test_prometheus_text_parses_with_the_expected_families_and_values():
-    families = check_exposition(render_prometheus(SNAPSHOT), SNAPSHOT)
+    families = check_exposition(generate_latest(metrics_registry(lambda: SNAPSHOT)).decode(), SNAPSHOT)
     for name, value in {**COUNTERS, **GAUGES}.items():
         assert families[name].samples[0].value == value, name
     assert math.isnan(families["p2pdiloco_eval_loss"].samples[0].value)  # not evaluated yet: NaN, not absent

@@ -12,10 +12,10 @@ from p2pdiloco.network.wire import (
     WireError,
     await_requester_close,
     recv_header,
-    recv_msg,
     recv_payload,
     send_msg,
 )
+from tests.conftest import recv_msg
 
 
 class _Sink:

@@ -328,12 +328,6 @@ def get_codec(name: str, sparse_keep: int = 64) -> Codec:
     raise ValueError(f"unknown codec {name!r} (known: {', '.join(CODECS)})")
 
 
-def roundtrip(codec: Codec, x: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-    """(bytes sent, what the receiver will decode from them)."""
-    data = codec.encode(x)
-    return data, codec.decode(data, x.numel())
-
-
 def as_held(part: torch.Tensor, exact: torch.Tensor, held: torch.Tensor, share: float, n_members: int) -> torch.Tensor:
     """A slice owner's own part as the average the group holds counts it, for error feedback.
 

@@ -145,19 +145,6 @@ async def recv_payload(reader: asyncio.StreamReader, max_payload: int, counter: 
     return payload
 
 
-async def recv_msg(reader: asyncio.StreamReader, max_payload: int,
-                   counter: ByteCounter | None = None) -> tuple[dict, bytes]:
-    """Read one frame: `recv_header` then `recv_payload` (for replies whose header needs no check first).
-
-    Args:
-        reader: the stream.
-        max_payload: the largest payload this message may carry, in bytes.
-        counter: where to add the bytes read.
-    """
-    header = await recv_header(reader, counter)
-    return header, await recv_payload(reader, max_payload, counter)
-
-
 REPLY_LINGER_S = 10.0
 
 

@@ -88,11 +88,6 @@ def metrics_registry(snapshot: Callable[[], dict]) -> CollectorRegistry:
     return registry
 
 
-def render_prometheus(snapshot: dict) -> str:
-    """This peer's metrics in Prometheus's text exposition format (version 0.0.4); see `SnapshotCollector`."""
-    return generate_latest(metrics_registry(lambda: snapshot)).decode()
-
-
 class MetricsServer:
     """Serves ``/metrics`` (Prometheus text format) from `snapshot()`, on the peer's network loop.
 
