@@ -1,6 +1,6 @@
 """The package's folders are layers, and imports only point down (docs/architecture.md draws them).
 
-algorithm < config < network < {training, observe, testing} < app < bench < sim < cli. Training, observation and
+util < algorithm < config < network < {training, observe, testing} < app < bench < sim < cli. Training, observation and
 the testing aids are siblings that do not import each other, and production code reaches the testing aids
 only through `p2pdiloco.testing.hooks`. Lazy imports inside functions count too.
 """
@@ -14,17 +14,18 @@ import p2pdiloco
 
 PACKAGE = Path(p2pdiloco.__file__).parent
 BELOW = {
-    "algorithm": set(),
-    "config": {"algorithm"},
-    "network": {"config", "algorithm"},
-    "training": {"network", "config", "algorithm"},
-    "observe": {"network", "config", "algorithm"},
-    "testing": {"network", "config", "algorithm"},
-    "app": {"training", "observe", "testing", "network", "config", "algorithm"},
-    "bench": {"app", "training", "observe", "testing", "network", "config", "algorithm"},
-    "sim": {"bench", "app", "training", "observe", "testing", "network", "config", "algorithm"},
+    "util": set(),
+    "algorithm": {"util"},
+    "config": {"algorithm", "util"},
+    "network": {"config", "algorithm", "util"},
+    "training": {"network", "config", "algorithm", "util"},
+    "observe": {"network", "config", "algorithm", "util"},
+    "testing": {"network", "config", "algorithm", "util"},
+    "app": {"training", "observe", "testing", "network", "config", "algorithm", "util"},
+    "bench": {"app", "training", "observe", "testing", "network", "config", "algorithm", "util"},
+    "sim": {"bench", "app", "training", "observe", "testing", "network", "config", "algorithm", "util"},
 }
-PRODUCTION = ("algorithm", "config", "network", "training", "observe", "app")
+PRODUCTION = ("util", "algorithm", "config", "network", "training", "observe", "app")
 TEST_HOOK = "p2pdiloco.testing.hooks"
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from p2pdiloco.util.numbers import finite_number
+
 logger = logging.getLogger(__name__)
 
 NONFINITE, NORM, DIRECTION, STALE, BANNED, SHAPE, TRUST, FAR, FORGED = (
@@ -167,8 +169,7 @@ def bounded_weights(weights: Sequence[object], cap: float = WEIGHT_CAP) -> list[
         weights: one claim per member, in group order.
         cap: the largest multiple of the median claim that counts.
     """
-    clean = [float(w) if isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) and w > 0
-             else 0.0 for w in weights]
+    clean = [float(w) if finite_number(w) and w > 0 else 0.0 for w in weights]
     positive = sorted(w for w in clean if w > 0)
     if not positive:
         return clean
@@ -252,8 +253,8 @@ class GuardBook:
         does not judge every member as a stranger again; entries that are not (peer id, score in [-1, 1]) are
         skipped."""
         if isinstance(trust, dict):
-            self.trust.update({p: float(t) for p, t in trust.items() if isinstance(p, str) and not isinstance(t, bool)
-                               and isinstance(t, int | float) and math.isfinite(t) and -1 <= t <= 1})
+            self.trust.update({p: float(t) for p, t in trust.items()
+                               if isinstance(p, str) and finite_number(t) and -1 <= t <= 1})
 
     def report(self) -> dict:
         """What metrics and summaries show."""

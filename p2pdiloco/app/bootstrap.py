@@ -10,6 +10,7 @@ from pathlib import Path
 from p2pdiloco.config import SwarmConfig
 from p2pdiloco.network.reachability import serving_reach
 from p2pdiloco.network.swarm import Reaper, SwarmError, start_dht, visible_maddrs
+from p2pdiloco.util.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +54,7 @@ def serve(dht, identity: Path, created: bool, maddr_file: Path | None, print_fn,
     for m in maddrs:
         print_fn(f"  {m}")
     if maddr_file is not None:
-        tmp = maddr_file.with_name(maddr_file.name + ".tmp")
-        tmp.write_text("".join(m + "\n" for m in maddrs))
-        tmp.replace(maddr_file)
+        write_atomic(maddr_file, "".join(m + "\n" for m in maddrs))
     print_fn("running; Ctrl+C to stop")
     while not stop.wait(1.0):
         if not dht.is_alive():

@@ -61,6 +61,7 @@ from p2pdiloco.training.learner import Learner
 from p2pdiloco.training.model import build_model, count_params, named_weights
 from p2pdiloco.training.reporting import MetricsLog
 from p2pdiloco.training.tokenizer import check_vocab, load_tokenizer
+from p2pdiloco.util.files import replacing, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -97,26 +98,15 @@ class StopFlag:
         signal.signal(signal.SIGTERM, on_signal)
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    """Write via a temporary file, fsync and rename, so a reader never sees a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_model(path: Path, learner: Learner) -> None:
     """The global model θg as named safetensors tensors, a tied matrix once (`named_weights`; load it into
     `build_model(cfg.model)` with `load_named_weights_`)."""
     model = build_model(learner.cfg.model)
     load_flat_(model, learner.global_params)
-    tmp = path.with_name(path.name + ".tmp")
     # the config too, so that `p2pdiloco sample` and `export` can rebuild the model from this file alone
-    save_file(named_weights(model), str(tmp), metadata={"round": str(learner.c.round), "step": str(learner.c.step),
-                                                        "config": json.dumps(learner.cfg.to_dict())})
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        save_file(named_weights(model), str(tmp), metadata={"round": str(learner.c.round), "step": str(learner.c.step),
+                                                            "config": json.dumps(learner.cfg.to_dict())})
 
 
 IDENTITY_FILE = "identity.key"

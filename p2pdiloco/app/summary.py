@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from p2pdiloco.app.peer import write_json_atomic
 from p2pdiloco.network.traffic import swarm_bandwidth
+from p2pdiloco.util.files import write_json_atomic
 
 
 def consensus_distance(peer_dirs: list[Path]) -> float | None:

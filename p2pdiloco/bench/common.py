@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from p2pdiloco.app.peer import write_json_atomic
+from p2pdiloco.util.files import write_json_atomic
 
 logger = logging.getLogger(__name__)
 

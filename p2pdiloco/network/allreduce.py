@@ -19,7 +19,6 @@ import asyncio
 import hashlib
 import itertools
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -35,6 +34,7 @@ from p2pdiloco.network.peer_tag import short_id
 from p2pdiloco.network.rpc import MergeFailed, Rpc
 from p2pdiloco.network.session import MergeSession
 from p2pdiloco.network.wire import WireError
+from p2pdiloco.util.numbers import finite_number
 
 logger = logging.getLogger(__name__)
 
@@ -353,6 +353,6 @@ class AllReduce:
 def _share(value: object) -> float:
     """A share an owner reported, in [0, 1]; anything else (a missing or malformed field) counts as left out, since
     only the owner knows and a share nobody vouched for must not count as reached."""
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+    if finite_number(value):
         return min(max(float(value), 0.0), 1.0)
     return 0.0

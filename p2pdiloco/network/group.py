@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -22,6 +21,7 @@ from functools import cached_property
 from p2pdiloco.algorithm.guards import bounded_weights
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.rpc import MergeFailed
+from p2pdiloco.util.numbers import finite_number
 
 
 @dataclass(frozen=True)
@@ -124,8 +124,7 @@ def valid_notice(h: dict, me: str, group_size: int) -> bool:
         and (len(members) <= group_size or h.get("closing") is True)
         and all(isinstance(m, str) for m in members + digests)
         and len(set(members)) == len(members) and me in members
-        and all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
-                for w in weights + sw)
+        and all(finite_number(w) and w >= 0 for w in weights + sw)
         and h.get("need_state") is (len(set(digests)) > 1)
         and valid_owners(h.get("owners"), len(members))
     )

@@ -37,6 +37,7 @@ from p2pdiloco.network.group import Group, group_of_notice, own_claims_kept, val
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.peer_tag import PeerLog, short_id
 from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed, Rpc
+from p2pdiloco.util.numbers import finite_number
 
 logger = logging.getLogger(__name__)
 
@@ -233,8 +234,7 @@ class Matchmaker:
     def _plausible(self, deadline: object, now: float) -> bool:
         """A deadline an honest peer could have announced: no window is longer than `merge_window_s`, so a
         deadline further off is a claim meant to make mates wait (a hostile `leader`)."""
-        return (isinstance(deadline, int | float) and not isinstance(deadline, bool) and math.isfinite(deadline)
-                and deadline <= now + self.cfg.merge_window_s + RPC_TIMEOUT_S)
+        return finite_number(deadline) and deadline <= now + self.cfg.merge_window_s + RPC_TIMEOUT_S
 
     def _warn_short_epochs(self) -> None:
         """Say once if groups are redrawn within a few of this peer's rounds while they do not span the census: each

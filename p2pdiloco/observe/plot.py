@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +11,9 @@ from pathlib import Path
 # pyplot's global backend alone and keeps no figures alive between calls.
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from p2pdiloco.util.files import replacing
+from p2pdiloco.util.numbers import number_or_none
 
 LOG = logging.getLogger(__name__)
 
@@ -41,10 +42,7 @@ class PeerCurves:
 
 
 def _number(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
+    return number_or_none(value)
 
 
 def read_metrics(path: Path) -> PeerCurves:
@@ -167,10 +165,8 @@ def _draw(path: Path, panels: list[Panel], peers: dict[str, PeerCurves]) -> None
             ax.legend(title="peer", fontsize="small")
         else:
             ax.text(0.5, 0.5, "no points yet", transform=ax.transAxes, ha="center", va="center")
-    # Write then rename, so that a reader of the PNG never sees half a file.
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=100)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:  # a reader of the PNG never sees half a file
+        fig.savefig(tmp, format="png", dpi=100)
 
 
 def plot_run(run_dir: Path) -> list[Path]:

@@ -8,7 +8,6 @@ dashboard shows the same rows (`swarm_status` is shared).
 from __future__ import annotations
 
 import json
-import math
 import time
 
 import hivemind
@@ -16,6 +15,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig
 from p2pdiloco.network.swarm import BackgroundLoop, live_records, read_peers, start_dht
+from p2pdiloco.util.numbers import finite_number, number_or_none
 
 NUMBER_FIELDS = ("step", "round", "tokens", "tokens_per_s", "merges", "bytes_sent", "bytes_received",
                  "last_group_size", "last_merge_s", "last_merge_time", "started", "time")
@@ -23,13 +23,11 @@ NUMBER_FIELDS = ("step", "round", "tokens", "tokens_per_s", "merges", "bytes_sen
 
 
 def _num(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return 0.0
-    return value
+    return value if finite_number(value) else 0.0
 
 
 def _loss(value: object) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) else None
+    return number_or_none(value)
 
 
 def peer_row(peer_id: str, record: dict, now: float) -> dict:

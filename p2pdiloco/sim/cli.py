@@ -6,7 +6,6 @@ import argparse
 import copy
 import json
 import math
-import os
 import tomllib
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from p2pdiloco.sim.presets import preset
 from p2pdiloco.sim.report import plot_sweeps, print_calibration, print_results, print_seeds
 from p2pdiloco.sim.scenario import Scenario, load_scenario, scenario_from_dict
 from p2pdiloco.sim.simulate import simulate, sweep
+from p2pdiloco.util.files import write_atomic
 
 
 def parse_sets(sets: list[str]) -> dict:
@@ -57,9 +57,7 @@ def _finite(x):
 
 
 def _write(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_finite(data), indent=2, sort_keys=True, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(_finite(data), indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

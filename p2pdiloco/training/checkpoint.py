@@ -22,6 +22,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from p2pdiloco.network.state_sync import GlobalState
+from p2pdiloco.util.files import replacing
 
 logger = logging.getLogger(__name__)
 
@@ -52,22 +53,14 @@ def save_checkpoint(folder: Path, round_: int, tensors: dict[str, torch.Tensor],
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     blob = st_save(tensors, metadata={"meta": json.dumps(meta), "sha256": _checksum(tensors)})
     path = folder / f"ckpt-{round_:08d}.safetensors"
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
+    # a visible name of its own (not `temp_beside`'s hidden one): a kill mid-write leaves it, and `load_latest` skips it
+    with replacing(path, tmp=path.with_name(path.name + ".tmp"), durable=True) as tmp, tmp.open("wb") as f:
         if kill_midway:
             f.write(blob[: len(blob) // 2])
             f.flush()
             os.fsync(f.fileno())
             os.kill(os.getpid(), signal.SIGKILL)
         f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
     for old in sorted(folder.glob(PATTERN))[:-keep]:
         old.unlink(missing_ok=True)
     return path

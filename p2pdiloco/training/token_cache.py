@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from p2pdiloco.util.files import replacing
+
 LOG = logging.getLogger(__name__)
 
 MAGIC = b"P2PDILOCO-TOKENS-1\n"
@@ -58,18 +60,14 @@ def write_tokens(path: Path, arrays: dict[str, torch.Tensor], meta: dict[str, An
                    for n, t in arrays.items()],
         "meta": meta, "payload_bytes": len(payload), "blake2b": _digest(payload),
     }).encode()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        # peers of one machine may race here: each renames a complete file of its own
+        with replacing(path) as tmp, open(tmp, "wb") as f:
             f.write(MAGIC + len(header).to_bytes(8, "little") + header)
             f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # peers of one machine may race here: each renames a complete file
         return True
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         LOG.warning("cannot write the token cache %s (%s); going on without it", path, e.strerror or e)
         return False
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from p2pdiloco.config import ConfigError
+from p2pdiloco.util.files import write_atomic
 
 LOG = logging.getLogger(__name__)
 
@@ -169,15 +170,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: Path, min_frequency: i
     progress(f"training a byte-level BPE of {vocab_size} tokens")
     tok.train_from_iterator(texts, trainer=trainer)
     progress(f"trained {tok.get_vocab_size()} tokens in {time.monotonic() - t0:.1f} s")
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(tok.to_str())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
+        write_atomic(out, tok.to_str())
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise ConfigError(f"cannot write {out}: {e.strerror}") from None
     written = HFTokenizer(out)
     progress(f"wrote {out} ({written.vocab_size} tokens, {written.digest})")
