@@ -70,3 +70,22 @@ def test_production_code_reaches_testing_aids_only_through_the_hook():
     edges = _imports()
     reaching = {(src, dst) for src, dst in edges if _layer(src) in PRODUCTION and _layer(dst) == "testing"}
     assert reaching == {("p2pdiloco.app.peer", TEST_HOOK)}
+
+
+def test_no_function_over_80_lines_and_no_module_over_400():
+    """A longer function is several steps that want names; a longer module, usually two concerns (STYLE.md)."""
+    long_functions, long_modules = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        if len(source.splitlines()) > 400:
+            long_modules.append(str(path.relative_to(PACKAGE)))
+        for node in ast.walk(ast.parse(source, str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 80:
+                long_functions.append(f"{path.relative_to(PACKAGE)}:{node.name}")
+    assert long_functions == [] and long_modules == []
+
+
+def test_nothing_in_the_network_layer_hangs_on_a_context_variable():
+    """One merge's state lives in its MergeSession (network/session.py), found by group id, not in task context."""
+    users = [p.name for p in (PACKAGE / "network").glob("*.py") if "ContextVar" in p.read_text()]
+    assert users == []
