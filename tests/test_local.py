@@ -23,7 +23,7 @@ def test_three_peer_swarm_merges_agrees_and_learns(tmp_path):
     # synchronous DiLoCo, so that the number of rounds is known: one merge every 15 steps
     out = subprocess.run(
         [sys.executable, "-m", "p2pdiloco", "local", "--peers", "3", "--steps", "60", "--run-dir", str(tmp_path),
-         "--set", "swarm.round_steps=15", "--set", "swarm.codec=none", "--sync", *TINY],
+         "--set", "rounds.round_steps=15", "--set", "codec.name=none", "--sync", *TINY],
         capture_output=True, text=True, timeout=170, stdin=subprocess.DEVNULL,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

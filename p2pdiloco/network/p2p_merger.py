@@ -32,7 +32,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from p2pdiloco.algorithm.codecs import DeflatedCodec, ErrorFeedback, LinearInt8Codec, get_codec
 from p2pdiloco.algorithm.guards import GuardBook
-from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.config import Config, GuardConfig
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.allreduce import AllReduce, PlainReducer, by_values, slice_bounds
 from p2pdiloco.network.catch_up import CatchUp
@@ -62,7 +62,7 @@ class P2PMerger:
 
     Args:
         dht: this peer's running DHT.
-        cfg: swarm settings (run id, merge window and timeout).
+        cfg: the run's config; the merger reads its swarm's run id, rounds, merge and codec settings.
         loop: the background loop that runs all network work.
         n_params: length of the flat parameter vector (the same on every peer of the swarm).
         auth: the swarm key's request authenticator (None: a public swarm).
@@ -71,36 +71,36 @@ class P2PMerger:
         faults: test hook: faults to inject at stages 'exchange' and 'serve_part' (None: none).
     """
 
-    def __init__(self, dht: hivemind.DHT, cfg: SwarmConfig, loop: BackgroundLoop, n_params: int,
+    def __init__(self, dht: hivemind.DHT, cfg: Config, loop: BackgroundLoop, n_params: int,
                  auth: SwarmAuth | None = None, guard: GuardConfig | None = None, fingerprint: str = "",
                  faults: FaultHook | None = None):
         self.dht, self.cfg, self._loop, self.n_params = dht, cfg, loop, n_params
         self.peer_id = dht.peer_id.to_base58()
-        self.auth = auth or SwarmAuth(None, cfg.run_id)
+        self.auth = auth or SwarmAuth(None, cfg.swarm.run_id)
         self.guard = guard or GuardConfig()
         self.fingerprint = fingerprint
         self.faults = faults
         self.book = GuardBook(self.guard.ban_after if self.guard.enabled else 0, self.peer_id[-6:])
         self.counter = ByteCounter()
-        self.codec = get_codec(cfg.codec, cfg.sparse_keep)
+        self.codec = get_codec(cfg.codec.name, cfg.codec.sparse_keep)
         """Codec of pseudo-gradient slices and their averages. (θg, momentum) travel as int8 differences from a
         state all members hold (tag 'a'): quantizing the model itself would have no error feedback to undo it, a
         difference of a few outer steps loses ~1/254 of itself (deflated: after sparse updates most of it is zero).
         Where the members hold no common anchor, the int8 average of their states themselves (tag 's') is made
         one first (`_agree`)."""
-        self.feedback = ErrorFeedback(cfg.error_feedback and self.codec.lossy, cfg.error_feedback_decay)
-        self.rpc = Rpc(dht, cfg.run_id, self.auth, self.counter)
+        self.feedback = ErrorFeedback(cfg.codec.error_feedback and self.codec.lossy, cfg.codec.error_feedback_decay)
+        self.rpc = Rpc(dht, cfg.swarm.run_id, self.auth, self.counter)
         self.matchmaker = Matchmaker(dht, cfg, self.rpc, self.book, self.guard, fingerprint,
                                      {"d": n_params, "s": 2 * n_params, "a": 2 * n_params})
         self.allreduce = AllReduce(
             self.rpc, self.matchmaker.expected_group, {"d": self.codec, "s": STATE_CODEC, "a": STATE_DIFF_CODEC},
             SliceGuard(self.guard, self.book) if self.guard.enabled else PlainReducer(),
-            merge_timeout_s=cfg.merge_timeout_s, faults=faults,
+            merge_timeout_s=cfg.merge.merge_timeout_s, faults=faults,
         )
         self.sparse = SparseExchange(self.rpc, self.matchmaker.expected_group, self.codec,
-                                     self.guard if self.guard.enabled else None, self.book, cfg.merge_timeout_s, faults)
+                                     self.guard if self.guard.enabled else None, self.book, cfg.merge.merge_timeout_s, faults)
         """Pseudo-gradients of a sparse codec are all-gathered instead (sparse_exchange.py)."""
-        self.catch_up = CatchUp(self.rpc, self.matchmaker.expected_group, cfg.merge_timeout_s, self.book)
+        self.catch_up = CatchUp(self.rpc, self.matchmaker.expected_group, cfg.merge.merge_timeout_s, self.book)
         """Where a majority of a group holds one global model, the others fetch it instead of averaging."""
         self.phase = Phase()
         """When mates said they are looking: where their round ends lie against this peer's (phase.py)."""
@@ -152,7 +152,7 @@ class P2PMerger:
             self.matchmaker.record(alone=result.alone)
             # rounds of a fixed step count drift apart (timed rounds end on a swarm-wide cadence, sync rounds wait);
             # taken now, when mates whose rounds ended with this peer's have said so too
-            if not (self.cfg.sync or self.cfg.round_seconds > 0):
+            if not (self.cfg.rounds.sync or self.cfg.rounds.round_seconds > 0):
                 result.phase_shift_s = self.phase.shift_s(c.round_s, t0)
             result.rejected = sum(self.book.rejected.values()) - rejected0
             result.bytes_sent = self.counter.sent - sent0
@@ -170,7 +170,7 @@ class P2PMerger:
             me = group.members.index(self.peer_id)
             if self.faults is not None:
                 await self.faults.fire("exchange", c.round, self.peer_id[-6:])
-            timeout = self.cfg.merge_timeout_s  # per exchange phase: Δ, and (θg, m) if they disagree
+            timeout = self.cfg.merge.merge_timeout_s  # per exchange phase: Δ, and (θg, m) if they disagree
             group.reference = c.momentum  # its slice guard judges members' parts by it (guards.cosines_to)
             target = self.feedback.compensate(c.pseudo_grad)
             exchange = (self.allreduce.average(group, me, "d", target) if self.codec.sliced
