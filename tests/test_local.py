@@ -52,7 +52,7 @@ def test_three_peer_swarm_merges_agrees_and_learns(tmp_path):
         assert 5 < peer["bandwidth_ratio_vs_ddp"] < 15
         assert peer["bandwidth_ratio_vs_ddp_with_dht"] < peer["bandwidth_ratio_vs_ddp"]
     assert 5 < summary["bandwidth_ratio_vs_ddp"] < 15
-    assert summary["config"]["swarm"]["round_steps"] == 15
+    assert summary["config"]["rounds"]["round_steps"] == 15
     # every member of a merge group ends it holding the same global model, bit for bit
     digests = defaultdict(set)
     for i in range(3):
