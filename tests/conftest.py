@@ -11,11 +11,13 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 import hivemind
 import psutil
 import pytest
 
+from p2pdiloco.config import Config, load_config
 from p2pdiloco.network.swarm import BackgroundLoop
 
 # What a marked test needs beyond `pip install -e ".[dev]"`, and how to get it. Such a test is skipped with that
@@ -171,7 +173,7 @@ def running_mergers(bootstrap: hivemind.DHT, net_loop: BackgroundLoop, n: int, c
     try:
         mergers = [P2PMerger(d, cfg, net_loop, n_params, **kwargs) for d in dhts]
         for m in mergers:  # as a peer's merger does in the background from its start
-            net_loop.run(m.matchmaker.census.register(epoch_of(get_dht_time(), cfg.epoch_s)), 10)
+            net_loop.run(m.matchmaker.census.register(epoch_of(get_dht_time(), cfg.merge.epoch_s)), 10)
         yield mergers
     finally:
         for m in mergers:
@@ -203,3 +205,15 @@ async def recv_msg(reader, max_payload: int, counter=None) -> tuple[dict, bytes]
 
     header = await recv_header(reader, counter)
     return header, await recv_payload(reader, max_payload, counter)
+
+
+def merge_config(**keys: Any) -> Config:
+    """A run's config from keys of the swarm's components given as one table (`run_id`, `merge_timeout_s`,
+    `codec`, `sync`, ...), as the old `[swarm]` table named them: each lands in the section that holds it now
+    (`config.ALIASES`). What `P2PMerger` and `Matchmaker` take."""
+    return load_config(None, [{"swarm": keys}])
+
+
+def with_swarm(cfg: Config, **values: Any) -> Config:
+    """`cfg` with the `[swarm]` values given (e.g. the initial peers of one that joins a running node)."""
+    return cfg.model_copy(update={"swarm": cfg.swarm.model_copy(update=values)})

@@ -179,9 +179,9 @@ def test_peers_takes_a_list_of_positive_integers_and_errors_name_the_flag():
     from p2pdiloco.config import ConfigError
 
     args = build_parser().parse_args(["bench", "scale", "--peers", "4,8", "--group-size", "4", "--steps", "50",
-                                      "--set", "swarm.round_seconds=10"])
+                                      "--set", "rounds.round_seconds=10"])
     assert _positive_ints(args.peers, "--peers") == (4, 8) and args.group_size == 4 and args.steps == 50
-    assert args.sets == ["swarm.round_seconds=10"]
+    assert args.sets == ["rounds.round_seconds=10"]
     with pytest.raises(ConfigError, match="--peers takes positive integers"):
         _positive_ints("4,0", "--peers")
     with pytest.raises(ConfigError, match="takes one --peers"):

@@ -72,7 +72,7 @@ def test_truncated_or_corrupted_checkpoint_is_skipped(tmp_path):
 
 def test_sigkill_during_checkpoint_write_then_resume_loads_previous_good(tmp_path):
     base = [sys.executable, "-m", "p2pdiloco", "peer", "--host", "127.0.0.1", "--run-dir", str(tmp_path),
-            "--sync", "--set", "swarm.round_steps=5", "--set", "run.checkpoint_every=2", *TINY]
+            "--sync", "--set", "rounds.round_steps=5", "--set", "run.checkpoint_every=2", *TINY]
     env = {**os.environ, "P2PDILOCO_FAULTS": "@checkpoint:4:kill"}  # "" is the name of an unnamed peer
     out = subprocess.run([*base, "--steps", "40"], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == -9, out.stdout[-1000:] + out.stderr[-1000:]

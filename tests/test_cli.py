@@ -119,10 +119,10 @@ def test_bootstrap_and_two_peers_by_hand_train_and_merge(tmp_path):
         maddr = maddr_file.read_text().split()[0]
         for i in range(2):
             peers.append(_start(["peer", "--initial-peers", maddr, "--host", "127.0.0.1", "--run-dir",
-                                 str(tmp_path / f"p{i}"), "--steps", "40", "--set", "swarm.round_steps=10",
+                                 str(tmp_path / f"p{i}"), "--steps", "40", "--set", "rounds.round_steps=10",
                                  # 40 tiny steps take about a second: without waiting for each other, each
                                  # peer can be done before it sees the other's record, and never merge
-                                 "--set", "swarm.wait_for_peers=2",
+                                 "--set", "startup.wait_for_peers=2",
                                  # and even together, one peer's start can lag the other's by more than a
                                  # second on a loaded machine (CI once: 0 merges); paced, the run lasts 4 s
                                  "--set", "emulate.min_step_s=0.1",

@@ -19,8 +19,8 @@ from tests.test_cli import TINY
 pytestmark = pytest.mark.integration
 
 # ~20 steps/s per peer whatever the core count, so rounds of 10 steps take ~0.5 s
-PACED = [*TINY, "--set", "emulate.min_step_s=0.05", "--set", "swarm.round_steps=10", "--set", "run.eval_every_rounds=0",
-         "--set", "swarm.heartbeat_s=1", "--set", "swarm.merge_timeout_s=5"]
+PACED = [*TINY, "--set", "emulate.min_step_s=0.05", "--set", "rounds.round_steps=10", "--set", "run.eval_every_rounds=0",
+         "--set", "swarm.heartbeat_s=1", "--set", "merge.merge_timeout_s=5"]
 
 
 def merges(run_dir: Path, peer: str) -> list[dict]:

@@ -56,10 +56,10 @@ class CodedMerger:
 
 def _cfg():
     items = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "data.batch_size=4",
-             f"swarm.round_steps={ROUND}", f"run.total_steps={STEPS}", "run.log_every=5", "inner.warmup_steps=2",
-             "inner.lr=3e-3", "swarm.sync=true", "run.checkpoint_every=1", "run.eval_every_rounds=0"]
+             f"rounds.round_steps={ROUND}", f"run.total_steps={STEPS}", "run.log_every=5", "inner.warmup_steps=2",
+             "inner.lr=3e-3", "rounds.sync=true", "run.checkpoint_every=1", "run.eval_every_rounds=0"]
     cfg = load_config(None, [parse_set(items)])
-    assert cfg.swarm.codec == "int4" and cfg.swarm.error_feedback  # the defaults: lossy, with error feedback
+    assert cfg.codec.name == "int4" and cfg.codec.error_feedback  # the defaults: lossy, with error feedback
     return cfg
 
 

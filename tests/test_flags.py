@@ -30,7 +30,8 @@ def test_every_table_flag_names_a_config_field_and_sets_it(tmp_path):
         "--swarm-key", str(key)])
     assert flag_overrides(args, "peer") == {
         "swarm": {"initial_peers": ["/ip4/127.0.0.1/tcp/1/p2p/x"], "host": "127.0.0.1", "port": 0,
-                  "announce": ["/ip4/1.2.3.4/tcp/5"], "run_id": "r", "sync": True, "swarm_key": str(key.resolve())},
+                  "announce": ["/ip4/1.2.3.4/tcp/5"], "run_id": "r", "swarm_key": str(key.resolve())},
+        "rounds": {"sync": True},
         "run": {"name": "p", "total_steps": 7, "metrics_port": 0, "resume": True, "run_dir": str(tmp_path),
                 "device": "cpu"},
         "data": {"paths": ["a.txt"]}}
@@ -42,9 +43,9 @@ def test_local_sets_its_flags_and_hands_the_swarm_wide_ones_to_its_peers(tmp_pat
     args = build_parser().parse_args(["local", "--steps", "5", "--data", "a.txt", "b", "--device", "cpu", "--sync",
                                       "--swarm-key", "k.key", "--run-dir", str(tmp_path), "--set", "outer.lr=0.5"])
     cfg = config_from_args(args)
-    assert (cfg.run.total_steps, cfg.data.paths, cfg.run.device, cfg.swarm.sync) == (5, ["a.txt", "b"], "cpu", True)
+    assert (cfg.run.total_steps, cfg.data.paths, cfg.run.device, cfg.rounds.sync) == (5, ["a.txt", "b"], "cpu", True)
     assert forwarded_sets(args) == [f"data.paths={Path('a.txt').resolve()},{Path('b').resolve()}", "run.device=cpu",
-                                    "swarm.sync=true", f"swarm.swarm_key={Path('k.key').resolve()}"]
+                                    "rounds.sync=true", f"swarm.swarm_key={Path('k.key').resolve()}"]
     assert user_sets(args) == ["outer.lr=0.5"]
 
 

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from p2pdiloco.algorithm.codecs import Codec
 from p2pdiloco.algorithm.guards import screen_parts
-from p2pdiloco.config import SwarmConfig
 from p2pdiloco.network.allreduce import AllReduce
 from p2pdiloco.network.group import valid_notice
 from p2pdiloco.network.matchmaking import Matchmaker
@@ -22,7 +21,7 @@ from p2pdiloco.network.p2p_merger import MergeFailed
 from p2pdiloco.network.session import Sessions
 from p2pdiloco.network.state_sync import GlobalState, StateError, unpack_state
 from p2pdiloco.network.wire import WireError
-from tests.conftest import recv_msg
+from tests.conftest import merge_config, recv_msg
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -31,7 +30,6 @@ json_like = st.recursive(
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
     max_leaves=20,
 )
-
 
 def _decode(data: bytes, max_payload: int) -> tuple[dict, bytes]:
     async def go():
@@ -83,7 +81,7 @@ GROUP_SIZE = 3
 def _bare_matchmaker() -> Matchmaker:
     """Only the decoding paths: no DHT, no daemon."""
     m = Matchmaker.__new__(Matchmaker)
-    m.peer_id, m._search, m._groups, m.cfg = "me", None, {}, SwarmConfig(group_size=GROUP_SIZE)
+    m.peer_id, m._search, m._groups, m.cfg = "me", None, {}, merge_config(group_size=GROUP_SIZE)
     return m
 
 

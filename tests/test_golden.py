@@ -34,7 +34,7 @@ N = 16  # values of the toy model (a 3 -> 4 linear layer)
 
 
 def _learner(tmp: Path, **sets: str) -> Learner:
-    items = ["swarm.round_steps=5", "run.total_steps=20", *(f"{k}={v}" for k, v in sets.items())]
+    items = ["rounds.round_steps=5", "run.total_steps=20", *(f"{k}={v}" for k, v in sets.items())]
     cfg = load_config(None, [parse_set(items)])
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 4)

@@ -1,4 +1,4 @@
-"""Bounded merge groups: ready peers split into groups of at most `swarm.group_size`, redrawn every
+"""Bounded merge groups: ready peers split into groups of at most `merge.group_size`, redrawn every
 epoch, and every peer computes the same split from the same ready records."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from collections import Counter
 import pytest
 import torch
 
-from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.census import my_group, registered_now
 from p2pdiloco.network.merger import Contribution
-from tests.conftest import flat, running_mergers, wait_for
+from tests.conftest import flat, merge_config, running_mergers, wait_for
 
 
 def _split(ready, epoch, size):
@@ -47,7 +47,7 @@ def test_groups_change_every_epoch_and_no_peer_leads_every_one():
 
 @pytest.mark.parametrize("n", [4, 12])
 def test_real_peers_merge_in_groups_of_at_most_four_with_dht_work_that_does_not_grow(bootstrap_dht, net_loop, n):
-    cfg = SwarmConfig(run_id=f"groups{n}", merge_window_s=15, merge_timeout_s=10, codec="none", group_size=4, sync=True)
+    cfg = merge_config(run_id=f"groups{n}", merge_window_s=15, merge_timeout_s=10, codec="none", group_size=4, sync=True)
     with running_mergers(bootstrap_dht, net_loop, n, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:
         # every census record stored (read through the bootstrap node: the mergers' own reads are counted)
         wait_for(lambda: len(net_loop.run(registered_now(bootstrap_dht, cfg.run_id, 5, cfg.epoch_s), 10)) >= n, 30,
@@ -74,7 +74,7 @@ def test_the_last_merge_of_peers_finishing_together_takes_them_all_and_ends_with
         bootstrap_dht, net_loop):
     """Groups of 2 among 6 peers: their global models differ (digests), and the run's last merge brings all six
     to one (θg, momentum), bit for bit."""
-    cfg = SwarmConfig(run_id="last", merge_window_s=15, merge_timeout_s=10, codec="none", group_size=2, sync=True)
+    cfg = merge_config(run_id="last", merge_window_s=15, merge_timeout_s=10, codec="none", group_size=2, sync=True)
     gen = torch.Generator().manual_seed(3)
     with running_mergers(bootstrap_dht, net_loop, 6, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:
         futures = []
@@ -100,7 +100,7 @@ def test_groups_a_little_out_of_phase_at_the_end_of_a_run_still_end_in_one_last_
     (16 peers in `bench scale`: two groups of 8)."""
     from p2pdiloco.network import census
 
-    cfg = SwarmConfig(run_id="phase", merge_window_s=10, merge_timeout_s=5, codec="none", group_size=2,
+    cfg = merge_config(run_id="phase", merge_window_s=10, merge_timeout_s=5, codec="none", group_size=2,
                       min_window_s=0.5, window_fraction=0.1)
     with running_mergers(bootstrap_dht, net_loop, 4, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:
         a1, b1, a2, b2 = mergers  # the leader order of every epoch: dealt round-robin into {a1, a2}, {b1, b2}
@@ -132,7 +132,7 @@ def test_a_finishing_peer_does_not_end_in_the_group_of_a_leader_that_is_not_near
     groups do not span the census: the three finishing peers end in one merge; `lead` merges alone and goes on."""
     from p2pdiloco.network import census
 
-    cfg = SwarmConfig(run_id="apart", merge_window_s=4, merge_timeout_s=5, codec="none", group_size=2,
+    cfg = merge_config(run_id="apart", merge_window_s=4, merge_timeout_s=5, codec="none", group_size=2,
                       min_window_s=0.5, window_fraction=0.1)
     with running_mergers(bootstrap_dht, net_loop, 4, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:
         lead, c1, last, c2 = mergers

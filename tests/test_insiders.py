@@ -16,7 +16,7 @@ from torch.testing import assert_close
 from p2pdiloco.algorithm.guards import FAR, GuardBook, bounded_weights
 from p2pdiloco.algorithm.outer import STATE_REACH, outer_step, state_digest, state_within_reach
 from p2pdiloco.algorithm.robust import aggregate, far_from_majority
-from p2pdiloco.config import GuardConfig, OuterOptConfig, SwarmConfig
+from p2pdiloco.config import GuardConfig, OuterOptConfig
 from p2pdiloco.network import census
 from p2pdiloco.network.census import epoch_of, leader_rank
 from p2pdiloco.network.group import Group, valid_notice
@@ -24,7 +24,7 @@ from p2pdiloco.network.merger import Contribution, Merged, MergeOutcome, MergeSt
 from p2pdiloco.network.slice_guard import SliceGuard
 from p2pdiloco.testing.hostile import CLAIM, silent_leader
 from p2pdiloco.training.global_model import GlobalModel
-from tests.conftest import flat
+from tests.conftest import flat, merge_config
 from tests.test_learner import _cfg, _learner
 
 N = 1001
@@ -87,7 +87,7 @@ def test_reach_is_measured_in_the_longest_recent_step_so_a_run_s_last_agreement_
 def guarded_mergers(bootstrap_dht, net_loop):
     from tests.conftest import running_mergers
 
-    cfg = SwarmConfig(run_id="ins", merge_window_s=8, merge_timeout_s=4, codec="none", sync=True)
+    cfg = merge_config(run_id="ins", merge_window_s=8, merge_timeout_s=4, codec="none", sync=True)
     with running_mergers(bootstrap_dht, net_loop, 4, cfg, N, guard=GuardConfig(ban_after=0)) as ms:
         yield ms
 
@@ -213,7 +213,7 @@ class _FinalGroupMerger:
 
 
 def test_a_members_final_ends_this_peers_run_only_within_its_last_rounds(tmp_path):
-    cfg = _cfg(**{"run.total_steps": 40, "swarm.sync": "true"})  # rounds of 5 steps
+    cfg = _cfg(**{"run.total_steps": 40, "rounds.sync": "true"})  # rounds of 5 steps
     learner = _learner(cfg, _FinalGroupMerger(), tmp_path, 0)
     summary = learner.run()
     # every merge said "final"; the run went on to its own last round (it ended after its first merge before)
@@ -224,7 +224,7 @@ def test_final_ends_a_run_with_a_few_steps_more_than_a_round_left(tmp_path):
     """Rounds cut by time vary by a few steps: a restarted peer with 22 steps left after a round of ~20 went on
     alone when the others finished and ended 12 % worse (bench churn bc22). Up to 1.5 rounds left it ends with
     them; a member saying "final" still cannot end it earlier than that."""
-    cfg = _cfg(**{"run.total_steps": 42, "swarm.sync": "true"})  # rounds of 5: 7 left at step 35, 12 at step 30
+    cfg = _cfg(**{"run.total_steps": 42, "rounds.sync": "true"})  # rounds of 5: 7 left at step 35, 12 at step 30
     learner = _learner(cfg, _FinalGroupMerger(), tmp_path, 0)
     summary = learner.run()
     assert summary["inner_steps"] == 35 and learner.ended_with_swarm  # one round of 5 only: it went on to 40

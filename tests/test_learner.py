@@ -24,7 +24,7 @@ from p2pdiloco.training.reporting import MetricsLog
 
 def _cfg(**sets):
     items = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "data.batch_size=4",
-             "swarm.round_steps=5", "run.total_steps=20", "run.log_every=5", "inner.warmup_steps=2", "inner.lr=3e-3"]
+             "rounds.round_steps=5", "run.total_steps=20", "run.log_every=5", "inner.warmup_steps=2", "inner.lr=3e-3"]
     return load_config(None, [parse_set(items + [f"{k}={v}" for k, v in sets.items()])])
 
 
@@ -161,7 +161,7 @@ def test_eager_update_moves_to_the_own_outer_step_at_submit_and_the_merge_by_the
     learner.apply_merge(merged, flight.local_at_submit)
     new_g, _ = outer_step(theta_g, torch.zeros_like(theta_g), merged.average, 0.7, 0.9)
     torch.testing.assert_close(learner._local_params(), new_g + 0.25 * cfg.outer.rebase_keep)  # half of them, stale
-    for sets in ({"swarm.sync": "true"}, {"outer.eager": "false"}):
+    for sets in ({"rounds.sync": "true"}, {"outer.eager": "false"}):
         other = _learner(_cfg(**sets), InMemoryMerger("q0", {"group_size": 2}), tmp_path, 0)
         for _ in range(3):
             other.inner_step()

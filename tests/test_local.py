@@ -23,7 +23,7 @@ def test_three_peer_swarm_merges_agrees_and_learns(tmp_path):
     # synchronous DiLoCo, so that the number of rounds is known: one merge every 15 steps
     out = subprocess.run(
         [sys.executable, "-m", "p2pdiloco", "local", "--peers", "3", "--steps", "60", "--run-dir", str(tmp_path),
-         "--set", "swarm.round_steps=15", "--set", "swarm.codec=none", "--sync", *TINY],
+         "--set", "rounds.round_steps=15", "--set", "codec.name=none", "--sync", *TINY],
         capture_output=True, text=True, timeout=170, stdin=subprocess.DEVNULL,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -52,7 +52,7 @@ def test_three_peer_swarm_merges_agrees_and_learns(tmp_path):
         assert 5 < peer["bandwidth_ratio_vs_ddp"] < 15
         assert peer["bandwidth_ratio_vs_ddp_with_dht"] < peer["bandwidth_ratio_vs_ddp"]
     assert 5 < summary["bandwidth_ratio_vs_ddp"] < 15
-    assert summary["config"]["swarm"]["round_steps"] == 15
+    assert summary["config"]["rounds"]["round_steps"] == 15
     # every member of a merge group ends it holding the same global model, bit for bit
     digests = defaultdict(set)
     for i in range(3):

@@ -10,10 +10,10 @@ import torch
 from p2pdiloco.algorithm.codecs import get_codec
 from p2pdiloco.algorithm.feedback import ErrorFeedback
 from p2pdiloco.algorithm.outer import weighted_average
-from p2pdiloco.config import CODECS, GuardConfig, SwarmConfig
+from p2pdiloco.config import CODECS, GuardConfig
 from p2pdiloco.network.allreduce import owned_slice, slice_bounds
 from p2pdiloco.network.merger import Contribution
-from tests.conftest import flat, running_mergers
+from tests.conftest import flat, merge_config, running_mergers
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ N = 30_001
 @pytest.fixture
 def mergers(request, bootstrap_dht, net_loop):
     codec = request.param
-    cfg = SwarmConfig(run_id=f"c{codec}", merge_window_s=8, merge_timeout_s=10, codec=codec)
+    cfg = merge_config(run_id=f"c{codec}", merge_window_s=8, merge_timeout_s=10, codec=codec)
     # distinct but unrelated vectors: the plain mean, so that the codec's error is all there is to bound
     with running_mergers(bootstrap_dht, net_loop, 3, cfg, N, guard=GuardConfig(aggregate="mean", min_cosine=-1)) as ms:
         yield ms
@@ -126,7 +126,7 @@ def test_a_rejected_part_is_dropped_not_carried_into_the_next_round(bootstrap_dh
     """Error feedback keeps what the codec dropped, not a part the guards left out. Carried whole, a rejected part
     came back the next round on top of the next Δ, larger, and was left out again, round after round (three of
     16 peers in `bench scale`, whose accumulated part later made the global model worse than its start)."""
-    cfg = SwarmConfig(run_id=f"rej{codec}", merge_window_s=8, merge_timeout_s=10, codec=codec)
+    cfg = merge_config(run_id=f"rej{codec}", merge_window_s=8, merge_timeout_s=10, codec=codec)
     with running_mergers(bootstrap_dht, net_loop, 4, cfg, N, guard=GuardConfig(min_cosine=-1, ban_after=0)) as ms:
         g = torch.Generator().manual_seed(5)
         common = torch.randn(N, generator=g)

@@ -19,10 +19,10 @@ import torch
 
 from p2pdiloco.algorithm.guards import bounded_weights
 from p2pdiloco.algorithm.outer import weighted_average
-from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.merger import Alone, Contribution, Merged
 from p2pdiloco.testing.inmemory import InMemoryMerger
-from tests.conftest import running_mergers
+from tests.conftest import merge_config, running_mergers
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +38,7 @@ def _mergers(kind: str, n: int, request: pytest.FixtureRequest):
         hub = {"group_size": n, "window_s": 2.0}
         yield [InMemoryMerger(f"peer{i}", hub) for i in range(n)]
         return
-    cfg = SwarmConfig(run_id=f"contract{next(_runs)}", merge_window_s=4, merge_timeout_s=10, sync=True)
+    cfg = merge_config(run_id=f"contract{next(_runs)}", merge_window_s=4, merge_timeout_s=10, sync=True)
     # the contract is the plain weighted mean (the robust rule of the guards is their own business, guards.py)
     guard = GuardConfig(aggregate="mean")
     bootstrap, loop = request.getfixturevalue("bootstrap_dht"), request.getfixturevalue("net_loop")

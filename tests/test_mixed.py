@@ -21,7 +21,7 @@ from p2pdiloco.training.reporting import MetricsLog
 
 def _cfg(*extra):
     items = ["model.n_layer=1", "model.d_model=64", "model.n_head=2", "model.seq_len=16", "data.batch_size=4",
-             "swarm.round_steps=5", "run.total_steps=30", "run.log_every=5", "inner.warmup_steps=2", "inner.lr=3e-3"]
+             "rounds.round_steps=5", "run.total_steps=30", "run.log_every=5", "inner.warmup_steps=2", "inner.lr=3e-3"]
     return load_config(None, [parse_set(items + list(extra))])
 
 
@@ -72,8 +72,8 @@ def _run_together(learners):
 def test_fp32_bf16_and_8bit_peers_merge_to_one_global_model(tmp_path):
     hub = {"group_size": 3}
     # sync rounds: the in-memory merger needs every peer's round r before any peer's round r lands
-    configs = [_cfg("run.precision=fp32", "swarm.sync=true"), _cfg("run.precision=bf16", "swarm.sync=true"),
-               _cfg("inner.optimizer=adamw8bit", "swarm.sync=true")]
+    configs = [_cfg("run.precision=fp32", "rounds.sync=true"), _cfg("run.precision=bf16", "rounds.sync=true"),
+               _cfg("inner.optimizer=adamw8bit", "rounds.sync=true")]
     mergers = [RecordingMerger(f"p{i}", hub) for i in range(3)]
     learners = [_learner(c, m, tmp_path, i) for i, (c, m) in enumerate(zip(configs, mergers, strict=True))]
     seen = []  # the bf16 peer's forward really runs in bf16: the output dtype of its first linear layer

@@ -17,7 +17,7 @@ from p2pdiloco.config import load_config, parse_set
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 
 SETS = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "data.batch_size=4",
-        "data.max_bytes=200000", "emulate.min_step_s=0.2", "swarm.round_seconds=2", "swarm.merge_window_s=6",
+        "data.max_bytes=200000", "emulate.min_step_s=0.2", "rounds.round_seconds=2", "merge.merge_window_s=6",
         "run.checkpoint_every=0", "run.eval_batches=2", "run.total_steps=60", "swarm.run_id=nat-merge"]
 
 

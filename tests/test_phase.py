@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.config import Config, GuardConfig, RoundsConfig
 from p2pdiloco.network.census import registered_now
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.phase import DEAD_ZONE, Phase, phase_of
 from p2pdiloco.training.rounds import RoundClock
-from tests.conftest import running_mergers, wait_for
+from tests.conftest import merge_config, running_mergers, wait_for
 
 P = 12.8  # the README run's rounds: 50 steps of ~0.256 s
 
@@ -126,7 +126,7 @@ def test_peers_together_are_not_set_ringing_by_each_others_jitter():
 
 
 def clock(round_steps: int = 50, round_seconds: float = 0.0) -> RoundClock:
-    c = RoundClock(SwarmConfig(round_steps=round_steps, round_seconds=round_seconds), 0.0)
+    c = RoundClock(RoundsConfig(round_steps=round_steps, round_seconds=round_seconds), 0.0)
     c.start_round()
     return c
 
@@ -163,11 +163,11 @@ def test_timed_rounds_are_not_shifted():
     assert not c.round_over(10)  # still ends on the swarm-wide cadence, an hour of DHT time away
 
 
-def drive(merger, cfg: SwarmConfig, start_after: float, rounds: int, step_s: float, log: list) -> None:
+def drive(merger, cfg: Config, start_after: float, rounds: int, step_s: float, log: list) -> None:
     """A learner's round schedule without a model: a step every `step_s`, a round over per `RoundClock`, never
     while a merge is in flight, the merge's shift applied when its result lands (as Learner does)."""
     time.sleep(start_after)
-    c = RoundClock(cfg, 0.0)
+    c = RoundClock(cfg.rounds, 0.0)
     c.start_round()
     steps, in_flight, submitted = 0, None, 0
     deadline = time.monotonic() + 120
@@ -193,7 +193,7 @@ def test_real_peers_split_into_two_pairs_half_a_round_apart_merge_as_four_again(
     """Two pairs of real peers whose rounds end half a round apart, each waiting a quarter of a round for mates:
     without the shift each pair merges on its own for good (the README run's split); with it they are one group
     within a few rounds."""
-    cfg = SwarmConfig(run_id="phase", round_steps=20, window_fraction=0.25, min_window_s=0.2, merge_window_s=10,
+    cfg = merge_config(run_id="phase", round_steps=20, window_fraction=0.25, min_window_s=0.2, merge_window_s=10,
                       merge_timeout_s=10, codec="none", group_size=8)
     logs: list[list[int]] = [[] for _ in range(4)]
     with running_mergers(bootstrap_dht, net_loop, 4, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:

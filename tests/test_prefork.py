@@ -113,7 +113,7 @@ def test_local_chaos_kills_and_restarts_forked_peers_and_leaves_nothing_running(
     proc = subprocess.Popen(
         [sys.executable, "-m", "p2pdiloco", "local", "--peers", "2", "--steps", "300", "--run-dir", str(tmp_path),
          "--chaos", "--kill-every", "6", "--restart-delay", "1", "--set", "run.min_step_s=0.05",
-         "--set", "run.checkpoint_every=20", "--set", "swarm.round_steps=20", *TINY],
+         "--set", "run.checkpoint_every=20", "--set", "rounds.round_steps=20", *TINY],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
     seen: dict[int, tuple[psutil.Process, str]] = {}  # pid -> (process, its command line while it ran)
     try:

@@ -38,7 +38,7 @@ def test_preset_sizes_and_recommendations(name, low, high, optimizer, codec, h):
         n = count_params({"gpt": GPT, "llama": Llama}[cfg.model.arch](cfg.model))
     assert low <= n <= high
     assert f"{n:,} parameters" in preset_path(name).read_text().splitlines()[0]  # the header says the count
-    assert (cfg.inner.optimizer, cfg.swarm.codec, cfg.swarm.round_steps) == (optimizer, codec, h)
+    assert (cfg.inner.optimizer, cfg.codec.name, cfg.rounds.round_steps) == (optimizer, codec, h)
     if name != "tiny":
         assert cfg.swarm.run_id == name and cfg.run.precision == "auto"
 
@@ -70,16 +70,16 @@ def test_recipe_sets_its_settings_over_the_config_and_under_set():
     from p2pdiloco.app.commands import config_from_args, user_sets
 
     cfg = config_from_args(_args("--preset", "small", "--recipe", "sparseloco"))
-    assert (cfg.swarm.codec, cfg.swarm.error_feedback_decay, cfg.outer.momentum, cfg.outer.lr, cfg.outer.eager,
+    assert (cfg.codec.name, cfg.codec.error_feedback_decay, cfg.outer.momentum, cfg.outer.lr, cfg.outer.eager,
             cfg.outer.rebase_keep) == ("sparseloco", 0.95, 0.0, 3.0, False, 1.0)
-    assert (cfg.model.d_model, cfg.swarm.round_steps) == (768, 500)  # the rest is the preset's
-    over = _args("--recipe", "sparseloco", "--set", "outer.lr=4", "--set", "swarm.round_steps=20")
+    assert (cfg.model.d_model, cfg.rounds.round_steps) == (768, 500)  # the rest is the preset's
+    over = _args("--recipe", "sparseloco", "--set", "outer.lr=4", "--set", "rounds.round_steps=20")
     cfg = config_from_args(over)
-    assert (cfg.outer.lr, cfg.swarm.round_steps, cfg.outer.momentum) == (4.0, 20, 0.0)
+    assert (cfg.outer.lr, cfg.rounds.round_steps, cfg.outer.momentum) == (4.0, 20, 0.0)
     # `local` hands its peers the recipe's settings first, so a --set still wins there too
     peers_cfg = load_config(None, [parse_set(user_sets(over))])
     assert (peers_cfg.outer, peers_cfg.swarm) == (cfg.outer, cfg.swarm)
-    assert config_from_args(_args()).swarm.codec == "int4"  # no recipe, no change
+    assert config_from_args(_args()).codec.name == "int4"  # no recipe, no change
 
 
 def test_cli_unknown_recipe_is_refused(capsys):

@@ -14,7 +14,6 @@ from p2pdiloco.config import (
     PROTOCOL_VERSION,
     Config,
     GuardConfig,
-    SwarmConfig,
     fingerprint_digest,
     protocol_of,
 )
@@ -22,6 +21,7 @@ from p2pdiloco.config import fingerprint as fingerprint_module
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.swarm import SwarmError, check_fingerprint
+from tests.conftest import merge_config
 
 VERSION_1_DIGEST = "504b97f806b7da1b"
 """The default config's fingerprint digest at protocol version 1, as every version-1 peer computes it."""
@@ -68,7 +68,7 @@ def test_an_invite_from_a_leader_of_another_version_is_declined_and_said_once(ca
         async def reply(self, reader, writer, op, peer, header):
             replies.append(header)
 
-    m = Matchmaker(None, SwarmConfig(run_id="versions"), Rpc(), types.SimpleNamespace(banned=set()), GuardConfig(),
+    m = Matchmaker(None, merge_config(run_id="versions"), Rpc(), types.SimpleNamespace(banned=set()), GuardConfig(),
                    "fp", {"d": 8})
     newer = {"group_id": "g1", "fp": "fp", "closing": False, "protocol": PROTOCOL_VERSION + 1}
 

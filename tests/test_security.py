@@ -15,7 +15,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2pdiloco.algorithm.guards import DIRECTION, NONFINITE, NORM
 from p2pdiloco.algorithm.outer import weighted_average
 from p2pdiloco.cli import main
-from p2pdiloco.config import GuardConfig, SwarmConfig, load_config, parse_set
+from p2pdiloco.config import GuardConfig, load_config, parse_set
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.p2p_merger import P2PMerger
 from p2pdiloco.network.state_sync import GlobalState, StateError, StateSync
@@ -31,7 +31,7 @@ from p2pdiloco.network.swarm import (
 from p2pdiloco.network.swarm_key import SwarmKeyError, load_key, write_new_key
 from p2pdiloco.network.wire import ByteCounter, WireError
 from p2pdiloco.testing.hostile import corrupt
-from tests.conftest import flat, interrupt_and_reap, wait_for
+from tests.conftest import flat, interrupt_and_reap, merge_config, wait_for, with_swarm
 
 pytestmark = pytest.mark.integration
 N = 1001
@@ -66,13 +66,13 @@ def test_keygen_where_no_file_can_be_written_is_a_one_line_error(tmp_path, capsy
 def keyed_swarm(tmp_path, net_loop):
     """A keyed bootstrap node, two keyed peers (mergers + state servers) and one stranger without the key."""
     key = str(write_new_key(tmp_path / "swarm.key"))
-    keyed = SwarmConfig(run_id="priv", host="127.0.0.1", swarm_key=key, merge_window_s=8, merge_timeout_s=4)
-    boot = start_dht(keyed)
+    keyed = merge_config(run_id="priv", host="127.0.0.1", swarm_key=key, merge_window_s=8, merge_timeout_s=4)
+    boot = start_dht(keyed.swarm)
     maddrs = [str(m) for m in boot.get_visible_maddrs()]
-    joined = SwarmConfig(**{**keyed.__dict__, "initial_peers": maddrs})
-    stranger_cfg = SwarmConfig(**{**joined.__dict__, "swarm_key": ""})
-    dhts = [start_dht(joined), start_dht(joined), start_dht(stranger_cfg)]
-    auths = [swarm_auth(joined), swarm_auth(joined), swarm_auth(stranger_cfg)]
+    joined = with_swarm(keyed, initial_peers=maddrs)
+    stranger_cfg = with_swarm(joined, swarm_key="")
+    dhts = [start_dht(joined.swarm), start_dht(joined.swarm), start_dht(stranger_cfg.swarm)]
+    auths = [swarm_auth(joined.swarm), swarm_auth(joined.swarm), swarm_auth(stranger_cfg.swarm)]
     cfgs = [joined, joined, stranger_cfg]
     mergers = [P2PMerger(d, c, net_loop, N, auth=a) for d, c, a in zip(dhts, cfgs, auths, strict=True)]
     state = GlobalState(torch.arange(N, dtype=torch.float32), torch.ones(N), 3, 30, 300.0)
@@ -129,7 +129,7 @@ def test_peer_without_the_swarm_key_cannot_merge_fetch_state_or_write_records(ke
 
 
 def test_peer_with_a_different_codec_or_outer_lr_is_refused_naming_it():
-    mine = load_config(None, [parse_set(["swarm.codec=int8"])]).fingerprint()
+    mine = load_config(None, [parse_set(["codec.name=int8"])]).fingerprint()
     theirs = load_config(None, [parse_set(["outer.lr=0.5"])]).fingerprint()
     with pytest.raises(SwarmError) as e:
         check_fingerprint(mine, {"peerXYZ": {"fingerprint": theirs}})
@@ -142,7 +142,7 @@ def four_mergers(bootstrap_dht, net_loop):
     from tests.conftest import running_mergers
 
     # fp32, no error feedback: each kind below is judged on what it sends in that round alone
-    cfg = SwarmConfig(run_id="g", merge_window_s=8, merge_timeout_s=4, codec="none")
+    cfg = merge_config(run_id="g", merge_window_s=8, merge_timeout_s=4, codec="none")
     with running_mergers(bootstrap_dht, net_loop, 4, cfg, BIG, guard=GuardConfig(ban_after=0, min_cosine=0.1)) as ms:
         yield ms
 
@@ -178,7 +178,7 @@ def test_each_hostile_kind_is_rejected_in_a_real_merge_and_the_members_agree(fou
 def test_local_swarm_with_a_hostile_peer_still_learns(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "p2pdiloco", "local", "--peers", "3", "--hostile", "0:scale", "--steps", "20",
-           "--run-dir", str(run_dir), "--sync", "--set", "swarm.round_steps=5", "--set", "model.d_model=32",
+           "--run-dir", str(run_dir), "--sync", "--set", "rounds.round_steps=5", "--set", "model.d_model=32",
            "--set", "model.n_layer=1", "--set", "model.seq_len=32", "--set", "data.batch_size=4",
            "--set", "data.max_bytes=1000000", "--set", "run.eval_every_rounds=0", "--set", "run.eval_batches=4",
            "--set", "run.checkpoint_every=0", "--set", "guard.ban_after=0"]

@@ -9,9 +9,9 @@ import torch
 
 from p2pdiloco.algorithm.feedback import ErrorFeedback
 from p2pdiloco.algorithm.outer import weighted_average
-from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.merger import Contribution
-from tests.conftest import flat, running_mergers
+from tests.conftest import flat, merge_config, running_mergers
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +25,7 @@ def _contribution(vec: torch.Tensor, weight: float) -> Contribution:
 
 @pytest.mark.parametrize("guarded", [True, False])
 def test_sparse_merge_members_bit_identical_and_average_what_was_sent(bootstrap_dht, net_loop, guarded):
-    cfg = SwarmConfig(run_id=f"sp{int(guarded)}", merge_window_s=8, merge_timeout_s=10, codec="sparseloco")
+    cfg = merge_config(run_id=f"sp{int(guarded)}", merge_window_s=8, merge_timeout_s=10, codec="sparseloco")
     guard = GuardConfig(enabled=guarded)
     with running_mergers(bootstrap_dht, net_loop, 3, cfg, N, guard=guard) as mergers:
         codec = mergers[0].codec
@@ -61,7 +61,7 @@ def test_a_member_frozen_before_sending_fails_the_sparse_merge_for_everyone(boot
     """Nobody applies an average that misses a member's part; error feedback keeps what was not delivered."""
     from p2pdiloco.testing.faults import Faults
 
-    cfg = SwarmConfig(run_id="spf", merge_window_s=8, merge_timeout_s=4, codec="sparseloco")
+    cfg = merge_config(run_id="spf", merge_window_s=8, merge_timeout_s=4, codec="sparseloco")
     stall = Faults({("exchange", 7): "stall"})
     with (running_mergers(bootstrap_dht, net_loop, 2, cfg, 9001) as others,
           running_mergers(bootstrap_dht, net_loop, 1, cfg, 9001, faults=stall) as (frozen,)):
@@ -82,7 +82,7 @@ def test_sign_flipped_sparse_parts_are_left_out_by_every_member_alike(bootstrap_
     """The trust screen for all-gathered parts (algorithm/trust.trusted): 2 of 5 members send −Δ; every member
     judges the parts against the same momentum, leaves the same two out, and ends with the same bits: the mean
     of the three honest parts. The flippers learn that their parts counted nothing (own_kept 0), no strike."""
-    cfg = SwarmConfig(run_id="spt", merge_window_s=8, merge_timeout_s=10, codec="sparseloco")
+    cfg = merge_config(run_id="spt", merge_window_s=8, merge_timeout_s=10, codec="sparseloco")
     with running_mergers(bootstrap_dht, net_loop, 5, cfg, N) as mergers:
         codec = mergers[0].codec
         g = torch.Generator().manual_seed(9)

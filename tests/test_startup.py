@@ -191,7 +191,7 @@ def test_a_peer_says_each_phase_imports_little_and_a_restart_reads_the_token_cac
     args = ["peer", "--host", "127.0.0.1", "--run-dir", str(tmp_path / "run"), "--steps", "10", "--in-local",
             "--data", str(tmp_path / "data"), "--set", f"data.tokenizer={tok.path}", "--set", "model.vocab_size=300",
             "--set", f"data.cache_dir={tmp_path / 'cache'}",
-            "--set", "run.checkpoint_every=1", "--set", "swarm.round_steps=5", *TINY]
+            "--set", "run.checkpoint_every=1", "--set", "rounds.round_steps=5", *TINY]
     runs = []
     for extra in ([], ["--resume"]):
         out = subprocess.run([sys.executable, "-c", FIRST_STEP_MODULES, *args, *extra], capture_output=True,
@@ -251,9 +251,9 @@ def test_local_peers_waiting_for_each_other_list_a_folder_not_the_census(bootstr
     from hivemind.utils.timed_storage import get_dht_time
 
     from p2pdiloco.app import together
-    from p2pdiloco.config import Config, SwarmConfig
+    from p2pdiloco.config import Config
     from p2pdiloco.network.census import epoch_of
-    from tests.conftest import running_mergers, wait_for
+    from tests.conftest import merge_config, running_mergers, wait_for
 
     reads = []
     real = together.registered_now
@@ -263,7 +263,7 @@ def test_local_peers_waiting_for_each_other_list_a_folder_not_the_census(bootstr
         return await real(*args, **kwargs)
 
     monkeypatch.setattr(together, "registered_now", counted)
-    swarm = SwarmConfig(run_id="barrier", wait_for_peers=3, wait_for_peers_s=8)
+    swarm = merge_config(run_id="barrier", wait_for_peers=3, wait_for_peers_s=8)
     with running_mergers(bootstrap_dht, net_loop, 2, swarm, 8) as mergers:  # 2 of the 3 awaited are registered
         me = mergers[0]
         out = {}
@@ -274,7 +274,7 @@ def test_local_peers_waiting_for_each_other_list_a_folder_not_the_census(bootstr
         def wait(cfg: Config, barrier: Path | None) -> None:
             out["live"] = together.wait_for_peers(net_loop, me.dht, cfg, me.peer_id, lambda: False, barrier, census)
 
-        thread = threading.Thread(target=wait, args=(Config(swarm=swarm), tmp_path), daemon=True)
+        thread = threading.Thread(target=wait, args=(swarm, tmp_path), daemon=True)
         thread.start()
         wait_for(lambda: (tmp_path / me.peer_id).exists(), 20, what="the peer's file in the folder")
         told_after = len(reads)
@@ -287,22 +287,27 @@ def test_local_peers_waiting_for_each_other_list_a_folder_not_the_census(bootstr
         kinds = [near for _, near in reads]
         assert kinds[0] is True and kinds[1:] == [True, False] * ((len(kinds) - 1) // 2), kinds  # copy short: walked
         assert census.size == 2  # the walks' count, handed over
-        members = net_loop.run(census.members(epoch_of(get_dht_time(), swarm.epoch_s)), 10)
+        members = net_loop.run(census.members(epoch_of(get_dht_time(), swarm.merge.epoch_s)), 10)
         assert members == {m.peer_id for m in mergers} and census.counts()["walks"] == 0  # one node's copy, whole
 
         # two awaited, both registered: one node's copy that holds both decides, with no walk
         other, folder = mergers[1], tmp_path / "whole"
         folder.mkdir()
         reads.clear()
-        live = together.wait_for_peers(net_loop, other.dht, Config(swarm=swarm.model_copy(update={"wait_for_peers": 2})),
+        live = together.wait_for_peers(net_loop, other.dht, _startup(swarm, wait_for_peers=2),
                                        other.peer_id, lambda: False, folder, other.matchmaker.census)
         assert live == 2 and [near for _, near in reads] == [True] and other.matchmaker.census.size == 2
 
-        short = Config(swarm=swarm.model_copy(update={"wait_for_peers_s": 2.0}))
+        short = _startup(swarm, wait_for_peers_s=2.0)
         for folder in (None, tmp_path / "removed"):  # no folder, or one that is gone: the census all along the 2 s
             reads.clear()
             wait(short, folder)
             assert out["live"] == 2 and len(reads) >= 3, (folder, reads)
+
+
+def _startup(cfg, **values):
+    """`cfg` with the `[startup]` values given."""
+    return cfg.model_copy(update={"startup": cfg.startup.model_copy(update=values)})
 
 
 @pytest.mark.integration
@@ -315,11 +320,10 @@ def test_a_local_peer_does_not_start_before_its_own_file_is_in_the_folder(bootst
     from hivemind.utils.timed_storage import get_dht_time
 
     from p2pdiloco.app import together
-    from p2pdiloco.config import Config, SwarmConfig
     from p2pdiloco.network.census import Census, epoch_of
-    from tests.conftest import running_mergers, start_local_dht, wait_for
+    from tests.conftest import merge_config, running_mergers, start_local_dht, wait_for
 
-    swarm = SwarmConfig(run_id="late-self", wait_for_peers=3, wait_for_peers_s=30)
+    swarm = merge_config(run_id="late-self", wait_for_peers=3, wait_for_peers_s=30)
     with running_mergers(bootstrap_dht, net_loop, 2, swarm, 8) as mergers:  # the 2 others are registered
         for m in mergers:
             (tmp_path / m.peer_id).touch()
@@ -327,11 +331,11 @@ def test_a_local_peer_does_not_start_before_its_own_file_is_in_the_folder(bootst
         try:
             me_id, out = me.peer_id.to_base58(), {}
             thread = threading.Thread(daemon=True, target=lambda: out.setdefault("live", together.wait_for_peers(
-                net_loop, me, Config(swarm=swarm), me_id, lambda: False, tmp_path)))
+                net_loop, me, swarm, me_id, lambda: False, tmp_path)))
             thread.start()
             time.sleep(1.5)  # the window observed: the census holds both others (3 with this peer), not this peer
             assert thread.is_alive() and not (tmp_path / me_id).exists()
-            net_loop.run(Census(me, swarm.run_id, me_id, swarm.epoch_s).register(epoch_of(get_dht_time(), swarm.epoch_s)),
+            net_loop.run(Census(me, swarm.swarm.run_id, me_id, swarm.merge.epoch_s).register(epoch_of(get_dht_time(), swarm.merge.epoch_s)),
                          10)
             wait_for(lambda: not thread.is_alive(), 20, what="the wait's end once this peer is registered")
             assert out["live"] == 3 and (tmp_path / me_id).exists()

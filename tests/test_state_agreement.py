@@ -10,11 +10,11 @@ import torch
 
 from p2pdiloco.algorithm.guards import FORGED
 from p2pdiloco.algorithm.outer import state_digest, weighted_average
-from p2pdiloco.config import GuardConfig, OuterOptConfig, SwarmConfig
+from p2pdiloco.config import GuardConfig, OuterOptConfig
 from p2pdiloco.network.group import Group, own_claims_kept
 from p2pdiloco.network.merger import Contribution, Merged
 from p2pdiloco.training.global_model import GlobalModel
-from tests.conftest import flat, running_mergers
+from tests.conftest import flat, merge_config, running_mergers
 
 N = 40_001
 
@@ -61,7 +61,7 @@ def _states(n_members: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
 @pytest.mark.integration
 @pytest.mark.parametrize("common_anchor", [True, False])
 def test_differing_members_agree_bit_identically_and_an_anchor_cuts_the_bytes(bootstrap_dht, net_loop, common_anchor):
-    cfg = SwarmConfig(run_id=f"agree{int(common_anchor)}", merge_window_s=8, merge_timeout_s=10, codec="none",
+    cfg = merge_config(run_id=f"agree{int(common_anchor)}", merge_window_s=8, merge_timeout_s=10, codec="none",
                       sync=True)
     anchor, states = _states(3)
     weights = [100.0, 200.0, 300.0]
@@ -192,7 +192,7 @@ def test_a_member_outside_a_majority_fetches_its_model_exactly_and_the_majority_
     the majority's, bit for bit, the fourth fetches it (one fp32 copy, from one holder), and the holders send nothing
     else of the agreement, where averaging took two int8 exchanges of every member's model (~half an fp32 exchange
     each, test above)."""
-    cfg = SwarmConfig(run_id="catchup", merge_window_s=8, merge_timeout_s=10, codec="none", sync=True)
+    cfg = merge_config(run_id="catchup", merge_window_s=8, merge_timeout_s=10, codec="none", sync=True)
     held, other = _majority_case(5)
     with running_mergers(bootstrap_dht, net_loop, 4, cfg, N) as mergers:
         offers = [_offer(held), _offer(held), _offer(held), _offer(other)]
@@ -216,7 +216,7 @@ def test_a_member_outside_the_majority_refuses_a_model_other_than_the_majoritys(
     model; where the holder dealt to it is honest, it gets the majority's."""
     from p2pdiloco.network.catch_up import dealt_holder
 
-    cfg = SwarmConfig(run_id=f"liars{liars}", merge_window_s=8, merge_timeout_s=6, codec="none", sync=True)
+    cfg = merge_config(run_id=f"liars{liars}", merge_window_s=8, merge_timeout_s=6, codec="none", sync=True)
     held, other = _majority_case(6)
     lie = -held  # what a liar holds and serves, under the majority's digest
     digest = state_digest(held[:N], held[N:])

@@ -22,7 +22,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco.config import SwarmConfig
+from p2pdiloco.config import Config
 from p2pdiloco.network.admission import MAX_UNAUTHENTICATED_PER_PEER, StreamGate
 from p2pdiloco.network.census import epoch_of
 from p2pdiloco.network.merger import Contribution, Merged
@@ -31,7 +31,7 @@ from p2pdiloco.network.state_sync import GlobalState, StateError, StateSync
 from p2pdiloco.network.swarm import start_dht, swarm_auth
 from p2pdiloco.network.swarm_key import write_new_key
 from p2pdiloco.network.wire import HEADER_TIMEOUT_S, SEND_STALL_S, ByteCounter, send_msg
-from tests.conftest import interrupt_and_reap, wait_for
+from tests.conftest import interrupt_and_reap, merge_config, wait_for, with_swarm
 
 N = 250_000
 """Parameters of the flooded victim: a part may be up to 2 MB, so that reading strangers' payloads would show."""
@@ -68,11 +68,11 @@ async def _reply_or_eof(reader: asyncio.StreamReader, limit_s: float) -> tuple[s
 def keyed(tmp_path):
     """A keyed swarm's config, and that of a peer joined to a running node."""
     key = str(write_new_key(tmp_path / "swarm.key"))
-    return SwarmConfig(run_id="flood", host="127.0.0.1", swarm_key=key, merge_window_s=8, merge_timeout_s=4)
+    return merge_config(run_id="flood", host="127.0.0.1", swarm_key=key, merge_window_s=8, merge_timeout_s=4)
 
 
-def _joined(cfg: SwarmConfig, dht: hivemind.DHT) -> SwarmConfig:
-    return SwarmConfig(**{**cfg.__dict__, "initial_peers": [str(m) for m in dht.get_visible_maddrs()]})
+def _joined(cfg: Config, dht: hivemind.DHT) -> Config:
+    return with_swarm(cfg, initial_peers=[str(m) for m in dht.get_visible_maddrs()])
 
 
 # ---- the gate alone ----
@@ -99,12 +99,12 @@ def test_gate_bounds_streams_per_requester_in_all_and_before_authentication():
 
 @pytest.mark.integration
 def test_stranger_declaring_a_large_payload_is_refused_after_its_header(keyed, net_loop, caplog):
-    victim_dht = start_dht(keyed)
+    victim_dht = start_dht(keyed.swarm)
     stranger = None
     try:
-        merger = P2PMerger(victim_dht, keyed, net_loop, N, auth=swarm_auth(keyed))
+        merger = P2PMerger(victim_dht, keyed, net_loop, N, auth=swarm_auth(keyed.swarm))
         state = GlobalState(torch.zeros(N), torch.zeros(N), 1, 1, 1.0)
-        sync = StateSync(victim_dht, "flood", N, lambda: state, ByteCounter(), auth=swarm_auth(keyed),
+        sync = StateSync(victim_dht, "flood", N, lambda: state, ByteCounter(), auth=swarm_auth(keyed.swarm),
                          gate=merger.rpc.gate)
         net_loop.run(sync.start(), 10)
         maddrs = [str(m) for m in victim_dht.get_visible_maddrs()]
@@ -141,7 +141,7 @@ def test_stranger_declaring_a_large_payload_is_refused_after_its_header(keyed, n
 VICTIM = r"""
 import json, sys, torch
 from hivemind.utils.timed_storage import get_dht_time
-from p2pdiloco.config import SwarmConfig
+from p2pdiloco.config import Config
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.p2p_merger import P2PMerger
 from p2pdiloco.network.state_sync import GlobalState, StateSync
@@ -150,13 +150,13 @@ from p2pdiloco.network.merger import Merged
 from p2pdiloco.network.swarm import BackgroundLoop, start_dht, swarm_auth
 from p2pdiloco.network.wire import ByteCounter
 
-cfg = SwarmConfig(**json.loads(sys.argv[1]))
+cfg = Config(**json.loads(sys.argv[1]))
 n = int(sys.argv[2])
-dht = start_dht(cfg)
+dht = start_dht(cfg.swarm)
 loop = BackgroundLoop("victim")
-merger = P2PMerger(dht, cfg, loop, n, auth=swarm_auth(cfg))
+merger = P2PMerger(dht, cfg, loop, n, auth=swarm_auth(cfg.swarm))
 state = GlobalState(torch.ones(n), torch.zeros(n), 1, 1, 1.0)
-sync = StateSync(dht, cfg.run_id, n, lambda: state, ByteCounter(), auth=swarm_auth(cfg), gate=merger.gate)
+sync = StateSync(dht, cfg.swarm.run_id, n, lambda: state, ByteCounter(), auth=swarm_auth(cfg.swarm), gate=merger.gate)
 loop.run(sync.start(), 10)
 loop.run(merger.census.register(epoch_of(get_dht_time())), 10)
 print(json.dumps({"id": merger.peer_id, "maddrs": [str(m) for m in dht.get_visible_maddrs()]}), flush=True)
@@ -207,8 +207,8 @@ def _peak(a: dict, b: dict) -> dict:
 class _Victim:
     """A keyed peer (merger + state server) in its own process, driven through stdin."""
 
-    def __init__(self, cfg: SwarmConfig, n: int):
-        self.proc = subprocess.Popen([sys.executable, "-c", VICTIM, json.dumps(cfg.__dict__), str(n)],
+    def __init__(self, cfg: Config, n: int):
+        self.proc = subprocess.Popen([sys.executable, "-c", VICTIM, json.dumps(cfg.model_dump()), str(n)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         hello = json.loads(self._line(60))
         self.id, self.maddrs = hello["id"], hello["maddrs"]
@@ -238,10 +238,10 @@ def test_a_thousand_stranger_streams_cost_little_memory_and_merges_go_on(keyed, 
     victim = _Victim(keyed, N)
     strangers, honest_dht, honest = [], None, None
     try:
-        cfg = SwarmConfig(**{**keyed.__dict__, "initial_peers": victim.maddrs})
-        honest_dht = start_dht(cfg)
-        honest = P2PMerger(honest_dht, cfg, net_loop, N, auth=swarm_auth(cfg))
-        honest_sync = StateSync(honest_dht, "flood", N, lambda: None, ByteCounter(), auth=swarm_auth(cfg))
+        cfg = with_swarm(keyed, initial_peers=victim.maddrs)
+        honest_dht = start_dht(cfg.swarm)
+        honest = P2PMerger(honest_dht, cfg, net_loop, N, auth=swarm_auth(cfg.swarm))
+        honest_sync = StateSync(honest_dht, "flood", N, lambda: None, ByteCounter(), auth=swarm_auth(cfg.swarm))
         net_loop.run(honest_sync.start(), 10)
         net_loop.run(honest.matchmaker.census.register(epoch_of(get_dht_time())), 10)
 
@@ -340,13 +340,13 @@ def test_a_thousand_stranger_streams_cost_little_memory_and_merges_go_on(keyed, 
 
 @pytest.mark.integration
 def test_joiners_that_never_read_do_not_keep_the_state_from_others(keyed, net_loop):
-    donor_dht = start_dht(keyed)
+    donor_dht = start_dht(keyed.swarm)
     joiner_dht = None
     try:
-        joiner_dht = start_dht(_joined(keyed, donor_dht))
+        joiner_dht = start_dht(_joined(keyed, donor_dht).swarm)
         state = GlobalState(torch.randn(BIG_STATE), torch.randn(BIG_STATE), 7, 70, 700.0)
-        donor = StateSync(donor_dht, "flood", BIG_STATE, lambda: state, ByteCounter(), auth=swarm_auth(keyed))
-        joiner = StateSync(joiner_dht, "flood", BIG_STATE, lambda: None, ByteCounter(), auth=swarm_auth(keyed))
+        donor = StateSync(donor_dht, "flood", BIG_STATE, lambda: state, ByteCounter(), auth=swarm_auth(keyed.swarm))
+        joiner = StateSync(joiner_dht, "flood", BIG_STATE, lambda: None, ByteCounter(), auth=swarm_auth(keyed.swarm))
         net_loop.run(donor.start(), 10)
         net_loop.run(joiner.start(), 10)
         donor_id = donor_dht.peer_id.to_base58()

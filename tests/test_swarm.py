@@ -29,7 +29,7 @@ from p2pdiloco.network.swarm import (
     write_subkey,
 )
 from p2pdiloco.testing.faults import Faults
-from tests.conftest import flat, running_mergers, start_local_dht, wait_for
+from tests.conftest import flat, merge_config, running_mergers, start_local_dht, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -99,7 +99,7 @@ def _contribution(vec, weight, digest="same", state_weight=1.0):
 
 @pytest.fixture
 def three_mergers(bootstrap_dht, net_loop):
-    cfg = SwarmConfig(run_id="t", merge_window_s=8, merge_timeout_s=4, codec="none")  # exact averages
+    cfg = merge_config(run_id="t", merge_window_s=8, merge_timeout_s=4, codec="none")  # exact averages
     # exact means of unrelated random vectors: no direction or trust check, no robust rule
     guard = GuardConfig(aggregate="mean", min_cosine=-1, trust_decay=-1)
     with running_mergers(bootstrap_dht, net_loop, 3, cfg, 1001, guard=guard) as ms:
@@ -145,7 +145,7 @@ def test_disagreeing_global_models_are_averaged_by_absorbed_tokens(three_mergers
 
 
 def test_member_frozen_mid_merge_fails_the_merge_for_everyone(bootstrap_dht, net_loop):
-    cfg = SwarmConfig(run_id="t", merge_window_s=8, merge_timeout_s=4, codec="none")
+    cfg = merge_config(run_id="t", merge_window_s=8, merge_timeout_s=4, codec="none")
     guard = GuardConfig(aggregate="mean", min_cosine=-1, trust_decay=-1)
     stall = Faults({("exchange", 7): "stall"})
     with (running_mergers(bootstrap_dht, net_loop, 2, cfg, 1001, guard=guard) as others,
@@ -165,7 +165,7 @@ def test_member_frozen_mid_merge_fails_the_merge_for_everyone(bootstrap_dht, net
 
 
 def test_a_dial_that_fails_mid_merge_is_a_warning_and_a_merge_alone_not_an_error(bootstrap_dht, net_loop, caplog):
-    cfg = SwarmConfig(run_id="dial", merge_window_s=8, merge_timeout_s=4, codec="none")
+    cfg = merge_config(run_id="dial", merge_window_s=8, merge_timeout_s=4, codec="none")
     guard = GuardConfig(aggregate="mean", min_cosine=-1, trust_decay=-1)
     cut_off = Faults({("exchange", 7): "dial_fails"})
     with (running_mergers(bootstrap_dht, net_loop, 1, cfg, 1001, guard=guard) as (other,),
@@ -186,7 +186,7 @@ def test_a_dial_that_fails_mid_merge_is_a_warning_and_a_merge_alone_not_an_error
 def test_a_finishing_peer_waits_the_whole_window_and_its_group_ends_the_run(bootstrap_dht, net_loop):
     # decoupled: a normal merge waits about a second for others; a peer's last contribution waits up to
     # merge_window_s, and everyone it merges with learns that the run is over
-    cfg = SwarmConfig(run_id="fin", merge_window_s=8, merge_timeout_s=4, codec="none", min_window_s=0.5,
+    cfg = merge_config(run_id="fin", merge_window_s=8, merge_timeout_s=4, codec="none", min_window_s=0.5,
                       window_fraction=0.1)
     with running_mergers(bootstrap_dht, net_loop, 2, cfg, 1001, guard=GuardConfig(aggregate="mean")) as (done, late):
         # the other peer's round ends 3 s later: far beyond a decoupled window of 0.5 s
@@ -212,22 +212,22 @@ def test_a_search_that_outlasts_its_epoch_is_dealt_again_in_the_next(bootstrap_d
     # a finishing peer begins looking in epoch e; the other peer begins in e + 1, and the two epochs' orders put a
     # different one first. A search that kept its first epoch's order waited for the other's invite while the
     # other waited for its invite: both merged alone (the test above failed so in CI at 7a41db0)
-    cfg = SwarmConfig(run_id="straddle", merge_window_s=8, merge_timeout_s=4, codec="none", min_window_s=1.0,
+    cfg = merge_config(run_id="straddle", merge_window_s=8, merge_timeout_s=4, codec="none", min_window_s=1.0,
                       window_fraction=0.1, epoch_s=4.0)
     with running_mergers(bootstrap_dht, net_loop, 2, cfg, 1001, guard=GuardConfig(aggregate="mean")) as (done, late):
-        wait_for(lambda: 0.5 <= get_dht_time() % cfg.epoch_s < 1.5, timeout=10)
-        e = census.epoch_of(get_dht_time(), cfg.epoch_s)
+        wait_for(lambda: 0.5 <= get_dht_time() % cfg.merge.epoch_s < 1.5, timeout=10)
+        e = census.epoch_of(get_dht_time(), cfg.merge.epoch_s)
         for m in (done, late):  # both in the censuses of e and e + 1
             net_loop.run(m.matchmaker.census.register(e), 10)
         first = {e: late.matchmaker.peer_id, e + 1: done.matchmaker.peer_id}  # who leads each epoch's group
         monkeypatch.setattr(census, "leader_rank", lambda run_id, peer, epoch: bytes([peer != first.get(epoch)]))
         _finishing_and_arriving_merge_together(
-            done, late, lambda: wait_for(lambda: get_dht_time() >= (e + 1) * cfg.epoch_s + 0.5, timeout=10))
+            done, late, lambda: wait_for(lambda: get_dht_time() >= (e + 1) * cfg.merge.epoch_s + 0.5, timeout=10))
 
 
 def test_window_grows_after_merges_alone_and_resets_after_a_group():
     m = Matchmaker.__new__(Matchmaker)  # only the window logic, no network
-    m.cfg = SwarmConfig(merge_window_s=10.0, min_window_s=1.0, window_fraction=0.25)
+    m.cfg = merge_config(merge_window_s=10.0, min_window_s=1.0, window_fraction=0.25)
     m._last_submit, m._round_ema, m._alone_streak = 0.0, None, 0
     assert m._window(8.0) == 2.0  # a quarter of the round
     m._alone_streak = 1
@@ -236,7 +236,7 @@ def test_window_grows_after_merges_alone_and_resets_after_a_group():
     assert m._window(8.0) == 10.0  # never beyond merge_window_s
     m._alone_streak = 0
     assert m._window(8.0) == 2.0
-    m.cfg.sync = True
+    m.cfg.rounds.sync = True
     assert m._window(8.0) == 10.0
 
 
@@ -244,13 +244,13 @@ def test_epochs_of_a_few_rounds_are_warned_of_once_where_groups_do_not_span_the_
     import types
 
     m = Matchmaker.__new__(Matchmaker)  # only the warning, no network
-    m.cfg, m.peer_id, m._warned_epochs = SwarmConfig(group_size=8, epoch_s=30.0), "peerA", False
+    m.cfg, m.peer_id, m._warned_epochs = merge_config(group_size=8, epoch_s=30.0), "peerA", False
     m.log = PeerLog(logging.getLogger("p2pdiloco.network.matchmaking"), m.peer_id)
     for size, round_s, warned in [(8, 10.0, False), (9, 2.0, False), (9, 10.0, True)]:
         m.census, m._round_ema = types.SimpleNamespace(size=size), round_s
         caplog.clear()
         m._warn_short_epochs()
-        assert ("set swarm.epoch_s to 10 rounds or more" in caplog.text) is warned, (size, round_s)
+        assert ("set merge.epoch_s to 10 rounds or more" in caplog.text) is warned, (size, round_s)
     caplog.clear()
     m._warn_short_epochs()
     assert not caplog.text  # once
@@ -270,7 +270,7 @@ def test_an_invite_accepted_while_the_census_is_read_is_a_group_not_a_merge_alon
         async def request(self, peer, tag, header):
             return {"ok": True}
 
-    m = Matchmaker(None, SwarmConfig(run_id="race", min_window_s=0.5), Rpc(), types.SimpleNamespace(banned=set()),
+    m = Matchmaker(None, merge_config(run_id="race", min_window_s=0.5), Rpc(), types.SimpleNamespace(banned=set()),
                    GuardConfig(), "fp", {"d": 8})
 
     class Census:  # an invite from "x" comes in while this peer reads the census, as `on_invite` accepts one
@@ -302,7 +302,7 @@ def test_a_closed_merger_leaves_no_p2p_socket_file_behind(net_loop):
 
     dht = start_local_dht()
     try:
-        merger = P2PMerger(dht, SwarmConfig(run_id="sockets", merge_timeout_s=5), net_loop, 8)
+        merger = P2PMerger(dht, merge_config(run_id="sockets", merge_timeout_s=5), net_loop, 8)
         path = str(merger.rpc._p2p._client_listen_maddr).removeprefix("/unix")  # hivemind's own (private) name for it
         assert path.startswith("/tmp/") and os.path.exists(path)  # served: its handlers listen there
         merger.close()

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from p2pdiloco.algorithm.outer import weighted_average
-from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.allreduce import group_slice, owned_slice, slice_bounds, slices_owned
 from p2pdiloco.network.catch_up import dealt_holder
 from p2pdiloco.network.group import Group, own_claims_kept, valid_notice
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.rpc import MergeFailed
-from tests.conftest import flat, running_mergers
+from tests.conftest import flat, merge_config, running_mergers
 
 
 def _group(n: int, owners: list[int] | None, digests: list[str] | None = None, gid: str = "g1") -> Group:
@@ -84,7 +84,7 @@ def _contribution(vec: torch.Tensor, weight: float) -> Contribution:
 
 @pytest.mark.integration
 def test_a_member_others_cannot_dial_never_leads_and_the_average_stays_exact(bootstrap_dht, net_loop):
-    cfg = SwarmConfig(run_id="nat", merge_window_s=8, merge_timeout_s=4, codec="none")
+    cfg = merge_config(run_id="nat", merge_window_s=8, merge_timeout_s=4, codec="none")
     guard = GuardConfig(aggregate="mean", min_cosine=-1, trust_decay=-1)
     with running_mergers(bootstrap_dht, net_loop, 3, cfg, 1001, guard=guard) as mergers:
         mergers[0].set_dialable(False)
@@ -108,7 +108,7 @@ def test_a_member_others_cannot_dial_never_leads_and_the_average_stays_exact(boo
 
 @pytest.mark.integration
 def test_where_nobody_can_be_dialed_nobody_leads_and_each_merges_alone_saying_why(bootstrap_dht, net_loop, caplog):
-    cfg = SwarmConfig(run_id="nat2", merge_window_s=2, merge_timeout_s=4, codec="none", min_window_s=1.0)
+    cfg = merge_config(run_id="nat2", merge_window_s=2, merge_timeout_s=4, codec="none", min_window_s=1.0)
     with (running_mergers(bootstrap_dht, net_loop, 2, cfg, 1001) as mergers,
           caplog.at_level(logging.WARNING, logger="p2pdiloco.network.matchmaking")):
         for m in mergers:

@@ -15,7 +15,7 @@ from tests.conftest import interrupt_and_reap, wait_for
 from tests.test_cli import TINY
 
 UNIT = [sys.executable, "-m", "p2pdiloco", "peer", "--nproc", "2", "--host", "127.0.0.1",
-        "--set", "swarm.round_steps=10", "--set", "run.log_every=5", *TINY]
+        "--set", "rounds.round_steps=10", "--set", "run.log_every=5", *TINY]
 
 
 def _lines(path: Path, kind: str) -> list[dict]:
@@ -58,7 +58,7 @@ def test_two_rank_unit_trains_in_step_and_merges(tmp_path):
     run_dir.mkdir()
     # sync: each round's merge lands before the next inner step, so 30 steps are exactly 3 rounds; decoupled, a
     # first merge that lands after step 20 (CI under load) leaves 2 rounds of 10 + 20 steps
-    launcher = _start(run_dir, 30, "--set", "swarm.sync=true")
+    launcher = _start(run_dir, 30, "--set", "rounds.sync=true")
     try:
         descendants = _descendants(launcher)
         assert launcher.wait(timeout=150) == 0, (tmp_path / "out.txt").read_text()[-3000:]

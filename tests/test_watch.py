@@ -57,7 +57,7 @@ def swarm(tmp_path_factory):
     proc = subprocess.Popen(
         [*CLI, "local", "--peers", str(N_PEERS), "--steps", "1000000", "--run-dir", str(run_dir), "--run-id", RUN_ID,
          "--dashboard", "--dashboard-port", "0", "--set", f"run.metrics_port={metrics_port}",
-         "--set", "swarm.round_steps=20", "--set", "emulate.min_step_s=0.02", *TINY],
+         "--set", "rounds.round_steps=20", "--set", "emulate.min_step_s=0.02", *TINY],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
     )
     try:

@@ -2,7 +2,7 @@
 among them. Kept free of torch so that reading a config (and `p2pdiloco --help`) does not load it."""
 
 CODECS = ("none", "fp16", "bf16", "int8", "int4", "sparseloco")
-"""Merge payload codecs (see codecs.py; config field swarm.codec)."""
+"""Merge payload codecs (see codecs.py; config field codec.name)."""
 AGGREGATORS = ("mean", "centered_clip", "trimmed_mean", "rda")
 """Rules that combine a merge group's contributions (see robust.py; config field guard.aggregate)."""
 OPTIMIZERS = ("adamw", "adamw8bit")

@@ -2,7 +2,7 @@
 kept value in 2 bits, its position gap-coded. Pure functions on flat fp32 CPU tensors, like codecs.py.
 
 Per chunk of `chunk` values the `keep` largest |x| are kept (the paper's density is 64 of 4096 = 1.56 %; the
-default `swarm.sparse_keep` is 48, 1.17 %, which cleared 100× fewer bytes than fp32 in groups of 4); the
+default `codec.sparse_keep` is 48, 1.17 %, which cleared 100× fewer bytes than fp32 in groups of 4); the
 rest are dropped, to be sent later through error feedback (feedback.ErrorFeedback). A kept value travels as
 2 bits: its sign, and which of the chunk's two magnitudes it takes: the mean |x| of the chunk's kept values
 in the lower half by magnitude, and of those in the upper half (a 2-level quantizer per chunk; both bf16).

@@ -67,7 +67,7 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
                metavar="PATH", forward=lambda paths: ",".join(_absolute(p) for p in paths)),
     ConfigFlag("--device", "run.device", "run", "auto (default), cpu, cuda, cuda:N, mps, xpu", metavar="DEV",
                forward=str),
-    ConfigFlag("--sync", "swarm.sync", "run",
+    ConfigFlag("--sync", "rounds.sync", "run",
                "synchronous DiLoCo baseline: wait for every merge and for every live peer", switch=True,
                forward=lambda _: "true"),
     ConfigFlag("--swarm-key", "swarm.swarm_key", "run",

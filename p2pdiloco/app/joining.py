@@ -74,8 +74,8 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
 
     # every live record counts in checking a donor's state, not only those claiming to be ahead
     passes = 3
-    got = loop.run(sync.fetch(records, peer_id, timeout=cfg.swarm.merge_timeout_s, refresh=refresh, passes=passes),
-                   timeout=(cfg.swarm.merge_timeout_s + cfg.swarm.heartbeat_s + 5) * (len(records) + 1) * passes + 10)
+    got = loop.run(sync.fetch(records, peer_id, timeout=cfg.merge.merge_timeout_s, refresh=refresh, passes=passes),
+                   timeout=(cfg.merge.merge_timeout_s + cfg.swarm.heartbeat_s + 5) * (len(records) + 1) * passes + 10)
     if got is None:
         logger.warning("[%s] no live peer could give its state; the first merge will bring this peer in line",
                        short_id(peer_id))

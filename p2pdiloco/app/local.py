@@ -173,8 +173,8 @@ def peer_command(i: int, n: int, cfg: Config, initial_peer: str, run_dir: Path, 
            "--run-dir", str(run_dir), "--name", f"peer{i}", "--in-local",
            "--set", f"data.shard={i}/{n}", "--set", f"run.seed={i}", "--set", f"run.total_steps={cfg.run.total_steps}",
            "--set", f"swarm.run_id={cfg.swarm.run_id}"]
-    if cfg.swarm.wait_for_peers == 0:
-        cmd += ["--set", f"swarm.wait_for_peers={n}"]  # start together, so the first rounds merge as a group
+    if cfg.startup.wait_for_peers == 0:
+        cmd += ["--set", f"startup.wait_for_peers={n}"]  # start together, so the first rounds merge as a group
     if start_barrier is not None:  # peers that see themselves in the census say so there (together.wait_for_peers)
         cmd += ["--start-barrier", str(start_barrier)]
     if cfg.run.threads == 0:

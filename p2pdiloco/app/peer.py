@@ -254,7 +254,7 @@ def build_peer(cfg: Config, stop: StopFlag, unit: UnitContext, device: torch.dev
         startup.laps["interpreter_and_imports"])
     # peers started together wait for each other (a restarted peer joins a running swarm), and all evaluate the
     # initial model before their first step: on a busy machine that is seconds, so it is taken while the DHT starts
-    together = cfg.swarm.wait_for_peers > 1 and not cfg.run.resume
+    together = cfg.startup.wait_for_peers > 1 and not cfg.run.resume
     dht, data, sampler, val, model, first_eval = start_dht_beside_model(cfg, unit, device, tokenizer, together,
                                                                         startup)
     reaper = Reaper(dht)
@@ -283,10 +283,10 @@ def build_peer(cfg: Config, stop: StopFlag, unit: UnitContext, device: torch.dev
     closing.callback(metrics.close)  # after the merger's close, whose last results the learner may still log
     auth = swarm_auth(cfg.swarm)
     hooks = peer_hooks(cfg)  # no faults and no hostile wrapper unless a test or benchmark asked for them
-    merger = P2PMerger(dht, cfg.swarm, loop, count_params(model), auth=auth, guard=cfg.guard,
+    merger = P2PMerger(dht, cfg, loop, count_params(model), auth=auth, guard=cfg.guard,
                        fingerprint=fingerprint_digest(fingerprint), faults=hooks.faults)
     closing.callback(merger.close)
-    say("merger ready in %.1f s (codec %s)", startup.lap("merger"), cfg.swarm.codec, tag=short_id(peer_id))
+    say("merger ready in %.1f s (codec %s)", startup.lap("merger"), cfg.codec.name, tag=short_id(peer_id))
     learner = Learner(cfg, model, sampler.next_batch, val, hooks.wrap_merger(merger), device, metrics,
                       should_stop=stop, checkpoint_dir=run_dir / "checkpoints", faults=hooks.faults,
                       t_process_start=t_process_start)
@@ -348,9 +348,9 @@ def train(peer: Peer, start_barrier: Path | None) -> dict:
     run_dir = Path(cfg.run.run_dir)
     if peer.together:
         learner.evaluate_global()  # the first eval (held if taken beside the DHT's start), before the wait
-        say("waiting for %d peers to be live", cfg.swarm.wait_for_peers, tag=short_id(peer.peer_id))
+        say("waiting for %d peers to be live", cfg.startup.wait_for_peers, tag=short_id(peer.peer_id))
         live = wait_for_peers(loop, dht, cfg, peer.peer_id, stop, start_barrier, merger.census)
-        logger.info("[%s] %d of %d peers live; starting", short_id(peer.peer_id), live, cfg.swarm.wait_for_peers)
+        logger.info("[%s] %d of %d peers live; starting", short_id(peer.peer_id), live, cfg.startup.wait_for_peers)
     summary = learner.run()
     loop.run(learner.report.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's
     summary.update(name=cfg.run.name, n_params=peer.n_params, **learner.report.bandwidth(),

@@ -1,4 +1,4 @@
-"""Peers started together wait for each other before their first inner step (`swarm.wait_for_peers`), so that
+"""Peers started together wait for each other before their first inner step (`startup.wait_for_peers`), so that
 their first rounds merge as a group."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, peer_id: str, stop: Callable[[], bool],
                    barrier: Path | None = None, census: Census | None = None) -> int:
-    """Block until `swarm.wait_for_peers` peers (this one included) are in matchmaking's census (or the wait
+    """Block until `startup.wait_for_peers` peers (this one included) are in matchmaking's census (or the wait
     times out); returns how many are. Every peer's merger registers it there when it starts.
 
     With `barrier` (a folder `local` gives all its peers), a peer that has read itself in the census says so
@@ -33,7 +33,7 @@ def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, peer_id: str, stop: C
     holds fewer peers than the folder, a walk counts). A count from a walk, or a copy that holds every awaited peer,
     is handed to `census` (this peer's matchmaking census, `Census.expect`), so that its first read need not walk.
     """
-    want, deadline = cfg.swarm.wait_for_peers, time.monotonic() + cfg.swarm.wait_for_peers_s
+    want, deadline = cfg.startup.wait_for_peers, time.monotonic() + cfg.startup.wait_for_peers_s
     pause, told, reads = 0.25, False, 0
     while True:
         if told and not stop() and time.monotonic() <= deadline and _files_in(barrier) < want:
@@ -41,11 +41,11 @@ def wait_for_peers(loop: BackgroundLoop, dht, cfg: Config, peer_id: str, stop: C
             continue
         near = barrier is not None and (reads == 0 or told)
         reads += 1
-        registered = loop.run(registered_now(dht, cfg.swarm.run_id, epoch_s=cfg.swarm.epoch_s, near=near),
+        registered = loop.run(registered_now(dht, cfg.swarm.run_id, epoch_s=cfg.merge.epoch_s, near=near),
                               timeout=30)
         if near and told and len(registered | {peer_id}) < want:  # that copy is short of the folder: walk
             near = False
-            registered = loop.run(registered_now(dht, cfg.swarm.run_id, epoch_s=cfg.swarm.epoch_s), timeout=30)
+            registered = loop.run(registered_now(dht, cfg.swarm.run_id, epoch_s=cfg.merge.epoch_s), timeout=30)
         if census is not None and (not near or len(registered | {peer_id}) >= want):
             census.expect(len(registered | {peer_id}))
         if barrier is not None and not told and peer_id in registered:

@@ -30,8 +30,8 @@ TARGET_RATIO = 1000.0
 
 def _cell(out: Path, codec: str, h: int, steps: int, quiet: Console, peers: int = 2, sync: bool = True) -> dict:
     sets = [s for s in BENCH_MODEL_SETS if not s.startswith(("run.total_steps", "emulate.min_step_s"))] + [
-        f"run.total_steps={steps}", f"swarm.round_steps={h}", f"swarm.codec={codec}", f"swarm.sync={str(sync).lower()}",
-        "swarm.merge_window_s=60", "run.threads=1", "run.eval_every_rounds=0", "run.eval_batches=32",
+        f"run.total_steps={steps}", f"rounds.round_steps={h}", f"codec.name={codec}", f"rounds.sync={str(sync).lower()}",
+        "merge.merge_window_s=60", "run.threads=1", "run.eval_every_rounds=0", "run.eval_batches=32",
         f"swarm.run_id=bench-bw-{codec}-{h}", *RECIPES.get(codec, []),
     ]
     cfg = load_config(None, [parse_set(sets)])

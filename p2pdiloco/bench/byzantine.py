@@ -39,11 +39,11 @@ BYZANTINE_SETS = [
     *BENCH_MODEL, *BENCH_EVAL, "run.log_every=10", "inner.warmup_steps=10", "run.checkpoint_every=0",
     # a merge of this model takes < 1 s: a sync round waits 10 s at most for a peer that is not ready (banned
     # hostile peers, left alone, waited the whole window every round), a failing merge should not take 60
-    "swarm.merge_window_s=10", "swarm.merge_timeout_s=10",
+    "merge.merge_window_s=10", "merge.merge_timeout_s=10",
 ]
 MODE_SETS = {
-    "sync": ["swarm.sync=true"],
-    "decoupled": ["swarm.sync=false", "swarm.round_seconds=1", "emulate.min_step_s=0.05"],
+    "sync": ["rounds.sync=true"],
+    "decoupled": ["rounds.sync=false", "rounds.round_seconds=1", "emulate.min_step_s=0.05"],
 }
 DECOUPLED_STEPS = 4
 """Decoupled runs take this many times `steps` (padded to 0.05 s, in rounds of 1 s: about 20 steps a round), so
@@ -140,7 +140,7 @@ def _run(out: Path, results: dict, kind: str, mode: str, peers: int, seed: int, 
     name = _name(kind, mode, peers, seed, seeds)
     run_steps = steps * (DECOUPLED_STEPS if mode == "decoupled" else 1)
     sets = BYZANTINE_SETS + MODE_SETS[mode] + [
-        f"run.total_steps={run_steps}", f"swarm.round_steps={results['round_steps']}",
+        f"run.total_steps={run_steps}", f"rounds.round_steps={results['round_steps']}",
         f"swarm.run_id=bench-byz-{name}", *([f"model.init_seed={1234 + seed}"] if seeds > 1 else []),
         *results["sets"]]
     cfg = load_config(None, [parse_set(sets)])

@@ -33,9 +33,9 @@ def bench_churn(out: Path, minutes: float = 5.0, peers: int = 4, kill_every: flo
     base = [s for s in BENCH_MODEL_SETS if not s.startswith("run.total_steps")] + [
         f"run.total_steps={steps}", "run.checkpoint_every=5", "swarm.heartbeat_s=2"]
     runs = {
-        "decoupled_churn": (base + ["swarm.round_seconds=2.0", "swarm.merge_window_s=10"], True),
-        "sync_churn": (base + ["swarm.sync=true", "swarm.round_steps=20", "swarm.merge_window_s=60"], True),
-        "decoupled_no_churn": (base + ["swarm.round_seconds=2.0", "swarm.merge_window_s=10"], False),
+        "decoupled_churn": (base + ["rounds.round_seconds=2.0", "merge.merge_window_s=10"], True),
+        "sync_churn": (base + ["rounds.sync=true", "rounds.round_steps=20", "merge.merge_window_s=60"], True),
+        "decoupled_no_churn": (base + ["rounds.round_seconds=2.0", "merge.merge_window_s=10"], False),
     }
     results: dict = {"machine": machine(), "minutes": minutes, "peers": peers, "kill_every_s": kill_every,
                      "restart_delay_s": restart_delay, "steps": steps, "runs": {}}

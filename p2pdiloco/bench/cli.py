@@ -126,8 +126,8 @@ BENCHES: dict[str, tuple[str, str, dict[str, str | tuple[str, str]]]] = {
         "32), each ÷ the smallest swarm's (one run of about 2-3 minutes per N).",
         {"--steps": "inner steps per peer, padded to 0.3 s each (default 350, about 105 s of training)",
          "--peers": ("N[,N...]", "swarm sizes, one run each, the smallest the baseline (default 4,8,16,32)"),
-         "--group-size": "swarm.group_size, the largest merge group (default the config's, 8)",
-         "--set": "override one config value, e.g. --set emulate.min_step_s=1 --set swarm.round_seconds=10 "
+         "--group-size": "merge.group_size, the largest merge group (default the config's, 8)",
+         "--set": "override one config value, e.g. --set emulate.min_step_s=1 --set rounds.round_seconds=10 "
                   "(repeatable)"}),
     "dht": (
         "per node DHT bytes/s, p2pdiloco's record stores beside hivemind's",

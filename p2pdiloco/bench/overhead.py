@@ -64,7 +64,7 @@ def bench_overhead(out: Path, steps: int = 600, console: Console | None = None) 
     if len(cpus) < 2:
         raise RuntimeError("bench overhead needs 2 CPUs: one per peer, so the measured peer has a core to itself")
     sets = [f"run.total_steps={steps}", "run.eval_every_rounds=0", "run.threads=1", *BENCH_DATA,
-            "swarm.round_steps=50", "swarm.run_id=bench-overhead"]
+            "rounds.round_steps=50", "swarm.run_id=bench-overhead"]
     cfg = load_config(None, [parse_set(sets)])
     console.print(f"plain torch loop, {steps} steps on CPU {cpus[0]} ...")
     plain_before = _plain_loop_on(cpus[0], cfg, steps)

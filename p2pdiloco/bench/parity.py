@@ -5,12 +5,12 @@ per-worker batch (so equal tokens, and the same global batch N·B per step):
 
 - data-parallel: N torch.distributed ranks (gloo on loopback) averaging gradients every step
   (`data_parallel.py`); rank i reads the data shard and seed that peer i of `p2pdiloco local` reads;
-- synchronous DiLoCo (`swarm.sync=true`): N peers, a merge every H inner steps, everyone waits for it;
+- synchronous DiLoCo (`rounds.sync=true`): N peers, a merge every H inner steps, everyone waits for it;
 - decoupled p2pdiloco: the same N peers and H, merges in the background while training goes on.
 
 All three are evaluated on the same validation batches (`run.eval_batches` of the val split) by the same
 function (`evaluation.evaluate_model`); DiLoCo's figure is its peers' global models after the last merge.
-Rounds are step-counted (`swarm.round_steps`), so what the algorithm does does not depend on CPU speed,
+Rounds are step-counted (`rounds.round_steps`), so what the algorithm does does not depend on CPU speed,
 except in decoupled mode, where the steps taken while a merge is in flight depend on how long it takes:
 peers' inner steps are therefore padded to an emulated accelerator time (`emulate.min_step_s`), as in the
 other benchmarks.
@@ -88,7 +88,7 @@ def bench_parity(out: Path, steps: int = 3000, h: int = 50, peers: int = 4, step
 def _one_seed(out: Path, steps: int, h: int, peers: int, step_s: float, init_seed: int, console: Console) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115 - closed with the process
-    common = PARITY_SETS + [f"run.total_steps={steps}", f"swarm.round_steps={h}", f"model.init_seed={init_seed}"]
+    common = PARITY_SETS + [f"run.total_steps={steps}", f"rounds.round_steps={h}", f"model.init_seed={init_seed}"]
     load_config(None, [parse_set(common)])  # fail on a bad flag before the first run
     results: dict = {"init_seed": init_seed, "sets": common, "runs": {}}
 
@@ -101,7 +101,7 @@ def _one_seed(out: Path, steps: int, h: int, peers: int, step_s: float, init_see
         "ranks_identical": len(set(dp["rank_digests"])) == 1, "wall_s": time.monotonic() - t0,
     }
     modes = {
-        "sync": ["swarm.sync=true", "swarm.merge_window_s=60"],
+        "sync": ["rounds.sync=true", "merge.merge_window_s=60"],
         "decoupled": [],
     }
     for mode, mode_sets in modes.items():

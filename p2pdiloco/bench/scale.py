@@ -2,12 +2,12 @@
 
 For each N in --peers, one `run_local` swarm of N peers of the benchmark model, inner steps padded to
 `STEP_S` (an emulated accelerator, so that N peers on a few cores measure the protocol, not the CPU scheduler),
-timed rounds of `ROUND_S`, groups of at most `swarm.group_size`. Figures, per run (`run_figures`):
+timed rounds of `ROUND_S`, groups of at most `merge.group_size`. Figures, per run (`run_figures`):
 
 - DHT bytes/s per peer: a peer's DHT bytes sent + received (its summary's `traffic.dht`) ÷ its `wall_s` (from
   its learner's start to its summary); mean and max over peers. Beside it the same from its first merge line to
   its last (`traffic.dht` and `elapsed_s` of each), mean over peers: without the start-up, where `local` makes
-  every peer poll the census until all N are in it (`swarm.wait_for_peers`, 0 for a peer started by hand) and
+  every peer poll the census until all N are in it (`startup.wait_for_peers`, 0 for a peer started by hand) and
   32 peers on 2 cores take ~25 s to start. Beside it, the mean of the finds' and stores'
   bytes of the census keys and of the heartbeat shards (its summary's `dht_by_kind`), ÷ `wall_s` the same way.
 - merge bytes per peer per round: a peer's merge bytes sent + received (`traffic.merge`) ÷ its rounds; mean.
@@ -58,7 +58,7 @@ STEP_S = 0.3
 ROUND_S = 3.0
 MEMORY_AT = 0.6
 SCALE_SETS = [s for s in BENCH_MODEL_SETS if not s.startswith(("run.total_steps", "emulate.min_step_s"))] + [
-    f"emulate.min_step_s={STEP_S}", f"swarm.round_seconds={ROUND_S}", "swarm.merge_window_s=10"]
+    f"emulate.min_step_s={STEP_S}", f"rounds.round_seconds={ROUND_S}", "merge.merge_window_s=10"]
 
 
 class Figure(NamedTuple):
@@ -238,17 +238,17 @@ def add_ratios(runs: dict[str, dict]) -> None:
 def bench_scale(out: Path, peers: tuple[int, ...] = PEERS, steps: int = STEPS, group_size: int | None = None,
                 extra_sets: tuple[str, ...] = (), console: Console | None = None) -> dict:
     """One swarm per N in `peers` (smallest first, the baseline), `steps` inner steps each; `group_size` sets
-    swarm.group_size (None: the config's); `extra_sets` override the bench's settings (`--set`, e.g. a longer
-    `emulate.min_step_s` and `swarm.round_seconds`, for a machine with fewer cores than peers). Writes scale.json
+    merge.group_size (None: the config's); `extra_sets` override the bench's settings (`--set`, e.g. a longer
+    `emulate.min_step_s` and `rounds.round_seconds`, for a machine with fewer cores than peers). Writes scale.json
     after every run, and scale.png."""
     console = console or Console()
     out.mkdir(parents=True, exist_ok=True)
     quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115 - closed with the process
-    extra = ([f"swarm.group_size={group_size}"] if group_size is not None else []) + list(extra_sets)
+    extra = ([f"merge.group_size={group_size}"] if group_size is not None else []) + list(extra_sets)
     base = load_config(None, [parse_set(SCALE_SETS + extra)])
-    step_s, round_s = base.emulate.min_step_s, base.swarm.round_seconds
+    step_s, round_s = base.emulate.min_step_s, base.rounds.round_seconds
     results: dict = {"machine": machine(), "steps": steps, "step_s": step_s, "round_s": round_s,
-                     "group_size": base.swarm.group_size, "sets": list(extra_sets), "peers": sorted(peers), "runs": {}}
+                     "group_size": base.merge.group_size, "sets": list(extra_sets), "peers": sorted(peers), "runs": {}}
     for n in sorted(peers):
         name = f"peers{n}"
         sets = SCALE_SETS + extra + [f"run.total_steps={steps}", f"swarm.run_id=bench-scale-{n}"]

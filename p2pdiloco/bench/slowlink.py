@@ -116,7 +116,7 @@ def bench_slowlink(out: Path, peers: int = 2, steps: int = 250, h: int = 25, ste
     check_can_run()
     console = console or Console()
     out.mkdir(parents=True, exist_ok=True)
-    common = SLOWLINK_SETS + [f"run.total_steps={steps}", f"swarm.round_steps={h}", f"emulate.min_step_s={step_s}"]
+    common = SLOWLINK_SETS + [f"run.total_steps={steps}", f"rounds.round_steps={h}", f"emulate.min_step_s={step_s}"]
     n_params = count_params(build_model(load_config(None, [parse_set(common)]).model))
     payload = 2 * (peers - 1) / peers * n_params * 4  # bytes a peer sends (and receives) per merge: RS + AG
     results: dict = {
@@ -126,7 +126,7 @@ def bench_slowlink(out: Path, peers: int = 2, steps: int = 250, h: int = 25, ste
     }
     for ns in remove_stale_namespaces():
         console.print(f"removed a namespace left by an earlier run: {ns}")
-    modes = {"decoupled": [], "sync": ["swarm.sync=true", "swarm.merge_window_s=60"]}
+    modes = {"decoupled": [], "sync": ["rounds.sync=true", "merge.merge_window_s=60"]}
     with SlowLinks(peers, rate_mbit) as links:
         for mode, mode_sets in modes.items():
             sets = common + mode_sets + [f"swarm.run_id=bench-slowlink-{mode}"]

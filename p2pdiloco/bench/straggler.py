@@ -39,8 +39,8 @@ def bench_straggler(out: Path, seconds: float = 60.0, peers: int = 4, factor: fl
     out.mkdir(parents=True, exist_ok=True)
     quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115 - closed with the process
     modes = {
-        "decoupled": ["swarm.round_seconds=2.0", "swarm.merge_window_s=10"],
-        "sync": ["swarm.sync=true", "swarm.round_steps=20", "swarm.merge_window_s=60"],
+        "decoupled": ["rounds.round_seconds=2.0", "merge.merge_window_s=10"],
+        "sync": ["rounds.sync=true", "rounds.round_steps=20", "merge.merge_window_s=60"],
     }
     slow_index = peers - 1
     results: dict = {"machine": machine(), "seconds": seconds, "peers": peers, "slow_factor": factor, "runs": {}}

@@ -34,7 +34,7 @@ STEPS = 200
 """Inner steps per peer by default: 60 s of training at `STEP_S`."""
 BOOTSTRAP_PORT = 31338
 WAN_SETS = [s for s in BENCH_MODEL_SETS if not s.startswith(("run.total_steps", "emulate.min_step_s"))] + [
-    f"emulate.min_step_s={STEP_S}", f"swarm.round_seconds={ROUND_S}", "swarm.merge_window_s=10",
+    f"emulate.min_step_s={STEP_S}", f"rounds.round_seconds={ROUND_S}", "merge.merge_window_s=10",
     "run.checkpoint_every=0"]
 
 
@@ -68,7 +68,7 @@ def run_profile(profile: str, peers: int, nat: int, steps: int, out: Path, extra
         accuracy = measure(lab)
         print_accuracy(accuracy, console)
         console.print(f"  training {steps} steps of {cfg.emulate.min_step_s} s, rounds of "
-                      f"{cfg.swarm.round_seconds} s ...")
+                      f"{cfg.rounds.round_seconds} s ...")
         t0 = time.monotonic()
         summary = run_swarm(lab.hub, HUB_ADDR, [(h.ns, h.addr) for h in lab.homes], cfg, sets, out / profile,
                             timeout_s=3 * steps * cfg.emulate.min_step_s + 300, bootstrap_port=BOOTSTRAP_PORT)

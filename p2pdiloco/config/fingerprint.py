@@ -57,14 +57,15 @@ def config_fingerprint(cfg: Config, tokenizer: str = "bytes") -> dict[str, Any]:
         tokenizer: the loaded tokenizer's digest (`Tokenizer.digest`): "bytes", or a hash of its file, which
             only the peer that loaded it knows (two machines may keep one tokenizer.json at different paths).
     """
-    s = cfg.swarm  # sparse parts are screened against the momentum; peers that screened them otherwise would
-    # reduce the same parts to different averages
-    sparse = {"sparse_keep": s.sparse_keep, "sparse_screen": "momentum"} if s.codec == "sparseloco" else {}
+    c, r, epoch_s = cfg.codec, cfg.rounds, cfg.merge.epoch_s
+    # sparse parts are screened against the momentum; peers that screened them otherwise would reduce the same
+    # parts to different averages
+    sparse = {"sparse_keep": c.sparse_keep, "sparse_screen": "momentum"} if c.name == "sparseloco" else {}
     return {"model": cfg.model.fingerprint(), "tokenizer": tokenizer,
-            "codec": {"codec": s.codec, "error_feedback": s.error_feedback, **sparse},
+            "codec": {"codec": c.name, "error_feedback": c.error_feedback, **sparse},
             "outer": cfg.outer.model_dump(exclude={"eager", "alone_lr", "rebase_keep", "land_wait"}),
-            "rounds": {"round_steps": s.round_steps, "round_seconds": s.round_seconds, "sync": s.sync}
-            | ({"epoch_s": s.epoch_s} if s.epoch_s != 30 else {}),  # named only when not 30 s: unnamed means 30
+            "rounds": {"round_steps": r.round_steps, "round_seconds": r.round_seconds, "sync": r.sync}
+            | ({"epoch_s": epoch_s} if epoch_s != 30 else {}),  # named only when not 30 s: unnamed means 30
             "guard": cfg.guard.model_dump(), "agreement": "catch-up",  # how members agree on (θg, momentum)
             **protocol_fields()}
 

@@ -17,8 +17,15 @@ ALIASES: dict[str, str] = {
     "run.slow_factor": "emulate.slow_factor",
     "run.min_step_s": "emulate.min_step_s",
     "run.hostile": "emulate.hostile",
+    **{f"swarm.{key}": f"rounds.{key}" for key in ("round_steps", "round_seconds", "sync")},
+    **{f"swarm.{key}": f"merge.{key}" for key in ("merge_window_s", "window_fraction", "min_window_s",
+                                                  "merge_timeout_s", "group_size", "epoch_s", "state_anchors")},
+    "swarm.codec": "codec.name",
+    **{f"swarm.{key}": f"codec.{key}" for key in ("sparse_keep", "error_feedback", "error_feedback_decay")},
+    **{f"swarm.{key}": f"startup.{key}" for key in ("wait_for_peers", "wait_for_peers_s")},
 }
-"""Old keys that still work, in TOML files and in ``--set``, and the key each one sets now."""
+"""Old keys that still work, in TOML files, in ``--set`` and in the configs that summaries and checkpoints
+recorded, and the key each one sets now."""
 
 
 def apply_values(merged: dict[str, dict[str, Any]], values: dict[str, Any], source: str) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from p2pdiloco.config.schema import ConfigError
 
 RECIPES: dict[str, list[str]] = {
-    "sparseloco": ["swarm.codec=sparseloco", "swarm.error_feedback_decay=0.95", "outer.momentum=0", "outer.lr=3",
+    "sparseloco": ["codec.name=sparseloco", "codec.error_feedback_decay=0.95", "outer.momentum=0", "outer.lr=3",
                    "outer.eager=false", "outer.rebase_keep=1"],
 }
 

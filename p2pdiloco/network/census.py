@@ -29,7 +29,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2pdiloco.network.swarm import read_near_subkeys, read_subkeys, write_subkey
 
 EPOCH_S = 30.0
-"""Groups and leaders are drawn anew every this many seconds of DHT time, by default (`swarm.epoch_s`)."""
+"""Groups and leaders are drawn anew every this many seconds of DHT time, by default (`merge.epoch_s`)."""
 
 REREAD_S = 1.0
 """A census is read again at most this often, and only after an unknown peer announced itself (or when this peer
@@ -125,7 +125,7 @@ class Census:
         dht: this peer's running DHT.
         run_id: the swarm's run id.
         peer_id: this peer's id (it is in every view of an epoch it registered for).
-        epoch_s: seconds of DHT time an epoch lasts (`swarm.epoch_s`, the same on every peer of a swarm).
+        epoch_s: seconds of DHT time an epoch lasts (`merge.epoch_s`, the same on every peer of a swarm).
     """
 
     def __init__(self, dht: hivemind.DHT, run_id: str, peer_id: str, epoch_s: float = EPOCH_S):

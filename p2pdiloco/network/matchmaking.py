@@ -1,7 +1,7 @@
 """Forming a merge group with whichever of this epoch's group mates are ready now.
 
-1. **Mates.** Every epoch (`swarm.epoch_s`) the peers in the epoch's census (census.py: one DHT record per
-   peer) are dealt into groups of at most `swarm.group_size` by the hash of their ids with the epoch
+1. **Mates.** Every epoch (`merge.epoch_s`) the peers in the epoch's census (census.py: one DHT record per
+   peer) are dealt into groups of at most `merge.group_size` by the hash of their ids with the epoch
    (`my_group`, `leader_rank`): groups change every epoch, and no peer id leads every group.
 2. **Ready.** A peer looking for a group tells its mates so, peer to peer, with its deadline; nothing is polled
    from the DHT, so a peer's DHT work does not grow with the swarm.
@@ -29,7 +29,7 @@ import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.algorithm.guards import STALE, GuardBook, stale_members
-from p2pdiloco.config import PROTOCOL_VERSION, GuardConfig, SwarmConfig, protocol_fields, protocol_of
+from p2pdiloco.config import PROTOCOL_VERSION, Config, GuardConfig, protocol_fields, protocol_of
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.census import Census, epoch_of, my_group
 from p2pdiloco.network.dialable import Dialability
@@ -48,7 +48,7 @@ SILENT_ROUNDS = 3
 """A leader that never invited is passed over for this many of this peer's searches."""
 
 EPOCH_ROUNDS = 10
-"""Fewer of this peer's rounds in an epoch (`swarm.epoch_s`), where groups do not span the census, is warned of."""
+"""Fewer of this peer's rounds in an epoch (`merge.epoch_s`), where groups do not span the census, is warned of."""
 
 
 @dataclass
@@ -74,7 +74,7 @@ class Matchmaker:
 
     Args:
         dht: this peer's running DHT.
-        cfg: swarm settings (run id, window sizes, sync mode).
+        cfg: the run's config; matchmaking reads its swarm's run id, its sync mode and its merge settings.
         rpc: requests to other peers (invites, group notices).
         book: banned peers are neither invited nor followed; stale members are recorded there.
         guard: guard settings (whether stale members are left out, and how far behind is stale).
@@ -82,7 +82,7 @@ class Matchmaker:
         lengths: vector length per tag, the same on every peer (see `Group.lengths`).
     """
 
-    def __init__(self, dht: hivemind.DHT, cfg: SwarmConfig, rpc: Rpc, book: GuardBook, guard: GuardConfig,
+    def __init__(self, dht: hivemind.DHT, cfg: Config, rpc: Rpc, book: GuardBook, guard: GuardConfig,
                  fingerprint: str, lengths: dict[str, int]):
         self.dht, self.cfg, self.rpc, self.book, self.guard = dht, cfg, rpc, book, guard
         self.fingerprint, self.lengths, self.peer_id = fingerprint, lengths, rpc.peer_id
@@ -96,7 +96,7 @@ class Matchmaker:
         self._tasks: set[asyncio.Task] = set()
         self._passed_over: dict[str, int] = {}
         """Leaders that never invited us: peer id -> searches left in which they are not followed."""
-        self.census = Census(dht, cfg.run_id, self.peer_id, cfg.epoch_s)
+        self.census = Census(dht, cfg.swarm.run_id, self.peer_id, cfg.merge.epoch_s)
         self._ready: dict[str, float] = {}
         """Mates that told us they are looking for a group: peer id -> until when (DHT time)."""
         self._closers: set[str] = set()
@@ -143,9 +143,9 @@ class Matchmaker:
         window = self._window(c.round_s)
         self._warn_short_epochs()
         if closing := c.last_merges():  # about its last merge (own counters): worth the whole window
-            window = max(window, self.cfg.merge_window_s)
+            window = max(window, self.cfg.merge.merge_window_s)
         now = get_dht_time()
-        search = _Search(contribution=c, deadline=now + window, epoch=epoch_of(now, self.cfg.epoch_s))
+        search = _Search(contribution=c, deadline=now + window, epoch=epoch_of(now, self.cfg.merge.epoch_s))
         self._search = search
         me = self.peer_id
         passed_over = set(self._passed_over)  # never invited us in a recent search: not followed, still invited
@@ -155,7 +155,7 @@ class Matchmaker:
         try:
             await self.census.register(search.epoch)
             while not self._closed:
-                epoch = epoch_of(get_dht_time(), self.cfg.epoch_s)
+                epoch = epoch_of(get_dht_time(), self.cfg.merge.epoch_s)
                 if epoch != search.epoch:  # groups redealt: so is this search (in
                     search.epoch, followed = epoch, ""  # its first order it could wait for a mate's invite while
                     await self.census.register(epoch)  # that mate, in the new order, waited for its invite)
@@ -164,8 +164,8 @@ class Matchmaker:
                     return await self._await_group(search)  # its leader counts on (it was once left alone)
                 # a run's last merges take every mate they can reach, so that peers finishing together end on one
                 # global model (at 16 peers in `bench scale`, a group of 8 a few steps ahead ended on its own)
-                size = len(census) + 1 if closing else self.cfg.group_size
-                mates = my_group(self.cfg.run_id, me, census, search.epoch, size)
+                size = len(census) + 1 if closing else self.cfg.merge.group_size
+                mates = my_group(self.cfg.swarm.run_id, me, census, search.epoch, size)
                 self._announce(search, [p for p in mates if p not in search.told and p != me], True)
                 now = get_dht_time()
                 # a mate past its deadline still waits for an invite a while (see the follower's timeouts below)
@@ -229,23 +229,23 @@ class Matchmaker:
         where groups do not span the census. A leader that is not invites its own group only, and its finishing
         members ended apart from the rest (32 peers in `bench scale`: a group of 8 led by a peer not yet near its
         end); with one group for everyone, nothing is gained by waiting for a closing leader."""
-        return c.last_merges() and self.census.size > self.cfg.group_size
+        return c.last_merges() and self.census.size > self.cfg.merge.group_size
 
     def _plausible(self, deadline: object, now: float) -> bool:
         """A deadline an honest peer could have announced: no window is longer than `merge_window_s`, so a
         deadline further off is a claim meant to make mates wait (a hostile `leader`)."""
-        return finite_number(deadline) and deadline <= now + self.cfg.merge_window_s + RPC_TIMEOUT_S
+        return finite_number(deadline) and deadline <= now + self.cfg.merge.merge_window_s + RPC_TIMEOUT_S
 
     def _warn_short_epochs(self) -> None:
         """Say once if groups are redrawn within a few of this peer's rounds while they do not span the census: each
         redrawing puts members whose global models differ together, and their next merge also agrees on
         (θg, momentum), about 7× the bytes of an int4 Δ exchange (docs/architecture.md, Mates)."""
-        if (not self._warned_epochs and self._round_ema and self.census.size > self.cfg.group_size
-                and self.cfg.epoch_s < EPOCH_ROUNDS * self._round_ema):
+        if (not self._warned_epochs and self._round_ema and self.census.size > self.cfg.merge.group_size
+                and self.cfg.merge.epoch_s < EPOCH_ROUNDS * self._round_ema):
             self._warned_epochs = True
             self.log.warning("groups are redrawn every %.0f s, %.1f of this peer's rounds: most merges will agree "
-                             "on global models too; set swarm.epoch_s to %d rounds or more",
-                             self.cfg.epoch_s, self.cfg.epoch_s / self._round_ema, EPOCH_ROUNDS)
+                             "on global models too; set merge.epoch_s to %d rounds or more",
+                             self.cfg.merge.epoch_s, self.cfg.merge.epoch_s / self._round_ema, EPOCH_ROUNDS)
 
     def _window(self, round_s: float) -> float:
         """How long to wait for others to become ready.
@@ -260,12 +260,12 @@ class Matchmaker:
         interval = round_s if round_s > 0 else now - self._last_submit
         self._last_submit = now
         self._round_ema = interval if self._round_ema is None else 0.5 * self._round_ema + 0.5 * interval
-        if self.cfg.sync:
-            return self.cfg.merge_window_s
+        if self.cfg.rounds.sync:
+            return self.cfg.merge.merge_window_s
         # Peers whose rounds drifted apart by more than the window would never meet again: after each
         # merge alone the window doubles (up to merge_window_s) until a group forms, then it resets.
-        base = max(self.cfg.min_window_s, self.cfg.window_fraction * self._round_ema)
-        return min(self.cfg.merge_window_s, base * 2 ** min(self._alone_streak, 8))
+        base = max(self.cfg.merge.min_window_s, self.cfg.merge.window_fraction * self._round_ema)
+        return min(self.cfg.merge.merge_window_s, base * 2 ** min(self._alone_streak, 8))
 
     async def _lead(self, search: _Search, candidates: list[str]) -> Group | None:
         search.leading = True  # from here on, invites from others are declined
@@ -387,7 +387,7 @@ class Matchmaker:
         search = self._search
         ok = (
             search is not None and gid == search.accepted_gid and request.sender == search.leader
-            and valid_notice(header, self.peer_id, self.cfg.group_size)
+            and valid_notice(header, self.peer_id, self.cfg.merge.group_size)
             and own_claims_kept(header, self.peer_id, search.contribution, self.dial.own)
         )
         if ok:

@@ -34,7 +34,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from p2pdiloco.algorithm.codecs import DeflatedCodec, LinearInt8Codec, get_codec
 from p2pdiloco.algorithm.feedback import rejected_as_dropped
 from p2pdiloco.algorithm.guards import GuardBook
-from p2pdiloco.config import GuardConfig, SwarmConfig
+from p2pdiloco.config import Config, GuardConfig
 from p2pdiloco.network.admission import Request, StreamGate
 from p2pdiloco.network.allreduce import AllReduce, PlainReducer, by_values, slice_bounds
 from p2pdiloco.network.catch_up import CatchUp
@@ -66,7 +66,7 @@ class P2PMerger:
 
     Args:
         dht: this peer's running DHT.
-        cfg: swarm settings (run id, merge window and timeout).
+        cfg: the run's config; the merger reads its swarm's run id, rounds, merge and codec settings.
         loop: the background loop that runs all network work.
         n_params: length of the flat parameter vector (the same on every peer of the swarm).
         auth: the swarm key's request authenticator (None: a public swarm).
@@ -75,26 +75,26 @@ class P2PMerger:
         faults: test hook: faults to inject at stages 'exchange' and 'serve_part' (None: none).
     """
 
-    def __init__(self, dht: hivemind.DHT, cfg: SwarmConfig, loop: BackgroundLoop, n_params: int,
+    def __init__(self, dht: hivemind.DHT, cfg: Config, loop: BackgroundLoop, n_params: int,
                  auth: SwarmAuth | None = None, guard: GuardConfig | None = None, fingerprint: str = "",
                  faults: FaultHook | None = None):
         self.dht, self.cfg, self._loop, self.n_params = dht, cfg, loop, n_params
         self.peer_id = dht.peer_id.to_base58()
         self.log = PeerLog(logger, self.peer_id)
-        self.auth = auth or SwarmAuth(None, cfg.run_id)
+        self.auth = auth or SwarmAuth(None, cfg.swarm.run_id)
         self.guard = guard or GuardConfig()
         self.fingerprint = fingerprint
         self.faults = faults
         self.book = GuardBook(self.guard.ban_after if self.guard.enabled else 0, short_id(self.peer_id))
         self.counter = ByteCounter()
         """Bytes this peer sent and received on the merge protocols (the peer's traffic report reads it)."""
-        self.codec = get_codec(cfg.codec, cfg.sparse_keep)
+        self.codec = get_codec(cfg.codec.name, cfg.codec.sparse_keep)
         """Codec of pseudo-gradient slices and their averages. (θg, momentum) travel as int8 differences from a
         state all members hold (tag 'a'): quantizing the model itself would have no error feedback to undo it, a
         difference of a few outer steps loses ~1/254 of itself (deflated: after sparse updates most of it is zero).
         Where the members hold no common anchor, the int8 average of their states themselves (tag 's') is made
         one first (`_agree`)."""
-        self.rpc = Rpc(dht, cfg.run_id, self.auth, self.counter)
+        self.rpc = Rpc(dht, cfg.swarm.run_id, self.auth, self.counter)
         self.matchmaker = Matchmaker(dht, cfg, self.rpc, self.book, self.guard, fingerprint,
                                      {"d": n_params, "s": 2 * n_params, "a": 2 * n_params})
         self.sessions = Sessions(self.matchmaker.expected_group, self.matchmaker.forget)
@@ -102,12 +102,12 @@ class P2PMerger:
         self.allreduce = AllReduce(
             self.rpc, self.sessions.find, {"d": self.codec, "s": STATE_CODEC, "a": STATE_DIFF_CODEC},
             SliceGuard(self.guard, self.book) if self.guard.enabled else PlainReducer(),
-            merge_timeout_s=cfg.merge_timeout_s, faults=faults,
+            merge_timeout_s=cfg.merge.merge_timeout_s, faults=faults,
         )
         self.sparse = SparseExchange(self.rpc, self.sessions.find, self.codec,
-                                     self.guard if self.guard.enabled else None, self.book, cfg.merge_timeout_s, faults)
+                                     self.guard if self.guard.enabled else None, self.book, cfg.merge.merge_timeout_s, faults)
         """Pseudo-gradients of a sparse codec are all-gathered instead (sparse_exchange.py)."""
-        self.catch_up = CatchUp(self.rpc, self.sessions.find, cfg.merge_timeout_s, self.book)
+        self.catch_up = CatchUp(self.rpc, self.sessions.find, cfg.merge.merge_timeout_s, self.book)
         """Where a majority of a group holds one global model, the others fetch it instead of averaging."""
         self.phase = Phase()
         """When mates said they are looking: where their round ends lie against this peer's (phase.py)."""
@@ -191,7 +191,7 @@ class P2PMerger:
             session = self.sessions.open(MergeSession(group, group.members.index(self.peer_id), c.round, c.momentum))
             if self.faults is not None:
                 await self.faults.fire("exchange", c.round, short_id(self.peer_id))
-            timeout = self.cfg.merge_timeout_s  # per exchange phase: Δ, and (θg, m) if they disagree
+            timeout = self.cfg.merge.merge_timeout_s  # per exchange phase: Δ, and (θg, m) if they disagree
             target = c.pseudo_grad if c.compensated is None else c.compensated
             exchange = (self.allreduce.average(session, "d", target) if self.codec.sliced
                         else self.sparse.average(session, target))
@@ -237,7 +237,7 @@ class P2PMerger:
         self.matchmaker.record(alone=alone)
         # rounds of a fixed step count drift apart (timed rounds end on a swarm-wide cadence, sync rounds wait);
         # taken now, when mates whose rounds ended with this peer's have said so too
-        if not (self.cfg.sync or self.cfg.round_seconds > 0):
+        if not (self.cfg.rounds.sync or self.cfg.rounds.round_seconds > 0):
             self._round_shift = self.phase.shift_s(c.round_s, start.t0)
         stats = outcome.stats
         if alone:

@@ -1,6 +1,6 @@
 """Where this peer's rounds end relative to its mates': the shift that brings its next round end to theirs.
 
-With rounds of `swarm.round_steps` inner steps, a peer's rounds end wherever its own steps take them. Peers of
+With rounds of `rounds.round_steps` inner steps, a peer's rounds end wherever its own steps take them. Peers of
 equal speed keep whatever phase they have, and a decoupled search waits only a fraction of a round
 (`Matchmaker._window`): two halves of a swarm whose round ends drifted half a round apart never meet again. Each
 half merges within itself, no merge is alone (so no window widens), and their global models drift apart until

@@ -2,7 +2,7 @@
 
 A scenario is five small dataclasses, one a TOML table (`[compute]`, `[failures]`, `[network]`, `[protocol]`,
 `[run]`); `load_scenario` reads a TOML or JSON file onto the defaults and rejects unknown keys in one line.
-Defaults are this machine's measured figures (docs/benchmarks.md) or the real config's defaults (`SwarmConfig`).
+Defaults are this machine's measured figures (docs/benchmarks.md) or the real config's defaults (`MergeConfig`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from p2pdiloco.algorithm.names import CODECS
-from p2pdiloco.config import ConfigError, SwarmConfig
+from p2pdiloco.config import ConfigError, MergeConfig
 
 ALGORITHMS = ("decoupled", "sync", "data_parallel", "elastic_data_parallel")
-_SWARM = SwarmConfig.model_fields
+_MERGE = MergeConfig.model_fields
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Network:
     params: int = 120_576
     """Model parameters (the bench model)."""
     codec: str = "int4"
-    """Pseudo-gradient codec of merges (`swarm.codec`); a (θg, momentum) agreement is modelled as one int8 exchange
+    """Pseudo-gradient codec of merges (`codec.name`); a (θg, momentum) agreement is modelled as one int8 exchange
     from an anchor (sim/swarm.py), not as a catch-up (network/catch_up.py) or two exchanges without an anchor."""
     bandwidth_gbps: float = 2.5
     """Each learner's link rate, each way, Gbit/s (loopback all-reduce here: ~2.5)."""
@@ -84,19 +84,19 @@ class Network:
 
 @dataclass
 class Protocol:
-    """Round timing and group formation, as in `SwarmConfig`, and the data-parallel baseline's checkpoints."""
+    """Round timing and group formation, as in `RoundsConfig` and `MergeConfig`, and the data-parallel baseline's checkpoints."""
 
     round_seconds: float = 2.0
     """Decoupled: timed rounds of this many seconds (0: `round_steps` steps)."""
     round_steps: int = 20
     """Steps per round of --sync, and of decoupled when `round_seconds` is 0."""
-    window_fraction: float = _SWARM["window_fraction"].default
+    window_fraction: float = _MERGE["window_fraction"].default
     """Decoupled grace window: this fraction of the round, within [min_window_s, merge_window_s]."""
-    min_window_s: float = _SWARM["min_window_s"].default
+    min_window_s: float = _MERGE["min_window_s"].default
     merge_window_s: float = 10.0
     """Upper bound of the decoupled window (bench: 10); `sync_window_s` is --sync's whole wait."""
     sync_window_s: float = 60.0
-    """--sync: how long a ready peer waits for every live peer (bench: swarm.merge_window_s=60)."""
+    """--sync: how long a ready peer waits for every live peer (bench: merge.merge_window_s=60)."""
     group_cap: int = 0
     """Largest merge group (0: unbounded, as implemented: everyone ready at once)."""
     record_ttl_s: float = 3.0

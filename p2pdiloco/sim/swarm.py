@@ -66,7 +66,7 @@ def merge_cost(scn: Scenario, g: int, state: bool) -> tuple[float, float]:
     Reduce-scatter plus all-gather through slice owners: each member sends 2(g−1)/g of the payload; a sparse
     codec's parts are all-gathered instead: g − 1 copies of its part (network/sparse_exchange.py). (θg, momentum)
     travel as int8 differences from a state all members hold (`Group.anchor`; a fork is rarely deeper than
-    `swarm.state_anchors` merges).
+    `merge.state_anchors` merges).
     """
     n = scn.network
     share = 2 * (g - 1) / g

@@ -74,9 +74,9 @@ class Learner:
         self.unit = None  # a multi-process unit's hook (distributed.py): `lead` before each step, `release` at the end
         self.model_moved = 0
         """Moves of the local model outside a merge (eager updates): a unit's other ranks follow them too."""
-        self.g = GlobalModel(self._local_params(), cfg.outer, cfg.swarm.state_anchors)
-        s = cfg.swarm
-        self.feedback = ErrorFeedback(s.error_feedback and get_codec(s.codec, s.sparse_keep).lossy, s.error_feedback_decay)
+        self.g = GlobalModel(self._local_params(), cfg.outer, cfg.merge.state_anchors)
+        s = cfg.codec
+        self.feedback = ErrorFeedback(s.error_feedback and get_codec(s.name, s.sparse_keep).lossy, s.error_feedback_decay)
         """The residual of past rounds' quantization, added to the next Δ a group merge sends (codecs.py); checkpoints
         hold it."""
         self.c = Counters()
@@ -92,7 +92,7 @@ class Learner:
             self.train_model = compile_for_training(model, self.tag)
         self.in_flight: InFlight | None = None
         self.land = LandWait(cfg.outer.land_wait)
-        self.clock, self.train_s = RoundClock(cfg.swarm, cfg.run.time_limit_s), 0.0
+        self.clock, self.train_s = RoundClock(cfg.rounds, cfg.run.time_limit_s), 0.0
         self.ended_with_swarm = False
         """A group merge included another peer's last contribution: the run is over (see `Merged.final`)."""
         self.last_eval: tuple[str, float] | None = None  # (digest of θg, its eval loss): see `evaluate_global`
@@ -114,7 +114,7 @@ class Learner:
             self.poll_merge()
             if self.round_done():
                 self.submit_round(final=self.at_end())
-                if self.cfg.swarm.sync:
+                if self.cfg.rounds.sync:
                     self.wait_merge()
                 else:
                     self.await_landing()
@@ -201,7 +201,7 @@ class Learner:
             state_weight=self.c.global_tokens, anchors=self.g.anchors(), round=self.c.round, round_s=self.clock.round_s(), final=final,
             closing=self.near_end(), compensated=self.feedback.compensate(delta))
         future = self.merger.submit(contribution)
-        if self.cfg.outer.eager and not self.cfg.swarm.sync:
+        if self.cfg.outer.eager and not self.cfg.rounds.sync:
             local = self._eager(contribution.pseudo_grad)
         self.in_flight = InFlight(future, local, contribution, time.monotonic(), self.c.compute_in_round,
                                   self.merger.peer_id, self.merge_bound())
@@ -237,7 +237,7 @@ class Learner:
 
     def merge_bound(self) -> float:
         """No merge can legitimately take longer: the window, two exchange phases, and slack."""
-        return self.cfg.swarm.merge_window_s + 2 * self.cfg.swarm.merge_timeout_s + 30
+        return self.cfg.merge.merge_window_s + 2 * self.cfg.merge.merge_timeout_s + 30
 
     def wait_merge(self) -> bool:
         """Block until the merge in flight finishes and apply it; False if told to stop first (merge dropped)."""

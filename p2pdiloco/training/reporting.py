@@ -328,12 +328,12 @@ class Reporter:
             "compute_cpu_s": self.c.compute_cpu_s, "merge_wait_s": self.c.merge_wait_s,
             "land_waits": self.c.land_waits, "land_waits_landed": self.c.land_waits_landed,
             "train_s": train_s, "steps_per_s": self.c.steps_run / train_s if train_s > 0 else 0.0,
-            "mode": "sync" if self.cfg.swarm.sync else "decoupled",
+            "mode": "sync" if self.cfg.rounds.sync else "decoupled",
             "eval_loss_initial": self.eval_loss_initial, "eval_loss_final": self.eval_loss_final,
             "eval_loss_per_byte_initial": self.per_byte(self.eval_loss_initial),
             "eval_loss_per_byte_final": self.per_byte(self.eval_loss_final), "tokens_per_byte": self.tokens_per_byte,
             "global_digest": global_digest, "device": str(self.device),
-            "codec": self.cfg.swarm.codec, **self.bandwidth(), **self.efficiency(),
+            "codec": self.cfg.codec.name, **self.bandwidth(), **self.efficiency(),
         }
 
     def mfu(self, tokens_per_s: float) -> float | None:

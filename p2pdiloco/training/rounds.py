@@ -1,6 +1,6 @@
 """When a round ends and when a run runs out of time: the learner's clock.
 
-A round is `swarm.round_steps` inner steps, or, with `swarm.round_seconds = T`, lasts until the next
+A round is `rounds.round_steps` inner steps, or, with `rounds.round_seconds = T`, lasts until the next
 multiple of T in DHT time, so that peers of different speeds reach their merges together (each with as
 many steps as it managed: Async Local-SGD's dynamic local updates, arXiv 2401.09135). A round of steps can be
 lengthened or shortened by `shift` so that its end meets the round ends of this peer's mates (network/phase.py).
@@ -13,19 +13,19 @@ import time
 
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco.config import SwarmConfig
+from p2pdiloco.config import RoundsConfig
 
 
 class RoundClock:
     """Round boundaries and the run's time limit.
 
     Args:
-        swarm: round length (`round_steps`, or `round_seconds` when > 0).
+        rounds: round length (`round_steps`, or `round_seconds` when > 0).
         time_limit_s: seconds of training after which the run ends (0: none).
     """
 
-    def __init__(self, swarm: SwarmConfig, time_limit_s: float):
-        self.swarm, self.time_limit_s = swarm, time_limit_s
+    def __init__(self, rounds: RoundsConfig, time_limit_s: float):
+        self.rounds, self.time_limit_s = rounds, time_limit_s
         self.t_train = time.monotonic()
         self.round_started = time.monotonic()
         self._deadline = 0.0
@@ -41,24 +41,24 @@ class RoundClock:
     def start_round(self) -> None:
         self.round_started = time.monotonic()
         self._extra_steps = 0
-        T = self.swarm.round_seconds
+        T = self.rounds.round_seconds
         if T > 0:  # end on the swarm-wide cadence: the next multiple of T in DHT time
             self._deadline = (math.floor(get_dht_time() / T) + 1) * T
 
     def round_over(self, steps_in_round: int) -> bool:
         """The round that has taken `steps_in_round` inner steps so far has reached its end."""
-        if self.swarm.round_seconds > 0:
+        if self.rounds.round_seconds > 0:
             return get_dht_time() >= self._deadline
         if steps_in_round > 0:
             self._step_s = self.round_s() / steps_in_round
-        return steps_in_round >= self.swarm.round_steps + self._extra_steps
+        return steps_in_round >= self.rounds.round_steps + self._extra_steps
 
     def shift(self, seconds: float) -> None:
         """End the round in progress about `seconds` later (> 0) or earlier (< 0), by at most half a round of steps
         either way; rounds of a fixed step count only (timed rounds already end on a swarm-wide cadence)."""
-        if self.swarm.round_seconds > 0 or self._step_s <= 0 or seconds == 0:
+        if self.rounds.round_seconds > 0 or self._step_s <= 0 or seconds == 0:
             return
-        half = self.swarm.round_steps // 2
+        half = self.rounds.round_steps // 2
         self._extra_steps = max(-half, min(half, round(seconds / self._step_s)))
 
     def round_s(self) -> float:
