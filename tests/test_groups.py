@@ -50,7 +50,7 @@ def test_real_peers_merge_in_groups_of_at_most_four_with_dht_work_that_does_not_
     cfg = merge_config(run_id=f"groups{n}", merge_window_s=15, merge_timeout_s=10, codec="none", group_size=4, sync=True)
     with running_mergers(bootstrap_dht, net_loop, n, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:
         # every census record stored (read through the bootstrap node: the mergers' own reads are counted)
-        wait_for(lambda: len(net_loop.run(registered_now(bootstrap_dht, cfg.run_id, 5, cfg.epoch_s), 10)) >= n, 30,
+        wait_for(lambda: len(net_loop.run(registered_now(bootstrap_dht, cfg.swarm.run_id, 5, cfg.merge.epoch_s), 10)) >= n, 30,
                  what="every peer in the census")
         # parts 10..21: no group's largest is over 4x its median norm (with 0..11, a group such as 0, 1, 3, 9 had
         # its largest part left out by the norm guard, and this test failed about one run in 15)

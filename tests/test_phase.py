@@ -198,7 +198,7 @@ def test_real_peers_split_into_two_pairs_half_a_round_apart_merge_as_four_again(
     logs: list[list[int]] = [[] for _ in range(4)]
     with running_mergers(bootstrap_dht, net_loop, 4, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:
         # every census record stored (read through the bootstrap node: the mergers' own reads are counted)
-        wait_for(lambda: len(net_loop.run(registered_now(bootstrap_dht, cfg.run_id, 5, cfg.epoch_s), 10)) >= 4, 30,
+        wait_for(lambda: len(net_loop.run(registered_now(bootstrap_dht, cfg.swarm.run_id, 5, cfg.merge.epoch_s), 10)) >= 4, 30,
                  what="every peer in the census")
         # rounds of 20 steps of 0.1 s: 2 s; windows of 0.5 s; the second pair starts 1 s after the first
         threads = [threading.Thread(target=drive, args=(m, cfg, 0.0 if i < 2 else 1.0, 14, 0.1, logs[i]))
