@@ -51,15 +51,16 @@ def test_trust_saved_in_a_checkpoint_comes_back_and_garbage_does_not(tmp_path):
     """A restarted peer remembers what its guards learned of the others (else every member is a stranger again
     after a restart, and a first part pointing away from the momentum is left out for a dozen rounds)."""
     from p2pdiloco.config import load_config
-    from p2pdiloco.training.checkpoint import GlobalState, load_latest, save_learner_checkpoint
+    from p2pdiloco.training.checkpoint import GlobalState, learner_checkpoint, load_latest, save_checkpoint
 
     book = GuardBook()
     book.observe("a", 0.25, 0.9)
     book.observe("b", -0.5, 0.9)
     model = torch.nn.Linear(2, 2)
     state = GlobalState(torch.zeros(6), torch.zeros(6), 3, 30, 100.0)
-    save_learner_checkpoint(tmp_path, state, 10, torch.optim.AdamW(model.parameters()), list(model.parameters()),
-                            load_config().to_dict(), extra={"guard_trust": dict(book.trust)})
+    tensors, meta = learner_checkpoint(state, 10, torch.optim.AdamW(model.parameters()), list(model.parameters()),
+                                       load_config().to_dict(), extra={"guard_trust": dict(book.trust)})
+    save_checkpoint(tmp_path, state.round, tensors, meta)
     _, meta, _ = load_latest(tmp_path)
     assert meta["round"] == 3  # the learner's own keys are not overwritten by the extra ones
     restarted = GuardBook()

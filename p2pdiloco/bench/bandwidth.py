@@ -24,7 +24,7 @@ from p2pdiloco.config.recipes import RECIPES
 
 HS = (50, 100, 250, 500)
 LOSS_TOLERANCE = 0.02
-"""The issue's bar: eval loss within 2% of uncompressed DiLoCo at the same H."""
+"""The bar a codec must clear: eval loss within 2% of uncompressed DiLoCo at the same H."""
 TARGET_RATIO = 1000.0
 
 

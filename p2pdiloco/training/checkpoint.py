@@ -247,16 +247,8 @@ def learner_checkpoint(state: GlobalState, tokens: int, opt: torch.optim.Optimiz
     return tensors, meta
 
 
-def save_learner_checkpoint(folder: Path, state: GlobalState, tokens: int, opt: torch.optim.Optimizer,
-                            params: list[torch.Tensor], config: dict, kill_midway: bool = False,
-                            extra: dict | None = None) -> Path:
-    """`learner_checkpoint` written now, named by `state.round` (kill_midway: see `save_checkpoint`)."""
-    tensors, meta = learner_checkpoint(state, tokens, opt, params, config, extra)
-    return save_checkpoint(folder, state.round, tensors, meta, kill_midway=kill_midway)
-
-
 def learner_state(tensors: dict[str, torch.Tensor], meta: dict) -> tuple[GlobalState, int]:
-    """The global state and token count of a learner's checkpoint (inverse of `save_learner_checkpoint`,
+    """The global state and token count of a learner's checkpoint (inverse of `learner_checkpoint`,
     less the optimizer state, which `load_optimizer_state` restores)."""
     state = GlobalState(tensors["global_params"], tensors["momentum"], int(meta["round"]), int(meta["step"]),
                         float(meta["global_tokens"]))
