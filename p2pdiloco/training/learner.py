@@ -77,7 +77,7 @@ class Learner:
         self.g = GlobalModel(self._local_params(), cfg.outer, cfg.merge.state_anchors)
         s = cfg.codec
         self.feedback = ErrorFeedback(s.error_feedback and get_codec(s.name, s.sparse_keep).lossy, s.error_feedback_decay)
-        """The residual of past rounds' quantization, added to the next Δ a group merge sends (codecs.py); checkpoints
+        """The residual of past rounds' quantization, added to the next Δ a group merge sends (feedback.py); checkpoints
         hold it."""
         self.c = Counters()
         self.report = Reporter(cfg, self.c, metrics, merger.peer_id, device, self.g.params.numel(), t_process_start)
