@@ -140,15 +140,17 @@ def test_a_merge_alone_steps_with_the_alone_lr_and_a_group_merge_with_the_outer_
     assert torch.equal(unset.params, outer_step(theta, torch.zeros(N), delta, 3.0, 0.0)[0])
 
 
-def test_a_merges_phases_run_at_once_and_one_failing_cancels_the_other():
-    """The Δ exchange and the agreement run together (p2p_merger._together), and when one fails the other is
-    cancelled before the failure is raised, so nothing goes on sending for a merge given up."""
+def test_a_merges_phases_run_at_once_a_failed_exchange_cancels_the_agreement_and_a_failed_agreement_does_not():
+    """The Δ exchange and the agreement run together (p2p_merger._together). A failed exchange cancels the
+    agreement before the failure is raised, so nothing goes on sending for a merge given up; a failed agreement
+    (this member refused a holder's state) lets the exchange finish first, since the others' merge needs this
+    member's slice, and then raises."""
     import asyncio
 
     from p2pdiloco.network.p2p_merger import _together
     from p2pdiloco.network.rpc import MergeFailed
 
-    async def main() -> tuple[list, bool]:
+    async def main() -> tuple[list, bool, list[str]]:
         started = asyncio.Event()
 
         async def first() -> str:  # finishes only once the second has started: run one after the other, it never would
@@ -167,11 +169,25 @@ def test_a_merges_phases_run_at_once_and_one_failing_cancels_the_other():
         other = asyncio.ensure_future(asyncio.sleep(30))
         with pytest.raises(MergeFailed):
             await asyncio.wait_for(_together(fail(), other), 10)
-        return both, other.cancelled()
 
-    both, cancelled = asyncio.run(main())
+        served = []
+
+        async def slice_owed() -> str:
+            await asyncio.sleep(0.2)  # still reducing the others' slice when the agreement fails
+            served.append("slice")
+            return "d"
+
+        with pytest.raises(MergeFailed, match="refused"):
+            await asyncio.wait_for(_together(slice_owed(), _refuse()), 10)
+        return both, other.cancelled(), served
+
+    async def _refuse() -> None:
+        raise MergeFailed("refused the holder's model")
+
+    both, cancelled, served = asyncio.run(main())
     assert both == ["d", "s"]
     assert cancelled  # the other phase was cancelled, not waited for
+    assert served == ["slice"]  # the exchange ran to its end before the refusal was raised
 
 
 def _majority_case(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,7 +229,8 @@ def test_a_member_outside_a_majority_fetches_its_model_exactly_and_the_majority_
 def test_a_member_outside_the_majority_refuses_a_model_other_than_the_majoritys(bootstrap_dht, net_loop, liars):
     """Holders that claim the majority's digest but serve another model: the fetcher checks what it gets against
     the digest, refuses it, strikes the liar and merges alone, naming the refusal. It never adopts the liar's
-    model; where the holder dealt to it is honest, it gets the majority's."""
+    model; where the holder dealt to it is honest, it gets the majority's. The holders merge in the group either
+    way: the fetcher still reduces its slice of their Δ."""
     from p2pdiloco.network.catch_up import dealt_holder
 
     cfg = merge_config(run_id=f"liars{liars}", merge_window_s=8, merge_timeout_s=6, codec="none", sync=True)
@@ -225,6 +242,8 @@ def test_a_member_outside_the_majority_refuses_a_model_other_than_the_majoritys(
         results = [flat(f.result(timeout=60)) for f in [m.submit(c) for m, c in zip(mergers, offers, strict=True)]]
         fetcher, book, liar_ids = results[3], mergers[3].book, {m.peer_id for m in mergers[:liars]}
         struck = {p: n for p, n in book.strikes.items() if n > 0}
+    for r in results[:3]:  # the holders merge in the group of 4 whatever the fetcher does with their model
+        assert r.failure == "" and len(r.group) == 4, r.failure
     group = results[0].group
     holder = group[dealt_holder(_group_of(group, results[0], offers, mergers), group.index(mergers[3].peer_id))]
     if holder in liar_ids:

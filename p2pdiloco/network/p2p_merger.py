@@ -299,13 +299,21 @@ async def _nothing() -> tuple[None, list[float]]:
     return None, []
 
 
-async def _together(*phases):
-    """Run a merge's phases at once and return their results; if one fails, the others are cancelled (and
-    awaited) before its error is raised, so that no phase goes on sending for a merge already given up."""
-    tasks = [asyncio.ensure_future(p) for p in phases]
+async def _together(exchange, agreement):
+    """Run a merge's Δ exchange and its agreement at once and return both results.
+
+    If the exchange fails, the agreement is cancelled (and awaited) before the error is raised, so that nothing
+    goes on sending for a merge already given up. If the agreement fails (this member refused the state a holder
+    served, or could not fetch it), the exchange still runs to its end, bounded by its own timeout: this member
+    owns a slice of the others' Δ, and its refusal of a state must not cost them their merge. Then the agreement's
+    error is raised and this member merges alone."""
+    tasks = [asyncio.ensure_future(exchange), asyncio.ensure_future(agreement)]
     try:
         return await asyncio.gather(*tasks)
     except BaseException:
+        ex, ag = tasks
+        if not ex.done() and ag.done() and not ag.cancelled() and ag.exception() is not None:
+            await asyncio.gather(ex, return_exceptions=True)  # the slice owed to the group
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
