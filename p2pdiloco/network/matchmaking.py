@@ -23,7 +23,6 @@ import logging
 import math
 import secrets
 import time
-from dataclasses import dataclass, field
 
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
@@ -37,6 +36,7 @@ from p2pdiloco.network.group import Group, group_of_notice, own_claims_kept, val
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.peer_tag import PeerLog, short_id
 from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed, Rpc
+from p2pdiloco.network.search import Search
 from p2pdiloco.util.numbers import finite_number
 
 logger = logging.getLogger(__name__)
@@ -49,24 +49,6 @@ SILENT_ROUNDS = 3
 
 EPOCH_ROUNDS = 10
 """Fewer of this peer's rounds in an epoch (`merge.epoch_s`), where groups do not span the census, is warned of."""
-
-
-@dataclass
-class _Search:
-    """This peer's current search for a group."""
-
-    contribution: Contribution
-    deadline: float
-    leading: bool = False
-    accepted_gid: str = ""
-    leader: str = ""
-    epoch: int = 0
-    """The epoch whose groups this search is dealt (`my_group`): the current one."""
-    told: set[str] = field(default_factory=set)
-    """Mates told that this peer is looking."""
-    unreachable: set[str] = field(default_factory=set)
-    """Mates that could not be told: not waited for."""
-    group: asyncio.Future | None = None
 
 
 class Matchmaker:
@@ -87,7 +69,7 @@ class Matchmaker:
         self.dht, self.cfg, self.rpc, self.book, self.guard = dht, cfg, rpc, book, guard
         self.fingerprint, self.lengths, self.peer_id = fingerprint, lengths, rpc.peer_id
         self.log = PeerLog(logger, self.peer_id)
-        self._search: _Search | None = None
+        self._search: Search | None = None
         self._groups: dict[str, asyncio.Future] = {}
         self._last_submit, self._closed, self._alone_streak = time.monotonic(), False, 0
         self._round_ema: float | None = None
@@ -107,6 +89,11 @@ class Matchmaker:
         """Set when a mate's readiness changed or an invite came: the search looks again at once."""
         self.dial = Dialability(self.peer_id)
         """Who can be dialed: only a peer others can dial leads or owns a slice (dialable.py)."""
+        self.marks: dict[str, float] = {}
+        """When (monotonic) the last search passed each of its steps, for a merge's timeline (`MergeStats.marks`):
+        `census` (its epoch's census read), `ready` (a leader: its mates ready or its deadline; a member: the
+        invite it accepted came), `invited` (a leader: the invites answered), `grouped` (the group known: a
+        leader's notices sent, a member's notice received)."""
 
     def close(self) -> None:
         """Stop looking: a search in progress ends alone."""
@@ -145,8 +132,8 @@ class Matchmaker:
         if closing := c.last_merges():  # about its last merge (own counters): worth the whole window
             window = max(window, self.cfg.merge.merge_window_s)
         now = get_dht_time()
-        search = _Search(contribution=c, deadline=now + window, epoch=epoch_of(now, self.cfg.merge.epoch_s))
-        self._search = search
+        search = Search(contribution=c, deadline=now + window, epoch=epoch_of(now, self.cfg.merge.epoch_s))
+        self._search, self.marks = search, search.marks
         me = self.peer_id
         passed_over = set(self._passed_over)  # never invited us in a recent search: not followed, still invited
         self._passed_over = {p: n - 1 for p, n in self._passed_over.items() if n > 1}
@@ -160,6 +147,7 @@ class Matchmaker:
                     search.epoch, followed = epoch, ""  # its first order it could wait for a mate's invite while
                     await self.census.register(epoch)  # that mate, in the new order, waited for its invite)
                 census = [p for p in await self.census.members(search.epoch) if p not in self.book.banned]
+                search.mark("census")
                 if search.accepted_gid:  # checked after the awaits: an invite accepted during them is a group
                     return await self._await_group(search)  # its leader counts on (it was once left alone)
                 # a run's last merges take every mate they can reach, so that peers finishing together end on one
@@ -184,6 +172,7 @@ class Matchmaker:
                         return None
                 elif leader == me:
                     if len(ready) > 1 and (len(ready) >= live or now >= search.deadline):
+                        search.mark("ready")
                         return await self._lead(search, sorted(p for p in ready if p != me))
                     if now >= search.deadline or (live <= 1 and self.census.settled(search.epoch)):
                         return None
@@ -206,7 +195,7 @@ class Matchmaker:
             self._search = None
             self._announce(search, sorted(search.told), False)  # in the background: the exchange must not wait
 
-    def _announce(self, search: _Search, peers: list[str], looking: bool) -> None:
+    def _announce(self, search: Search, peers: list[str], looking: bool) -> None:
         """Tell `peers` (group mates) that this peer is looking for a group until its deadline, or no longer is.
         Sent in the background; a mate that cannot be reached is not waited for in this search."""
         search.told.update(peers)
@@ -267,13 +256,14 @@ class Matchmaker:
         base = max(self.cfg.merge.min_window_s, self.cfg.merge.window_fraction * self._round_ema)
         return min(self.cfg.merge.merge_window_s, base * 2 ** min(self._alone_streak, 8))
 
-    async def _lead(self, search: _Search, candidates: list[str]) -> Group | None:
+    async def _lead(self, search: Search, candidates: list[str]) -> Group | None:
         search.leading = True  # from here on, invites from others are declined
         gid = secrets.token_hex(8)
         c = search.contribution
         candidates = [p for p in candidates if p not in self.book.banned]
         invite = {"group_id": gid, "fp": self.fingerprint, "closing": c.last_merges(), **protocol_fields()}
         replies = await asyncio.gather(*(self.rpc.request(p, "invite", invite) for p in candidates))
+        search.mark("invited")
         members, weights, state_weights, digests = [self.peer_id], [c.weight], [c.state_weight], [c.state_digest]
         rounds, finals, anchors, dialable = [c.round], [c.final], [list(c.anchors)], [True]
         for peer, reply in zip(candidates, replies, strict=True):
@@ -312,10 +302,11 @@ class Matchmaker:
         group = group_of_notice(notice, self.lengths)
         self._group_future(gid).set_result(group)
         await asyncio.gather(*(self.rpc.request(p, "group", notice) for p in members[1:]))
+        search.mark("grouped")
         self.log.info("leading merge group %s of %d peers", gid, len(members))
         return group
 
-    async def _await_group(self, search: _Search) -> Group | None:
+    async def _await_group(self, search: Search) -> Group | None:
         try:
             return await asyncio.wait_for(asyncio.shield(self._group_future(search.accepted_gid)), RPC_TIMEOUT_S)
         except TimeoutError:
@@ -350,6 +341,7 @@ class Matchmaker:
             reply["error"] = "about its last merges, it follows only a leader that is too"
         elif search is not None and not search.leading and not search.accepted_gid and isinstance(gid, str) and gid:
             search.accepted_gid, search.leader = gid, leader
+            search.mark("ready")
             self._changed.set()
             c = search.contribution
             reply = self.dial.says({"accept": True, "weight": c.weight, "state_weight": c.state_weight,
@@ -394,4 +386,5 @@ class Matchmaker:
             fut = self._group_future(gid)
             if not fut.done():
                 fut.set_result(group_of_notice(header, self.lengths))
+                search.mark("grouped")
         await self.rpc.reply(reader, writer, "group", request.sender, {"ok": ok})

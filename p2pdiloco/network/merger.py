@@ -76,6 +76,11 @@ class MergeStats:
     match_s: float = 0.0
     """Of `duration_s`, the seconds until the group was formed (matchmaking; all of it when no group formed): the
     rest is the exchange, so a slow merge says whether it waited for mates or for its bytes and CPU."""
+    marks: dict[str, float] = field(default_factory=dict)
+    """The merge's timeline: seconds from submit at which it passed each step it reached, in order: matchmaking's
+    (`Matchmaker.marks`: census, ready, invited, grouped), then `exchanged` (the Δ average held) and `agreed` (the
+    (θg, momentum) agreement done, where there was one). Divided by a link's round trip, the differences are
+    what each step costs in round trips (docs/architecture.md, Round trips)."""
     rejected: int = 0
     """Contributions this peer's guards rejected during this merge (see guards.py)."""
     own_kept: float = 1.0

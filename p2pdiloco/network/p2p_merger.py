@@ -24,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import hivemind
 import torch
@@ -59,6 +61,7 @@ STATE_DIFF_CODEC = DeflatedCodec(name="int8-linear+deflate", inner=LinearInt8Cod
 """How members' differences from an anchor travel: linear int8, deflated (after sparse updates mostly zero)."""
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class P2PMerger:
@@ -199,8 +202,8 @@ class P2PMerger:
             # as long as its longer phase, not their sum (two exchanges of its own without a common anchor)
             agreement = self._agree(session, c) if group.need_state else _nothing()
             (avg, sent, shares), (state, state_shares) = await _together(
-                asyncio.wait_for(exchange, timeout),
-                asyncio.wait_for(agreement, timeout * (1 if group.anchor or group.majority else 2)))
+                start.timed("exchanged", asyncio.wait_for(exchange, timeout)),
+                start.timed("agreed", asyncio.wait_for(agreement, timeout * (1 if group.anchor or group.majority else 2))))
             if not self.codec.sliced:
                 shares = [shares[session.me]] * len(group.members)  # one part, counted whole or not at all
             stats = MergeStats(
@@ -247,6 +250,8 @@ class P2PMerger:
         stats.bytes_received = self.counter.received - start.received
         stats.duration_s = time.monotonic() - start.t0
         stats.match_s = stats.duration_s if start.matched is None else start.matched - start.t0
+        steps = {**self.matchmaker.marks, **start.marks}  # a search that never began left the last one's
+        stats.marks = {k: round(t - start.t0, 4) for k, t in sorted(steps.items(), key=lambda kv: kv[1]) if t >= start.t0}
         return outcome
 
     async def _agree(self, session: MergeSession, c: Contribution) -> tuple[torch.Tensor, list[float]]:
@@ -293,6 +298,14 @@ class _Start:
     rejected: int
     matched: float | None = None
     """When matchmaking returned (monotonic), a group or none."""
+    marks: dict[str, float] = field(default_factory=dict)
+    """When (monotonic) the exchange and the agreement ended (`MergeStats.marks`)."""
+
+    async def timed(self, step: str, phase: Awaitable[T]) -> T:
+        """`phase`'s result, with when it ended marked as `step` (only if it succeeded)."""
+        result = await phase
+        self.marks[step] = time.monotonic()
+        return result
 
 
 async def _nothing() -> tuple[None, list[float]]:
