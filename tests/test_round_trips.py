@@ -30,7 +30,16 @@ def test_a_merges_timeline_names_every_step_in_order_for_its_leader_and_its_memb
         marks = o.stats.marks
         steps = ["census", "ready", "invited", "grouped"] if o is leaders[0] else ["census", "ready", "grouped"]
         assert [s for s in marks if s not in ("exchanged", "agreed")] == steps, marks  # in the order passed
-        assert {"exchanged", "agreed"} <= set(marks), marks
+        assert {"exchanged", "agreed"} <= set(marks), marks  # "agreed" only where there was an agreement
         times = list(marks.values())
         assert times == sorted(times) and 0 <= times[0] and times[-1] <= o.stats.duration_s, marks
         assert marks["grouped"] <= o.stats.match_s + 1e-3 < marks["exchanged"], (marks, o.stats.match_s)
+
+
+def test_without_an_agreement_the_timeline_has_no_agreed_step(bootstrap_dht, net_loop):
+    cfg = merge_config(run_id="marks-same", merge_window_s=4, merge_timeout_s=10, sync=True)
+    with running_mergers(bootstrap_dht, net_loop, 2, cfg, N) as mergers:
+        outcomes = [f.result(timeout=60) for f in [m.submit(_offer(i)) for i, m in enumerate(mergers)]]
+    assert all(isinstance(o, Merged) for o in outcomes), outcomes
+    for o in outcomes:
+        assert "exchanged" in o.stats.marks and "agreed" not in o.stats.marks, o.stats.marks

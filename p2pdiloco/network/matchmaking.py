@@ -209,9 +209,12 @@ class Matchmaker:
                 self._changed.set()
 
         for peer in peers:
-            task = asyncio.create_task(tell(peer))
-            self._tasks.add(task)  # keep a reference until it is done, or it may be collected mid-flight
-            task.add_done_callback(self._tasks.discard)
+            self._in_background(tell(peer))
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)  # keep a reference until it is done, or it may be collected mid-flight
+        task.add_done_callback(self._tasks.discard)
 
     def _follows_only_closers(self, c: Contribution) -> bool:
         """Whether a search for `c` follows and accepts only leaders whose searches are about their last merges too:
@@ -301,7 +304,10 @@ class Matchmaker:
             notice["owners"] = [i for i, d in enumerate(dialable) if d]
         group = group_of_notice(notice, self.lengths)
         self._group_future(gid).set_result(group)
-        await asyncio.gather(*(self.rpc.request(p, "group", notice) for p in members[1:]))
+        # sent, not waited for: the leader's exchange starts now, and its parts reach their owners before the
+        # members' own (a member that refuses the notice fails the exchange whether or not the leader waited)
+        for p in members[1:]:
+            self._in_background(self.rpc.request(p, "group", notice))
         search.mark("grouped")
         self.log.info("leading merge group %s of %d peers", gid, len(members))
         return group

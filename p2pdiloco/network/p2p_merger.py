@@ -200,10 +200,13 @@ class P2PMerger:
                         else self.sparse.average(session, target))
             # the agreement needs nothing from the Δ exchange, so both run at once: a merge that needs one takes
             # as long as its longer phase, not their sum (two exchanges of its own without a common anchor)
-            agreement = self._agree(session, c) if group.need_state else _nothing()
+            if group.need_state:
+                limit = timeout * (1 if group.anchor or group.majority else 2)
+                agreement = start.timed("agreed", asyncio.wait_for(self._agree(session, c), limit))
+            else:
+                agreement = _nothing()
             (avg, sent, shares), (state, state_shares) = await _together(
-                start.timed("exchanged", asyncio.wait_for(exchange, timeout)),
-                start.timed("agreed", asyncio.wait_for(agreement, timeout * (1 if group.anchor or group.majority else 2))))
+                start.timed("exchanged", asyncio.wait_for(exchange, timeout)), agreement)
             if not self.codec.sliced:
                 shares = [shares[session.me]] * len(group.members)  # one part, counted whole or not at all
             stats = MergeStats(
