@@ -233,3 +233,14 @@ def test_processes_left_in_a_dead_run_s_namespace_are_stopped_with_it(tmp_path):
             orphan.kill()
             orphan.wait()
         subprocess.run(["ip", "netns", "del", leftover], capture_output=True, timeout=10)
+
+
+@needs_lab
+def test_the_request_probe_times_a_connection_and_each_request_and_leaves_no_namespace(tmp_path):
+    from p2pdiloco.bench.rpcprobe import probe
+
+    figures = probe("lan", samples=3, work=tmp_path)
+    assert figures["rtt_set_ms"] == 0 and figures["connect_ms"] > 0
+    assert len(figures["new_stream_ms"]) == 3 and len(figures["same_stream_ms"]) == 3
+    assert all(ms > 0 for ms in figures["new_stream_ms"] + figures["same_stream_ms"])
+    assert not [ns for ns in netns.namespaces() if ns.startswith(f"{NS_PREFIX}{os.getpid()}rp")]

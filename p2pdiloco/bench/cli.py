@@ -59,6 +59,7 @@ FLAGS: dict[str, dict] = {
     "--dht-seconds": {"type": float},
     "--profile": {"default": "home", "choices": ["lan", "home", "intercontinental", "mixed"]},
     "--nat": {"type": int, "default": 4},
+    "--samples": {"type": int, "default": 30},
     "--set": {"dest": "sets", "action": "append", "default": [], "metavar": "SECTION.KEY=VALUE"},
 }
 """What each bench flag parses to, whichever bench takes it (what it means is each bench's, in `BENCHES`)."""
@@ -148,6 +149,13 @@ BENCHES: dict[str, tuple[str, str, dict[str, str | tuple[str, str]]]] = {
                       "docs/wanlab.md)",
          "--nat": "how many of the peers are behind NAT routers (default 4)",
          "--set": "override one config value of the peers, e.g. --set data.tokenizer=tokenizer.json (repeatable)"}),
+    "wanrpc": (
+        "what a libp2p request and a new connection cost in round trips (root)",
+        "One new connection, then --samples requests on new streams and --samples on one kept stream, between two "
+        "homes of the WAN lab on the lan profile and on --profile, each beside the link's round trip (under a "
+        "minute; needs root; docs/wanlab.md).",
+        {"--profile": "the links of the two homes (default home)",
+         "--samples": "requests of each kind (default 30)"}),
 }
 """Each benchmark: (one-line help, description, {flag: help, or (metavar, help)}); each takes --out and -v too."""
 
@@ -230,6 +238,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         bench_wan(out, profile=args.profile, peers=_one_int(args.peers, "--peers") or 6, nat=args.nat,
                   steps=args.steps or STEPS, extra_sets=tuple(args.sets))
+    elif args.which == "wanrpc":
+        from p2pdiloco.bench.rpcprobe import bench_wanrpc
+
+        if args.samples < 1:
+            raise ConfigError(f"--samples takes a positive integer, got {args.samples}")
+        bench_wanrpc(out, profiles=tuple(dict.fromkeys(("lan", args.profile))), samples=args.samples)
     else:
         from p2pdiloco.bench.overhead import bench_overhead
 
