@@ -25,10 +25,14 @@ def _log(run: Path, i: int) -> str:
     return (run / "peers" / f"peer{i}" / f"peer{i}.log").read_text()
 
 
-def test_peers_behind_nat_say_so_never_lead_and_merge_through_a_reachable_peer(tmp_path):
-    cfg = load_config(None, [parse_set(SETS)])
+@pytest.mark.parametrize("codec", ["int4", "sparseloco"])
+def test_peers_behind_nat_say_so_never_lead_and_merge_through_a_reachable_peer(tmp_path, codec):
+    """int4's sliced all-reduce (the NATed peers own no slice) and sparseloco's all-gather (their parts reach each
+    other through the reachable peer, checked against the notice's digests)."""
+    sets = SETS + [f"codec.name={codec}", f"swarm.run_id=nat-merge-{codec}"]
+    cfg = load_config(None, [parse_set(sets)])
     with WanLab([LAN, LAN, LAN], nat=[True, True, False], tag="natm") as lab:
-        summary = run_swarm(lab.hub, HUB_ADDR, [(h.ns, h.addr) for h in lab.homes], cfg, SETS, tmp_path,
+        summary = run_swarm(lab.hub, HUB_ADDR, [(h.ns, h.addr) for h in lab.homes], cfg, sets, tmp_path,
                             timeout_s=240, bootstrap_port=31339)
     for i in (0, 1):  # behind NAT
         log = _log(tmp_path, i)

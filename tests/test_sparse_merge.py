@@ -105,3 +105,63 @@ def test_sign_flipped_sparse_parts_are_left_out_by_every_member_alike(bootstrap_
         for m in mergers[1:4]:
             assert m.book.rejected["trust"] == 2 and sum(m.book.strikes.values()) == 0  # each flipped part, once
             assert not flippers & set(m.book.banned)
+
+
+@pytest.mark.parametrize("undialable", [1, 2, 3])
+def test_members_nobody_can_dial_take_part_in_a_sparse_merge_and_nobody_opens_a_stream_to_them(
+        bootstrap_dht, net_loop, undialable):
+    """With members behind NAT (here: marked so), every sparse part still reaches every member bit for bit: those
+    nobody can dial send their parts to the members others can dial, which answer with their own, and their
+    relayers with the others' that nobody can dial; no member opens a stream to one of them."""
+    cfg = merge_config(run_id=f"spnat{undialable}", merge_window_s=8, merge_timeout_s=10, codec="sparseloco")
+    # unguarded: random parts point every way, and the trust screen would leave some out of the expected mean
+    with running_mergers(bootstrap_dht, net_loop, 4, cfg, N, guard=GuardConfig(enabled=False)) as mergers:
+        for m in mergers[:undialable]:
+            m.set_dialable(False)
+        hidden = {m.peer_id for m in mergers[:undialable]}
+        opened: list[tuple[str, str]] = []
+        for m in mergers:
+            call = m.rpc.call
+
+            async def spy(peer, op, *args, _call=call, **kwargs):
+                opened.append((peer, op))
+                return await _call(peer, op, *args, **kwargs)
+
+            m.rpc.call = spy
+        g = torch.Generator().manual_seed(7)
+        vecs = [torch.randn(N, generator=g) * 1e-2 for _ in mergers]
+        futures = [m.submit(_contribution(v, 1.0 + i)) for i, (m, v) in enumerate(zip(mergers, vecs, strict=True))]
+        results = [flat(f.result(timeout=60)) for f in futures]
+    for r in results:
+        assert r.failure == "" and len(r.group) == 4, r.failure
+        assert torch.equal(r.pseudo_grad, results[0].pseudo_grad)
+    codec, by_id = mergers[0].codec, {m.peer_id: (v, 1.0 + i) for i, (m, v) in enumerate(zip(mergers, vecs, strict=True))}
+    order = results[0].group
+    expected = weighted_average([codec.decode(codec.encode(by_id[p][0]), N) for p in order], [by_id[p][1] for p in order])
+    torch.testing.assert_close(results[0].pseudo_grad, expected, rtol=1e-6, atol=1e-9)
+    sparse_to = [peer for peer, op in opened if op == "sparse"]
+    assert sparse_to and not hidden & set(sparse_to), sparse_to  # every part stream went to a member others can dial
+
+
+def test_a_relayed_part_other_than_the_one_its_digest_names_is_refused():
+    """A relayer answering a member nobody can dial with another member's part changed: the member refuses it."""
+    import asyncio
+
+    from p2pdiloco.network.group import Group, part_digest
+    from p2pdiloco.network.rpc import MergeFailed
+    from p2pdiloco.network.sparse_exchange import SparseExchange, _Gathered, relayer_of
+
+    parts = [bytes([i]) * 10 for i in range(4)]
+    group = Group("g", [f"p{i}" for i in range(4)], [1.0] * 4, [1.0] * 4, False, {"d": N}, digests=["x"] * 4,
+                  owners=[0, 1], part_digests=[part_digest(p) for p in parts])
+    assert relayer_of(group, 2) == 0 and relayer_of(group, 3) == 1  # the members others can dial, in turn
+
+    async def take(payload_of_3: bytes) -> list:
+        gathered = _Gathered([None, None, parts[2], None], asyncio.get_running_loop().create_future())
+        reply = {"ok": True, "parts": [[1, 10], [3, len(payload_of_3)]]}
+        SparseExchange._take_relayed(group, 1, gathered, reply, parts[1] + payload_of_3)
+        return gathered.parts
+
+    assert asyncio.run(take(parts[3])) == [None, *parts[1:]]  # as the notice's digests name them
+    with pytest.raises(MergeFailed, match="not the one its digest in the notice names"):
+        asyncio.run(take(b"\x07" * 10))

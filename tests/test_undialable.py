@@ -69,6 +69,16 @@ def test_a_member_others_cannot_dial_refuses_a_notice_that_makes_it_own_a_slice(
     assert own_claims_kept(_notice(owners=[0, 2]), "b", c, dialable=True)  # left out of owners: harmless
 
 
+def test_a_notice_lists_one_part_digest_per_member_and_a_member_refuses_one_that_changed_its_own():
+    c = Contribution(pseudo_grad=torch.zeros(3), weight=1.0, global_params=torch.zeros(3), momentum=torch.zeros(3),
+                     state_digest="x", state_weight=1.0)
+    assert valid_notice(_notice(parts=["p", "q", "r"]), "b", 8)
+    assert not valid_notice(_notice(parts=["p", "q"]), "b", 8) and not valid_notice(_notice(parts=["p", 1, "r"]), "b", 8)
+    assert own_claims_kept(_notice(parts=["p", "q", "r"]), "b", c, part="q")
+    assert not own_claims_kept(_notice(parts=["p", "z", "r"]), "b", c, part="q")  # a relayer could serve "z" for it
+    assert own_claims_kept(_notice(), "b", c, part="q")  # none listed: its part is never relayed unchecked (refused)
+
+
 def test_an_agreed_model_is_fetched_from_a_holder_others_can_dial():
     # members 0 and 1 hold the majority's model (3 of 4 with member 3), member 2 fetches it
     g = _group(4, [0, 3], digests=["m", "m", "other", "m"])

@@ -50,6 +50,9 @@ class Group:
     """Indices of the members that own slices: those others can dial (network/reachability.py), since every member
     opens a stream to each owner and a member nobody can dial could not receive its slice's parts. The leader is
     always one. None: every member (a group whose members all said they can be dialed)."""
+    part_digests: list[str] | None = None
+    """Each member's encoded sparse part's digest (`part_digest`), as it offered it: a part relayed to a member
+    nobody can dial by another member is checked against it (sparse_exchange.py). None: not given (sliced codecs)."""
 
     def __post_init__(self) -> None:
         # claims, as every member counts them: the same function of the same notice on every member
@@ -64,6 +67,8 @@ class Group:
                  self.anchor, self.digests]
         if self.owners is not None:
             terms.append(self.owners)
+        if self.part_digests is not None:
+            terms.append(self.part_digests)
         return hashlib.blake2b(json.dumps(terms).encode(), digest_size=16).hexdigest()
 
     @cached_property
@@ -101,7 +106,13 @@ def group_of_notice(h: dict, lengths: dict[str, int]) -> Group:
     """The group a notice announces (the leader's own, and a member's once `valid_notice` holds)."""
     return Group(str(h["group_id"]), [str(m) for m in h["members"]], [float(w) for w in h["weights"]],
                  [float(w) for w in h["state_weights"]], bool(h["need_state"]), dict(lengths), h.get("final") is True,
-                 str(h.get("anchor", "")), digests=[str(d) for d in h["digests"]], owners=h.get("owners"))
+                 str(h.get("anchor", "")), digests=[str(d) for d in h["digests"]], owners=h.get("owners"),
+                 part_digests=h.get("parts"))
+
+
+def part_digest(data: bytes) -> str:
+    """The digest of a member's encoded part, as its invite reply and the group notice carry it."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def check_terms(group: Group, header: dict) -> None:
@@ -127,6 +138,8 @@ def valid_notice(h: dict, me: str, group_size: int) -> bool:
         and all(finite_number(w) and w >= 0 for w in weights + sw)
         and h.get("need_state") is (len(set(digests)) > 1)
         and valid_owners(h.get("owners"), len(members))
+        and (h.get("parts") is None or (isinstance(h["parts"], list) and len(h["parts"]) == len(members)
+                                        and all(isinstance(p, str) for p in h["parts"])))
     )
 
 
@@ -138,11 +151,13 @@ def valid_owners(owners: object, n_members: int) -> bool:
         and owners == sorted(set(owners)) and owners[:1] == [0] and owners[-1] < n_members)
 
 
-def own_claims_kept(h: dict, me: str, c: Contribution, dialable: bool = True) -> bool:
+def own_claims_kept(h: dict, me: str, c: Contribution, dialable: bool = True, part: str = "") -> bool:
     """The leader wrote down this peer's weights and digest as this peer offered them (it could raise or zero the
-    weights, or make the group skip or force an agreement), names an anchor this peer holds, or none, and makes
-    this peer own a slice only if others can dial it (`dialable`: what it told the leader)."""
+    weights, or make the group skip or force an agreement), names an anchor this peer holds, or none, makes
+    this peer own a slice only if others can dial it (`dialable`: what it told the leader), and lists the digest
+    of its sparse part as it offered it (`part`; '' where it offered none)."""
     i = h["members"].index(me)
     return (float(h["weights"][i]) == float(c.weight) and float(h["state_weights"][i]) == float(c.state_weight)
             and h["digests"][i] == c.state_digest and h.get("anchor", "") in ("", *c.anchors)
-            and (dialable or i not in (h.get("owners") or range(len(h["members"])))))
+            and (dialable or i not in (h.get("owners") or range(len(h["members"]))))
+            and (not part or h.get("parts") is None or h["parts"][i] == part))

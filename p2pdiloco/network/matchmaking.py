@@ -124,15 +124,16 @@ class Matchmaker:
         self._group_future(group_id)  # our own group notice may still be on its way
         return await asyncio.wait_for(asyncio.shield(self._groups[group_id]), RPC_TIMEOUT_S)
 
-    async def find_group(self, c: Contribution) -> Group | None:
-        """A group to merge `c` with, or None: merge alone."""
+    async def find_group(self, c: Contribution, part: str = "") -> Group | None:
+        """A group to merge `c` with, or None: merge alone. `part`: the digest of its encoded sparse part, which the
+        group's notice lists for every member (a gathered codec's parts may be relayed, sparse_exchange.py)."""
         await self.dial.await_verdict()  # the first search: a peer nobody can dial must not lead it
         window = self._window(c.round_s)
         self._warn_short_epochs()
         if closing := c.last_merges():  # about its last merge (own counters): worth the whole window
             window = max(window, self.cfg.merge.merge_window_s)
         now = get_dht_time()
-        search = Search(contribution=c, deadline=now + window, epoch=epoch_of(now, self.cfg.merge.epoch_s))
+        search = Search(contribution=c, deadline=now + window, epoch=epoch_of(now, self.cfg.merge.epoch_s), part=part)
         self._search, self.marks = search, search.marks
         me = self.peer_id
         passed_over = set(self._passed_over)  # never invited us in a recent search: not followed, still invited
@@ -268,7 +269,7 @@ class Matchmaker:
         replies = await asyncio.gather(*(self.rpc.request(p, "invite", invite) for p in candidates))
         search.mark("invited")
         members, weights, state_weights, digests = [self.peer_id], [c.weight], [c.state_weight], [c.state_digest]
-        rounds, finals, anchors, dialable = [c.round], [c.final], [list(c.anchors)], [True]
+        rounds, finals, anchors, dialable, parts = [c.round], [c.final], [list(c.anchors)], [True], [search.part]
         for peer, reply in zip(candidates, replies, strict=True):
             if reply and reply.get("accept") is True:
                 try:
@@ -285,12 +286,13 @@ class Matchmaker:
                     finals.append(reply.get("final") is True)
                     anchors.append(reply["anchors"] if isinstance(reply.get("anchors"), list) else [])
                     dialable.append(self.dial.member_dialable(peer, reply))
+                    parts.append(reply["part"] if isinstance(reply.get("part"), str) else "")
         if self.guard.enabled:  # members far behind the group contribute stale updates: leave them out
             stale = stale_members(rounds, self.guard.max_round_lag)
             for i in reversed(range(1, len(members))):
                 if stale[i]:
                     self.book.reject(members[i], STALE, gid, f"round {rounds[i]}", strike=False)
-                    for column in (members, weights, state_weights, digests, finals, anchors, dialable):
+                    for column in (members, weights, state_weights, digests, finals, anchors, dialable, parts):
                         del column[i]
         if len(members) == 1:
             return None
@@ -302,6 +304,8 @@ class Matchmaker:
                   "digests": digests}
         if not all(dialable):
             notice["owners"] = [i for i, d in enumerate(dialable) if d]
+        if all(parts):
+            notice["parts"] = parts
         group = group_of_notice(notice, self.lengths)
         self._group_future(gid).set_result(group)
         # sent, not waited for: the leader's exchange starts now, and its parts reach their owners before the
@@ -352,7 +356,7 @@ class Matchmaker:
             c = search.contribution
             reply = self.dial.says({"accept": True, "weight": c.weight, "state_weight": c.state_weight,
                                     "digest": c.state_digest, "round": c.round, "final": c.final,
-                                    "anchors": list(c.anchors)})
+                                    "anchors": list(c.anchors), **({"part": search.part} if search.part else {})})
         await self.rpc.reply(reader, writer, "invite", leader, reply)
 
     async def on_ready(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -386,7 +390,7 @@ class Matchmaker:
         ok = (
             search is not None and gid == search.accepted_gid and request.sender == search.leader
             and valid_notice(header, self.peer_id, self.cfg.merge.group_size)
-            and own_claims_kept(header, self.peer_id, search.contribution, self.dial.own)
+            and own_claims_kept(header, self.peer_id, search.contribution, self.dial.own, search.part)
         )
         if ok:
             fut = self._group_future(gid)

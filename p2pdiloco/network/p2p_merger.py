@@ -41,6 +41,7 @@ from p2pdiloco.network.admission import Request, StreamGate
 from p2pdiloco.network.allreduce import AllReduce, PlainReducer, by_values, slice_bounds
 from p2pdiloco.network.catch_up import CatchUp
 from p2pdiloco.network.census import Census
+from p2pdiloco.network.group import part_digest
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.merger import Alone, Contribution, FaultHook, Merged, MergeOutcome, MergeStats
 from p2pdiloco.network.peer_tag import PeerLog, short_id
@@ -187,7 +188,11 @@ class P2PMerger:
         start = _Start(time.monotonic(), self.counter.sent, self.counter.received, sum(self.book.rejected.values()))
         session = None
         try:
-            group = await self.matchmaker.find_group(c)
+            target = c.pseudo_grad if c.compensated is None else c.compensated
+            # a gathered codec's part is coded before the search: the notice lists every part's digest, against
+            # which a part relayed to a member nobody can dial is checked (sparse_exchange.py)
+            data = None if self.codec.sliced else self.codec.encode(target.detach().float().contiguous().cpu())
+            group = await self.matchmaker.find_group(c, part_digest(data) if data is not None else "")
             start.matched = time.monotonic()
             if group is None:
                 return self._finish(start, c, Alone())
@@ -195,9 +200,8 @@ class P2PMerger:
             if self.faults is not None:
                 await self.faults.fire("exchange", c.round, short_id(self.peer_id))
             timeout = self.cfg.merge.merge_timeout_s  # per exchange phase: Δ, and (θg, m) if they disagree
-            target = c.pseudo_grad if c.compensated is None else c.compensated
             exchange = (self.allreduce.average(session, "d", target) if self.codec.sliced
-                        else self.sparse.average(session, target))
+                        else self.sparse.average(session, target, data))
             # the agreement needs nothing from the Δ exchange, so both run at once: a merge that needs one takes
             # as long as its longer phase, not their sum (two exchanges of its own without a common anchor)
             if group.need_state:

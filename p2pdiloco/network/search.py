@@ -23,6 +23,9 @@ class Search:
     """Mates told that this peer is looking."""
     unreachable: set[str] = field(default_factory=set)
     """Mates that could not be told: not waited for."""
+    part: str = ""
+    """The digest of this peer's encoded sparse part (`group.part_digest`), given in its invite reply; '' with a
+    sliced codec."""
     marks: dict[str, float] = field(default_factory=dict)
     """When (monotonic) this search passed each of its steps (see `Matchmaker.marks`)."""
 

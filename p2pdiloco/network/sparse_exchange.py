@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,7 +33,7 @@ from p2pdiloco.algorithm.codecs import Codec, CodecError, NonFiniteError
 from p2pdiloco.algorithm.guards import NONFINITE, SHAPE, TRUST, GuardBook
 from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.admission import Request
-from p2pdiloco.network.group import check_terms
+from p2pdiloco.network.group import Group, check_terms, part_digest
 from p2pdiloco.network.merger import FaultHook
 from p2pdiloco.network.peer_tag import short_id
 from p2pdiloco.network.rpc import MergeFailed, Rpc
@@ -88,23 +88,53 @@ def reduce_parts(parts: list[torch.Tensor], flags: list[str], weights: list[floa
     return out.average, out.reasons, out.shares
 
 
+def relayer_of(group: Group, member: int) -> int:
+    """The member that relays to `member`, whom nobody can dial, the parts of the others nobody can dial: the members
+    others can dial (`Group.slice_owners`) in turn, so that no one of them carries every such member's load."""
+    owners = group.slice_owners
+    undialable = [j for j in range(len(group.members)) if j not in owners]
+    return owners[undialable.index(member) % len(owners)]
+
+
 @dataclass
 class _Gathered:
     """The encoded parts of one group's members, as they arrive; `done` resolves once all are here."""
 
     parts: list[bytes | None]
     done: asyncio.Future
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def add(self, index: int, data: bytes) -> None:
+    def add(self, index: int, data: bytes, digests: list[str] | None = None) -> None:
+        """Member `index`'s part, checked against its digest in the notice where it lists them (`digests`).
+
+        Raises:
+            MergeFailed: a second part of that member, or one other than the digest the notice lists for it.
+        """
         if self.parts[index] is not None:
             raise MergeFailed(f"duplicate part from member {index}")
+        if digests is not None and part_digest(data) != digests[index]:
+            raise MergeFailed(f"the part of member {index} is not the one its digest in the notice names")
         self.parts[index] = data
+        self.changed.set()
         if all(p is not None for p in self.parts) and not self.done.done():
             self.done.set_result(None)
+
+    async def have(self, indices: list[int], timeout_s: float) -> list[bytes]:
+        """The parts of `indices`, once all of them are here (TimeoutError after `timeout_s`)."""
+        async with asyncio.timeout(timeout_s):
+            while any(self.parts[i] is None for i in indices):
+                self.changed.clear()
+                await self.changed.wait()
+        return [self.parts[i] for i in indices]
 
 
 class SparseExchange:
     """All-gathers sparse parts over formed groups, and serves the parts other members send this peer.
+
+    A member nobody can dial (behind NAT: it is not one of `Group.slice_owners`) opens every stream itself: it sends
+    its part to each member others can dial, which answers with its own part, and its relayer (`relayer_of`) answers
+    with the parts of the other members nobody can dial too, each checked against the digest the notice lists for
+    it (`Group.part_digests`), so a relayer cannot change them. Members others can dial send to each other.
 
     Args:
         rpc: requests to the other members (op 'sparse').
@@ -122,9 +152,9 @@ class SparseExchange:
         self.rpc, self.find_session, self.codec, self.guard, self.book = rpc, find_session, codec, guard, book
         self.merge_timeout_s, self.faults = merge_timeout_s, faults
 
-    async def average(self, session: MergeSession,
-                      vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
-        """Average `vector` (a pseudo-gradient) over the session's group.
+    async def average(self, session: MergeSession, vector: torch.Tensor,
+                      data: bytes | None = None) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+        """Average `vector` (a pseudo-gradient) over the session's group; `data`: its encoding, if already made.
 
         Returns:
             (the average, as every member computes it; `vector` as the others decoded it, zero where this
@@ -135,18 +165,24 @@ class SparseExchange:
         vector = vector.detach().float().contiguous().cpu()
         if vector.numel() != n:
             raise MergeFailed(f"vector of {vector.numel()} values, group expects {n}")
-        data = self.codec.encode(vector)
+        data = self.codec.encode(vector) if data is None else data
         phase = session.counter("d")
         gathered = self._gathered(session)
-        gathered.add(me, data)
+        gathered.add(me, data, group.part_digests)
+        owners = group.slice_owners
         header = {"group_id": group.group_id, "index": me, "codec": self.codec.name, "terms": group.terms}
+        undialable = me not in owners
+        max_reply = self.codec.encoded_size(n) * (len(group.members) - len(owners)) if undialable else 0
 
         async def send(j: int) -> None:
-            reply, _ = await self.rpc.call(group.members[j], "sparse", header, data, 0, phase)
+            reply, payload = await self.rpc.call(group.members[j], "sparse", header, data, max_reply, phase)
             if not reply.get("ok"):
                 raise MergeFailed(f"member {short_id(group.members[j])} refused our part: {reply.get('error')}")
+            if undialable:
+                self._take_relayed(group, j, gathered, reply, payload)
 
-        await asyncio.gather(*(send(j) for j in range(len(group.members)) if j != me))
+        # a member others can dial sends only to the others who can be dialed: the rest send to it, and it answers
+        await asyncio.gather(*(send(j) for j in owners if j != me))
         await asyncio.wait_for(asyncio.shield(gathered.done), self.merge_timeout_s)
         decoded = [decode_part(self.codec, p, n) for p in gathered.parts]
         parts, flags = [d[0] for d in decoded], [d[1] for d in decoded]
@@ -162,6 +198,25 @@ class SparseExchange:
         sent = parts[me] if not reasons[me] else torch.zeros(n)
         return average, sent, shares
 
+    @staticmethod
+    def _take_relayed(group: Group, j: int, gathered: _Gathered, reply: dict, payload: bytes) -> None:
+        """The parts member `j` answered a member nobody can dial with: its own, and as its relayer the other
+        such members'. Each must be the one the notice's digest names (a relayer cannot change another's part)."""
+        listed = reply.get("parts")
+        if not isinstance(listed, list) or group.part_digests is None:
+            raise MergeFailed(f"member {short_id(group.members[j])} answered without parts, or the notice lists no digests")
+        offset = 0
+        for entry in listed:
+            if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, int) for x in entry)
+                    and 0 <= entry[0] < len(group.members) and entry[1] >= 0):
+                raise MergeFailed(f"member {short_id(group.members[j])} answered a malformed list of parts")
+            index, size = entry
+            if gathered.parts[index] is None:
+                gathered.add(index, payload[offset:offset + size], group.part_digests)
+            offset += size
+        if offset != len(payload):
+            raise MergeFailed(f"member {short_id(group.members[j])} answered {len(payload)} bytes, its list says {offset}")
+
     def _gathered(self, session: MergeSession) -> _Gathered:
         if session.gathered is None:
             session.gathered = _Gathered([None] * len(session.group.members), asyncio.get_running_loop().create_future())
@@ -169,8 +224,10 @@ class SparseExchange:
 
     async def on_part(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Another member's encoded part: read only once the header names a group and member this peer expects a
-        part from, and only up to the codec's bound for the group's vector length."""
+        part from, and only up to the codec's bound for the group's vector length. A member nobody can dial gets
+        this peer's own part in the reply, and from its relayer the other such members' parts too."""
         sender, header, phase = request.sender, request.header, None
+        reply, payload = {"ok": False}, b""
         try:
             gid, index = header.get("group_id"), header.get("index")
             if not isinstance(gid, str) or not isinstance(index, int):
@@ -186,12 +243,26 @@ class SparseExchange:
             gathered = self._gathered(session)
             if gathered.parts[index] is not None:
                 raise MergeFailed(f"duplicate part from member {index}")
-            payload = await self.rpc.receive_payload(reader, self.codec.encoded_size(group.lengths["d"]),
-                                                     self.merge_timeout_s, exact=False, phase=phase)
+            data = await self.rpc.receive_payload(reader, self.codec.encoded_size(group.lengths["d"]),
+                                                  self.merge_timeout_s, exact=False, phase=phase)
             if self.faults is not None:
                 await self.faults.fire("serve_part", session.round, short_id(self.rpc.peer_id))
-            gathered.add(index, payload)
+            gathered.add(index, data, group.part_digests)
             reply = {"ok": True}
+            if index not in group.slice_owners:  # it cannot be dialed: it gets what it needs from this answer
+                indices = self._answer_for(group, session.me, index)
+                parts = await gathered.have(indices, self.merge_timeout_s)
+                reply["parts"] = [[i, len(p)] for i, p in zip(indices, parts, strict=True)]
+                payload = b"".join(parts)
         except (MergeFailed, TimeoutError, WireError) as e:
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        await self.rpc.reply(reader, writer, "sparse", sender, reply, phase=phase)
+            reply, payload = {"ok": False, "error": f"{type(e).__name__}: {e}"}, b""
+        await self.rpc.reply(reader, writer, "sparse", sender, reply, payload, phase=phase)
+
+    @staticmethod
+    def _answer_for(group: Group, me: int, member: int) -> list[int]:
+        """The parts this peer answers `member` (nobody can dial it) with: its own, and as its relayer those of the
+        other members nobody can dial."""
+        if relayer_of(group, member) != me:
+            return [me]
+        owners = group.slice_owners
+        return [me] + [j for j in range(len(group.members)) if j not in owners and j != member]
