@@ -129,3 +129,24 @@ def test_where_nobody_can_be_dialed_nobody_leads_and_each_merges_alone_saying_wh
             assert r.alone and r.pseudo_grad is None  # the learner steps on its own Δ
     for m in mergers:
         assert f"[{m.peer_id[-6:]}] merging alone: nobody can dial this peer nor any of its" in caplog.text
+
+
+def test_until_its_verdict_comes_a_peer_takes_part_as_one_nobody_can_dial_and_does_not_wait(caplog):
+    import asyncio
+
+    from p2pdiloco.network.dialable import Dialability
+
+    async def main() -> None:
+        d = Dialability("me")
+        assert d.can_lead("me") and d.says({"looking": True}) == {"looking": True}  # no check expected
+        d.expect_verdict()
+        assert not d.can_lead("me") and d.says({})["dialable"] is False  # never leads, owns no slice
+        with caplog.at_level(logging.WARNING):
+            d.nobody_leads(2)
+        assert "nobody can dial this peer" not in caplog.text  # it does not know that yet
+        d.set(True)
+        assert d.can_lead("me") and "dialable" not in d.says({})
+        d.set(False)
+        assert not d.can_lead("me")
+
+    asyncio.run(main())

@@ -17,10 +17,6 @@ from p2pdiloco.network.peer_tag import PeerLog
 
 logger = logging.getLogger(__name__)
 
-VERDICT_WAIT_S = 8.0
-"""How long a peer's first search waits for its dial-back check (a dial into NAT takes 3 s to time out)."""
-
-
 class Dialability:
     """This peer's and its mates' dialability, as the matchmaker uses it.
 
@@ -32,7 +28,7 @@ class Dialability:
         self.me = me
         self.log = PeerLog(logger, me)
         self.own = True
-        """Whether other peers can open connections to this one (the check's verdict; until then, yes)."""
+        """Whether other peers can open connections to this one (the check's verdict; with no check, yes)."""
         self.known = asyncio.Event()
         """Set once `own` holds the check's first verdict, or when no check is expected."""
         self.known.set()
@@ -41,7 +37,9 @@ class Dialability:
         self._warned = False
 
     def expect_verdict(self) -> None:
-        """A dial-back check is under way: the first search waits for `set` (up to `VERDICT_WAIT_S`)."""
+        """A dial-back check is under way: until its verdict this peer takes part as one nobody can dial (`dialable`).
+        Its searches need not wait for the verdict (a dial into NAT takes 3 s to time out, longer than a short
+        round): a peer that others can in fact dial loses nothing in a group but the chance to lead it."""
         self.known.clear()
 
     def set(self, dialable: bool) -> None:
@@ -49,21 +47,19 @@ class Dialability:
         self.own = dialable
         self.known.set()
 
-    async def await_verdict(self) -> None:
-        """Before a search: wait for the first verdict if one is expected, a bounded time."""
-        if not self.known.is_set():
-            try:
-                await asyncio.wait_for(self.known.wait(), VERDICT_WAIT_S)
-            except TimeoutError:
-                pass
+    @property
+    def dialable(self) -> bool:
+        """Whether this peer acts as one others can dial: the check said so, or no check is expected."""
+        return self.own and self.known.is_set()
 
     def can_lead(self, peer: str) -> bool:
         """A leader dials every member: only a peer others can dial leads (it said so, or it is this peer)."""
-        return self.own if peer == self.me else peer not in self.undialable
+        return self.dialable if peer == self.me else peer not in self.undialable
 
     def says(self, fields: dict) -> dict:
-        """`fields` (a `ready` header or an invite reply) with this peer's word that nobody can dial it, if so."""
-        return fields if self.own else {**fields, "dialable": False}
+        """`fields` (a `ready` header or an invite reply) with this peer's word that nobody can dial it, if so (or
+        not yet known)."""
+        return fields if self.dialable else {**fields, "dialable": False}
 
     def heard(self, peer: str, header: dict) -> None:
         """A mate's `ready` header: whether it said others cannot dial it."""
@@ -77,8 +73,9 @@ class Dialability:
         return reply.get("dialable") is not False and peer not in self.undialable
 
     def nobody_leads(self, ready_mates: int) -> None:
-        """Once: this peer merges alone because neither it nor any ready mate can be dialed, so nobody can lead."""
-        if not self._warned:
+        """Once: this peer merges alone because neither it nor any ready mate can be dialed, so nobody can lead (not
+        said while its own verdict is still to come)."""
+        if not self._warned and self.known.is_set():
             self._warned = True
             self.log.warning("merging alone: nobody can dial this peer nor any of its %d ready mates, so none of "
                              "them can lead a group; a peer others can dial must join the swarm (docs/operations.md, "

@@ -127,7 +127,6 @@ class Matchmaker:
     async def find_group(self, c: Contribution, part: str = "") -> Group | None:
         """A group to merge `c` with, or None: merge alone. `part`: the digest of its encoded sparse part, which the
         group's notice lists for every member (a gathered codec's parts may be relayed, sparse_exchange.py)."""
-        await self.dial.await_verdict()  # the first search: a peer nobody can dial must not lead it
         window = self._window(c.round_s)
         self._warn_short_epochs()
         if closing := c.last_merges():  # about its last merge (own counters): worth the whole window
@@ -390,7 +389,7 @@ class Matchmaker:
         ok = (
             search is not None and gid == search.accepted_gid and request.sender == search.leader
             and valid_notice(header, self.peer_id, self.cfg.merge.group_size)
-            and own_claims_kept(header, self.peer_id, search.contribution, self.dial.own, search.part)
+            and own_claims_kept(header, self.peer_id, search.contribution, self.dial.dialable, search.part)
         )
         if ok:
             fut = self._group_future(gid)

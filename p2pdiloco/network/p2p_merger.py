@@ -157,8 +157,9 @@ class P2PMerger:
         return self.book.report()
 
     def expect_dialable_verdict(self) -> None:
-        """A dial-back check of this peer is under way (call before the first `submit`): its first search for a
-        group waits a few seconds for `set_dialable`, so that a peer nobody can dial does not lead its first merge."""
+        """A dial-back check of this peer is under way (call before the first `submit`): until `set_dialable`, this
+        peer takes part in groups as one nobody can dial (never leads, owns no slice), so that a peer behind NAT
+        does not lead a merge before it knows, and none waits for the check."""
         self.matchmaker.dial.expect_verdict()
 
     def set_dialable(self, dialable: bool) -> None:
