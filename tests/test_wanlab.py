@@ -239,8 +239,20 @@ def test_processes_left_in_a_dead_run_s_namespace_are_stopped_with_it(tmp_path):
 def test_the_request_probe_times_a_connection_and_each_request_and_leaves_no_namespace(tmp_path):
     from p2pdiloco.bench.rpcprobe import probe
 
-    figures = probe("lan", samples=3, work=tmp_path)
-    assert figures["rtt_set_ms"] == 0 and figures["connect_ms"] > 0
+    figures = probe("lan", samples=3, work=tmp_path, bulk_mb=0.5)
+    assert figures["rtt_set_ms"] == 0 and figures["connect_ms"] > 0 and figures["bulk_mbit_s"] > 0
     assert len(figures["new_stream_ms"]) == 3 and len(figures["same_stream_ms"]) == 3
     assert all(ms > 0 for ms in figures["new_stream_ms"] + figures["same_stream_ms"])
     assert not [ns for ns in netns.namespaces() if ns.startswith(f"{NS_PREFIX}{os.getpid()}rp")]
+
+
+@needs_lab
+def test_the_lab_sets_the_homes_congestion_control_when_asked():
+    def congestion_control(ns: str) -> str:
+        return subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-n", "net.ipv4.tcp_congestion_control"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+
+    with WanLab([Link()], nat=[False], tag="cc", tcp="reno") as lab:
+        assert congestion_control(lab.homes[0].ns) == "reno" and congestion_control(lab.hub) == "reno"
+    with WanLab([Link()], nat=[False], tag="cc") as lab:
+        assert congestion_control(lab.homes[0].ns) != "reno"  # the host's default

@@ -136,16 +136,20 @@ class WanLab(netns.Namespaces):
         nat: one per home, whether its router does NAT (True) or only routes (False).
         tag: distinguishes this process's labs from each other (default: none).
         seed: seed of the delay daemons' loss and jitter draws (router i uses seed + i).
+        tcp: the TCP congestion control of the hub and the homes ('' keeps a new namespace's, which is the
+            host's: BBR on this machine, whose throughput hardly drops with random loss). Most volunteers' hosts
+            run CUBIC (Linux, Windows, macOS), whose throughput falls as 1/(RTT·√loss); `reno` behaves alike and
+            is the loss-based one a namespace may set here.
     """
 
-    def __init__(self, links: list[Link], nat: list[bool], tag: str = "", seed: int = 0):
+    def __init__(self, links: list[Link], nat: list[bool], tag: str = "", seed: int = 0, tcp: str = ""):
         if len(links) != len(nat) or not 1 <= len(links) <= MAX_HOMES:
             raise ValueError(f"the lab takes 1 to {MAX_HOMES} homes, one link and one NAT flag each")
         base = f"{NS_PREFIX}{os.getpid()}{tag}"
         self.hub = f"{base}-hub"
         self.homes = [Home(i, f"{base}-h{i}", f"{base}-r{i}", f"10.88.{100 + i}.2", f"10.88.0.{10 + i}", n, link)
                       for i, (link, n) in enumerate(zip(links, nat, strict=True))]
-        self.seed = seed
+        self.seed, self.tcp = seed, tcp
         self.daemons: dict[str, subprocess.Popen] = {}
         self._previous_sigterm = None
         super().__init__()
@@ -176,6 +180,8 @@ class WanLab(netns.Namespaces):
         _sysctl(hub, "net.ipv4.ip_forward=1")
         _sysctl(hub, "net.ipv4.conf.all.send_redirects=0")  # routers keep sending via the hub: one path
         _sysctl(hub, "net.ipv4.conf.br0.send_redirects=0")
+        if self.tcp:
+            _sysctl(hub, f"net.ipv4.tcp_congestion_control={self.tcp}")
         for home in self.homes:
             self._create_home(home)
 
@@ -196,6 +202,8 @@ class WanLab(netns.Namespaces):
         sh("ip", "-n", router, "link", "set", "lan", "up")
         sh("ip", "-n", router, "route", "add", "default", "via", HUB_ADDR)
         _sysctl(router, "net.ipv4.ip_forward=1")
+        if self.tcp:
+            _sysctl(ns, f"net.ipv4.tcp_congestion_control={self.tcp}")
         sh("ip", "-n", ns, "addr", "add", f"{home.addr}/24", "dev", "eth0")
         sh("ip", "-n", ns, "link", "set", "eth0", "up")
         sh("ip", "-n", ns, "route", "add", "default", "via", f"{lan_net}.1")
