@@ -142,11 +142,28 @@ def test_until_its_verdict_comes_a_peer_takes_part_as_one_nobody_can_dial_and_do
         d.expect_verdict()
         assert not d.can_lead("me") and d.says({})["dialable"] is False  # never leads, owns no slice
         with caplog.at_level(logging.WARNING):
-            d.nobody_leads(2)
+            d.nobody_leads(2, 0)
         assert "nobody can dial this peer" not in caplog.text  # it does not know that yet
         d.set(True)
         assert d.can_lead("me") and "dialable" not in d.says({})
         d.set(False)
         assert not d.can_lead("me")
+
+    asyncio.run(main())
+
+
+def test_a_peer_nobody_can_dial_whose_mates_were_simply_not_ready_does_not_blame_reachability(caplog):
+    import asyncio
+
+    from p2pdiloco.network.dialable import Dialability
+
+    async def main() -> None:
+        d = Dialability("me")
+        d.set(False)
+        with caplog.at_level(logging.WARNING):
+            d.nobody_leads(0, 0)  # no mate ready in its window, none out of reach: an ordinary merge alone
+            assert "nobody can dial" not in caplog.text
+            d.nobody_leads(0, 3)  # its mates could not be told: they are as unreachable as it is
+            assert "nobody can dial this peer nor any of its 0 ready mates (3 more mates out of its reach)" in caplog.text
 
     asyncio.run(main())

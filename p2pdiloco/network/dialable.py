@@ -72,11 +72,12 @@ class Dialability:
         """Whether an invited mate can own a slice: it did not say otherwise, now or in its `ready`."""
         return reply.get("dialable") is not False and peer not in self.undialable
 
-    def nobody_leads(self, ready_mates: int) -> None:
-        """Once: this peer merges alone because neither it nor any ready mate can be dialed, so nobody can lead (not
-        said while its own verdict is still to come)."""
-        if not self._warned and self.known.is_set():
+    def nobody_leads(self, ready_mates: int, unreachable_mates: int) -> None:
+        """Once: this peer merges alone because neither it nor any ready mate can be dialed and the mates it could
+        not tell it was looking are out of its reach, so nobody can lead. Not said while its own verdict is still
+        to come, nor where no mate was ready and none out of reach (they were simply not ready in its window)."""
+        if not self._warned and self.known.is_set() and (ready_mates or unreachable_mates):
             self._warned = True
-            self.log.warning("merging alone: nobody can dial this peer nor any of its %d ready mates, so none of "
-                             "them can lead a group; a peer others can dial must join the swarm (docs/operations.md, "
-                             "Behind a home router)", ready_mates)
+            self.log.warning("merging alone: nobody can dial this peer nor any of its %d ready mates (%d more mates "
+                             "out of its reach), so none of them can lead a group; a peer others can dial must join "
+                             "the swarm (docs/operations.md, Behind a home router)", ready_mates, unreachable_mates)

@@ -168,7 +168,7 @@ class Matchmaker:
                 followed = leader if leader not in (me, None) else ""
                 if leader is None:  # nobody ready can lead (this peer cannot be dialed): wait for one who can
                     if now >= search.deadline:
-                        self.dial.nobody_leads(len(ready) - 1)
+                        self.dial.nobody_leads(len(ready) - 1, len(search.unreachable & set(mates)))
                         return None
                 elif leader == me:
                     if len(ready) > 1 and (len(ready) >= live or now >= search.deadline):
