@@ -58,7 +58,7 @@ class DecoupledSwarm:
         self.rows: list[tuple] = []
         self.sizes: list[int] = []
         self.failed = self.kills = 0
-        self.delta_sent, self.agree_sent = np.zeros(n), np.zeros(n)
+        self.delta_sent, self.agree_sent = [0.0] * n, [0.0] * n
         self.kinds: Counter = Counter()
         self.distinct: list[int] = []
         self._census_epoch = -1
@@ -193,8 +193,9 @@ class DecoupledSwarm:
             models = [self.models.model[q] for q in members]
             seconds, d, agree, kind = merge_cost(self.scn, models, [self.models.anchors[q] for q in members])
             done = t_form + seconds
-            self.delta_sent[members] += d
-            self.agree_sent[members] += agree
+            for q, a in zip(members, agree, strict=True):
+                self.delta_sent[q] += d
+                self.agree_sent[q] += a
             ok = not any(self.nk[q] <= done for q in members)  # a member died mid-merge: nobody applies it
             self.failed += not ok
             if ok:
@@ -215,10 +216,11 @@ class DecoupledSwarm:
         ledger = Ledger(peer.astype(int), inc.astype(int), ts, comp, ok.astype(bool), done, done < kill_after,
                         np.asarray(incs.peer), np.asarray(incs.start), np.minimum(np.asarray(incs.end), self.end),
                         np.asarray(incs.killed), np.asarray(self.sizes, int), self.failed,
-                        self.delta_sent + self.agree_sent, np.full(self.n, self.end), events=len(ts) + self.kills)
+                        np.add(self.delta_sent, self.agree_sent), np.full(self.n, self.end), events=len(ts) + self.kills)
         survivors = [q for q in range(self.n) if not self.incs.killed[self.inc[q]]]
         ledger.extra.update({
-            "end": self.end, "trained": trained, "delta_bytes": self.delta_sent, "agreement_bytes": self.agree_sent,
+            "end": self.end, "trained": trained, "delta_bytes": np.asarray(self.delta_sent),
+            "agreement_bytes": np.asarray(self.agree_sent),
             "agreements": dict(self.kinds), "mixing_s": self.models.mixing_s(), "distinct_models": self.distinct,
             "final_models": self.models.distinct(survivors)})
         return ledger

@@ -137,6 +137,9 @@ class Models:
         self.count = np.zeros(len(origins), int)
         self.started = np.full(len(origins), math.nan)
         self.mixed = np.full(len(origins), math.nan)
+        self.waiting = list(range(len(origins)))
+        """Followed contributions not started yet, and those started that have not reached everyone."""
+        self.following: list[int] = []
 
     def _hold(self, learner: int, model: int) -> None:
         self.model[learner] = model
@@ -151,19 +154,21 @@ class Models:
         self.next_id += 1
         for q in members:
             self._hold(q, self.next_id)
-        for k, t0 in enumerate(self.origins):
-            if math.isnan(self.started[k]):
-                if t >= t0:
-                    self.started[k] = t
-                    self.reach[k, members] = True
-                    self.count[k] = len(members)
-                continue
-            if math.isnan(self.mixed[k]) and self.reach[k, members].any():
+        if self.waiting and t >= self.origins[self.waiting[0]]:  # the next followed contribution is this one
+            k = self.waiting.pop(0)
+            self.started[k] = t
+            self.reach[k, members] = True
+            self.count[k] = len(members)
+            self.following.append(k)
+            return
+        for k in list(self.following):
+            if self.reach[k, members].any():
                 new = ~self.reach[k, members]
                 self.count[k] += int(new.sum())
                 self.reach[k, members] = True
                 if self.count[k] >= len(self.model):
                     self.mixed[k] = t
+                    self.following.remove(k)
 
     def alone(self, learner: int) -> None:
         """`learner` merged alone (or its group failed): a model of its own."""
@@ -174,8 +179,8 @@ class Models:
         """`learner` came back and downloaded `donor`'s state."""
         self.anchors[learner] = []
         self._hold(learner, self.model[donor])
-        for k in range(len(self.origins)):
-            if not math.isnan(self.started[k]) and self.reach[k, donor] != self.reach[k, learner]:
+        for k in self.following:
+            if self.reach[k, donor] != self.reach[k, learner]:
                 self.count[k] += 1 if self.reach[k, donor] else -1
                 self.reach[k, learner] = self.reach[k, donor]
 
