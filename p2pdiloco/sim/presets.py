@@ -33,6 +33,7 @@ SEEDS = {
     "protocol": {
         "round_seconds": 0.0, "round_steps": 100, "merge_window_s": 120.0, "sync_window_s": 600.0,
         "checkpoint_every_steps": 1060, "elastic_units": 64,  # checkpoints every 30 min; 64 data-parallel replicas
+        "epoch_s": 1700.0,  # groups redrawn every ~10 rounds, as the config's presets for big models do (medium.toml)
     },
     "run": {"learners": 8, "duration_s": 360_000.0, "algorithms":
             ["decoupled", "sync", "elastic_data_parallel", "data_parallel"]},
