@@ -17,11 +17,22 @@ from collections import Counter
 
 import numpy as np
 
-from p2pdiloco.network.census import leader_rank
 from p2pdiloco.sim.scenario import Scenario, bytes_per_value
 
 RUN_ID = "sim"
 """The run id the simulated learners' ranks are hashed with (any fixed string: it only seeds the orders)."""
+
+
+def leader_rank(run_id: str, peer: str, epoch: int) -> bytes:
+    """`network/census.leader_rank`, imported when first used: that module imports hivemind, which a simulation
+    needs nothing else of (the sim imports only config, algorithm and bench/goodput.py at module level)."""
+    global _rank
+    if _rank is None:
+        from p2pdiloco.network.census import leader_rank as _rank
+    return _rank(run_id, peer, epoch)
+
+
+_rank = None
 
 
 def deal(census: list[str], epoch: int, group_size: int, run_id: str = RUN_ID) -> list[list[str]]:
