@@ -110,7 +110,7 @@ class DecoupledSwarm:
 
     def _kill(self, q: int) -> None:
         """`q` dies at its next failure; its process starts again `down_s` later and trains after `restart_s`
-        from a random learner's global model, unless the run has ended by then."""
+        from another learner's global model (drawn at random), unless the run has ended by then."""
         t = self.nk[q]
         self.kills += 1
         self.incs.close(np.asarray([self.inc[q]]), np.asarray([t]), killed=True)
@@ -124,7 +124,8 @@ class DecoupledSwarm:
         self.inc[q] = int(self.incs.new(np.asarray([q]), np.asarray([start]), np.asarray([train]))[0])
         self.proc_start[q] = start
         self.nk[q] = float(self.killer.next_after(np.asarray([q]), np.asarray([start]))[0])
-        self.models.restarted(q, int(self.rng.integers(self.n)))
+        donor = int(self.rng.integers(max(self.n - 1, 1)))  # any other learner
+        self.models.restarted(q, donor + (donor >= q and self.n > 1))
         self.streak[q], self.ema[q], self.dropped[q], self.prev[q] = 0, 0.0, 0.0, train
         self.exchanges[q].clear()
         self._next_round(q, train, train, -math.inf)
