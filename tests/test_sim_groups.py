@@ -8,8 +8,9 @@ import dataclasses
 import pytest
 
 from p2pdiloco.config import Config
+from p2pdiloco.network import census
 from p2pdiloco.network.census import my_group
-from p2pdiloco.sim.groups import RUN_ID, agreement, deal
+from p2pdiloco.sim.groups import RUN_ID, agreement, deal, leader_rank
 from p2pdiloco.sim.presets import preset
 from p2pdiloco.sim.scenario import Protocol, Scenario
 from p2pdiloco.sim.simulate import run_algorithm
@@ -32,14 +33,19 @@ def test_protocol_settings_default_to_the_shipped_config_and_the_volunteers_pres
 
 
 def test_groups_are_dealt_as_census_my_group_deals_them():
-    census = [f"peer{i}" for i in range(37)]
+    peers = [f"peer{i}" for i in range(37)]
     for epoch in (0, 1, 57):
-        groups = deal(census, epoch, 8)
+        groups = deal(peers, epoch, 8)
         assert len(groups) == 5 and max(map(len, groups)) - min(map(len, groups)) <= 1
         for g in groups:
             for me in g:
-                assert my_group(RUN_ID, me, [p for p in census if p != me], epoch, 8) == g
-    assert deal(census, 0, 8) != deal(census, 1, 8)  # redrawn every epoch
+                assert my_group(RUN_ID, me, [p for p in peers if p != me], epoch, 8) == g
+    assert deal(peers, 0, 8) != deal(peers, 1, 8)  # redrawn every epoch
+
+
+def test_the_simulators_leader_rank_is_the_census_one():
+    for peer, epoch in (("0", 0), ("peer17", 3), ("12D3KooWabc", 123456)):
+        assert leader_rank(RUN_ID, peer, epoch) == census.leader_rank(RUN_ID, peer, epoch)
 
 
 def test_an_agreement_moves_only_what_differs():

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import statistics
 from collections import Counter, deque
 
 import numpy as np
@@ -31,6 +30,12 @@ from p2pdiloco.sim.swarm import EPS, Ledger, _Incarnations
 
 FOLLOWED = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
 """Where in the run (share of its duration) the contributions whose spread is followed start."""
+
+
+def _median(values) -> float:
+    h = sorted(values)
+    m = len(h) // 2
+    return h[m] if len(h) % 2 else 0.5 * (h[m - 1] + h[m])
 
 
 class DecoupledSwarm:
@@ -52,6 +57,7 @@ class DecoupledSwarm:
         self.dropped, self.ema, self.streak = [0.0] * n, [0.0] * n, [0] * n
         self.exchanges = [deque(maxlen=5) for _ in range(n)]
         self.gone = [False] * n
+        self.n_gone = 0
         self.heap: list[tuple[float, int, int]] = []
         self.dealer = Dealer(n, self.p.group_size, self.p.epoch_s)
         self.models = Models(n, self.p.state_anchors, [t0 + k * scn.duration for k in FOLLOWED])
@@ -106,6 +112,7 @@ class DecoupledSwarm:
     def _finish(self, q: int) -> None:
         self.incs.close(np.asarray([self.inc[q]]), np.asarray([self.end]), killed=False)
         self.pend[q], self.gone[q] = math.inf, True
+        self.n_gone += 1
         self.ver[q] += 1
 
     def _kill(self, q: int) -> None:
@@ -120,6 +127,7 @@ class DecoupledSwarm:
         train = start + self.f.restart_s
         if train >= self.end:
             self.gone[q] = True
+            self.n_gone += 1
             return
         self.inc[q] = int(self.incs.new(np.asarray([q]), np.asarray([start]), np.asarray([train]))[0])
         self.proc_start[q] = start
@@ -137,7 +145,7 @@ class DecoupledSwarm:
         round_s = s - self.prev[q]
         bound = p.land_wait * round_s
         hist = self.exchanges[q]
-        due = p.land_wait > 0 and round_s > 0 and (not hist or statistics.median(hist) < bound)
+        due = p.land_wait > 0 and round_s > 0 and (not hist or _median(hist) < bound)
         if ok:
             hist.append(exchange_s)
         resume = s + (min(bound, max(landed - s, 0.0)) if due else 0.0)
@@ -172,7 +180,9 @@ class DecoupledSwarm:
                 t, q, ver = heapq.heappop(self.heap)
                 if ver == self.ver[q]:
                     ready.append(q)
-            live = sum(1 for q in range(self.n) if self._alive(q, ts))
+            # every learner still in the run ready: count who of them is up (else some are not ready: wait)
+            live = sum(1 for q in range(self.n) if self._alive(q, ts)) if len(ready) >= self.n - self.n_gone \
+                else len(ready) + 1
         else:
             mates = self.dealer.mates(lead, ts, self._census)
             window = max(p.min_window_s, p.window_fraction * self.ema[lead]) * 2 ** min(self.streak[lead], 8)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import Counter
 
@@ -24,15 +25,10 @@ RUN_ID = "sim"
 
 
 def leader_rank(run_id: str, peer: str, epoch: int) -> bytes:
-    """`network/census.leader_rank`, imported when first used: that module imports hivemind, which a simulation
-    needs nothing else of (the sim imports only config, algorithm and bench/goodput.py at module level)."""
-    global _rank
-    if _rank is None:
-        from p2pdiloco.network.census import leader_rank as _rank
-    return _rank(run_id, peer, epoch)
-
-
-_rank = None
+    """`network/census.leader_rank`'s hash, the same bytes (tests/test_sim_groups.py checks it against that function
+    and the groups against `census.my_group`): copied, not imported, because importing `network/census.py` imports
+    hivemind, seconds of a simulation's start on 2 cores for one line of hashing."""
+    return hashlib.blake2b(f"{run_id}\x00{peer}\x00{epoch}".encode(), digest_size=16).digest()
 
 
 def deal(census: list[str], epoch: int, group_size: int, run_id: str = RUN_ID) -> list[list[str]]:
@@ -144,8 +140,7 @@ class Models:
         self.keep = max(anchors, 1)
         self.anchors = [[0] for _ in range(n)]
         self.origins = sorted(origins)
-        self.reach = np.zeros((len(origins), n), bool)
-        self.count = np.zeros(len(origins), int)
+        self.reach: list[set[int]] = [set() for _ in origins]
         self.started = np.full(len(origins), math.nan)
         self.mixed = np.full(len(origins), math.nan)
         self.waiting = list(range(len(origins)))
@@ -168,16 +163,14 @@ class Models:
         if self.waiting and t >= self.origins[self.waiting[0]]:  # the next followed contribution is this one
             k = self.waiting.pop(0)
             self.started[k] = t
-            self.reach[k, members] = True
-            self.count[k] = len(members)
+            self.reach[k].update(members)
             self.following.append(k)
             return
         for k in list(self.following):
-            if self.reach[k, members].any():
-                new = ~self.reach[k, members]
-                self.count[k] += int(new.sum())
-                self.reach[k, members] = True
-                if self.count[k] >= len(self.model):
+            held = self.reach[k]
+            if any(q in held for q in members):
+                held.update(members)
+                if len(held) >= len(self.model):
                     self.mixed[k] = t
                     self.following.remove(k)
 
@@ -191,9 +184,11 @@ class Models:
         self.anchors[learner] = []
         self._hold(learner, self.model[donor])
         for k in self.following:
-            if self.reach[k, donor] != self.reach[k, learner]:
-                self.count[k] += 1 if self.reach[k, donor] else -1
-                self.reach[k, learner] = self.reach[k, donor]
+            held = self.reach[k]
+            if donor in held:
+                held.add(learner)
+            else:
+                held.discard(learner)
 
     def distinct(self, learners: list[int] | None = None) -> int:
         """How many distinct global models `learners` (default: all) hold."""

@@ -57,9 +57,13 @@ def print_seeds(results: dict, goodput_16: float, console: Console) -> None:
     a = results["algorithms"]
     console.print(f"beside Decoupled DiLoCo (arXiv 2604.21428), {pub['chips']:,} chips:")
     for name, published in pub["goodput"].items():
+        if name not in a:  # left out of run.algorithms
+            continue
         console.print(f"  goodput {name:22s} simulated {a[name]['goodput']:.3f}   published {published:.2f}")
     console.print(f"  goodput decoupled, 16 learners  simulated {goodput_16:.3f}   published {pub['goodput_16_learners']:.2f}")
     for name, published in pub["link_gbps"].items():
+        if name not in a:
+            continue
         console.print(f"  link Gbps {name:20s} simulated {a[name]['link_gbps_needed']:.3g}   published {published:g}")
     console.print("  (p2pdiloco's protocol with the assumptions of p2pdiloco/sim/presets.py; docs/simulation.md says "
                   "where they differ from the seeds')")
