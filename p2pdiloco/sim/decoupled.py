@@ -26,7 +26,7 @@ import numpy as np
 from p2pdiloco.sim.failures import Killer
 from p2pdiloco.sim.groups import Dealer, Models, merge_cost
 from p2pdiloco.sim.scenario import Scenario
-from p2pdiloco.sim.swarm import EPS, Ledger, _Incarnations
+from p2pdiloco.sim.swarm import EPS, Incarnations, Ledger
 
 FOLLOWED = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
 """Where in the run (share of its duration) the contributions whose spread is followed start."""
@@ -47,7 +47,12 @@ class DecoupledSwarm:
         self.steps = steps.tolist()
         t0 = self.t0 = self.f.first_start_s
         self.end = t0 + scn.duration
-        self.incs = _Incarnations(n, t0)
+        self.incs = Incarnations(n, t0)
+        # one entry a learner: its incarnation, process start, last death, next failure (nk), its pending submit
+        # (pend, inf: none; ver invalidates its older heap entries), that round's net and gross compute, the previous
+        # submit, whether the round is its last and whether it is within its closing rounds, the inner-step seconds
+        # its last merge's rebase gave up, the EMA of its round times and its merges alone in a row (the window),
+        # its last group merges' exchange times (`LandWait`), and whether it left the run
         self.inc = list(range(n))
         self.proc_start, self.last_death = [0.0] * n, [-math.inf] * n
         self.nk = killer.next_after(np.arange(n), np.zeros(n)).tolist()
@@ -67,7 +72,6 @@ class DecoupledSwarm:
         self.delta_sent, self.agree_sent = [0.0] * n, [0.0] * n
         self.kinds: Counter = Counter()
         self.distinct: list[int] = []
-        self._census_epoch = -1
 
     def run(self) -> Ledger:
         for q in range(self.n):

@@ -71,7 +71,7 @@ def merge_cost(scn: Scenario, g: int, state: bool) -> tuple[float, float]:
     return seconds, sent
 
 
-class _Incarnations:
+class Incarnations:
     """Growing arrays of incarnations: who, process start, first step, end, killed."""
 
     def __init__(self, n: int, train: float):
@@ -126,7 +126,7 @@ class _SyncSwarm:
         self.rnd = np.zeros(n, int)  # rounds in each learner's global model; a joiner adopts the swarm's
         self.rs = np.full(n, t0)  # start of the current round (first step of the incarnation after a restart)
         self.inc = np.arange(n)
-        self.incs = _Incarnations(n, t0)
+        self.incs = Incarnations(n, t0)
         self.nk = killer.next_after(np.arange(n), np.zeros(n))
         self.expiry = np.full(n, -math.inf)  # the dead incarnation's record is live until then
         self.died = np.full(n, math.inf)
