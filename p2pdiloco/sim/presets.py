@@ -33,29 +33,35 @@ SEEDS = {
     "protocol": {
         "round_seconds": 0.0, "round_steps": 100, "merge_window_s": 120.0, "sync_window_s": 600.0,
         "checkpoint_every_steps": 1060, "elastic_units": 64,  # checkpoints every 30 min; 64 data-parallel replicas
+        "epoch_s": 1700.0,  # groups redrawn every ~10 rounds, as the config's presets for big models do (medium.toml)
     },
     "run": {"learners": 8, "duration_s": 360_000.0, "algorithms":
             ["decoupled", "sync", "elastic_data_parallel", "data_parallel"]},
 }
 
+BENCH_PROTOCOL = {  # what the benches set over the shipped defaults (bench/churn.py, bench/straggler.py)
+    "round_seconds": 2.0, "round_steps": 20, "merge_window_s": 10.0, "sync_window_s": 60.0,
+}
+
 CHURN = {  # bench churn's setting (bench/churn.py): 4 peers, 3000 steps, a kill every 60 s, back 5 s later
     "failures": {"kill_every_s": 60.0},
+    "protocol": BENCH_PROTOCOL,
     "run": {"learners": 4, "total_steps": 3000},
 }
 
 STRAGGLER = {  # bench straggler's with-slow runs: 4 peers for 60 s, peer 3 four times slower
     "compute": {"speeds": [1.0, 1.0, 1.0, 4.0]},
+    "protocol": BENCH_PROTOCOL,
     "run": {"learners": 4, "duration_s": 60.0, "algorithms": ["decoupled", "sync", "data_parallel"]},
 }
 
-VOLUNTEERS = {  # an operator's first guess: 1000 consumer GPUs of three generations, home links
+VOLUNTEERS = {  # an operator's first guess: 1000 consumer GPUs of three generations, home links, 2 hours
     "compute": {"step_s": 0.5, "speeds": [1.0, 1.6, 2.5], "speed_fractions": [0.2, 0.5, 0.3], "jitter": 0.15,
                 "tokens_per_step": 65_536},
     "failures": {"mtbf_s": 14_400.0, "down_s": 600.0, "restart_s": 60.0, "first_start_s": 60.0},
     "network": {"params": 500_000_000, "bandwidth_gbps": 0.1, "latency_s": 0.05, "matchmaking_s": 2.0},
-    "protocol": {"round_seconds": 300.0, "merge_window_s": 120.0, "sync_window_s": 600.0, "group_cap": 0,
-                 "checkpoint_every_steps": 1000},
-    "run": {"learners": 1000, "duration_s": 86_400.0},
+    "protocol": {"sync_window_s": 600.0, "checkpoint_every_steps": 1000},  # the rest: the shipped defaults
+    "run": {"learners": 1000, "duration_s": 7_200.0},
 }
 
 PRESETS = {"seeds": SEEDS, "churn": CHURN, "straggler": STRAGGLER, "volunteers": VOLUNTEERS}

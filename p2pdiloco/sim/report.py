@@ -27,6 +27,8 @@ def print_results(results: dict, timing: dict, console: Console) -> None:
                       f"{_num(mb / 1e9 if mb is not None else None, '.4g'):>11s} {r['link_gbps_needed']:10.4g} "
                       f"{_num(r.get('group_size_mean'), '.2f'):>6s} {r['kills']:8d}"
                       + ("  (gave up: failures faster than restarts)" if r.get("gave_up") else ""))
+    if (d := results["algorithms"].get("decoupled")) and "delta_bytes_per_learner_round" in d:
+        print_consensus(d, console)
     events = sum(t["events"] for t in timing.values())
     wall = sum(t["wall_s"] for t in timing.values())
     console.print(f"simulated {events:,} events in {wall:.2f} s ({1e6 * wall / max(events, 1):.2f} µs per event, "
@@ -36,15 +38,32 @@ def print_results(results: dict, timing: dict, console: Console) -> None:
                   "round; data-parallel: an all-reduce within a step)")
 
 
+def print_consensus(r: dict, console: Console) -> None:
+    """A decoupled run's bytes a learner a round, Δ and agreement apart, and how far its groups' models are apart."""
+    mixing = r["mixing_rounds"]
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["agreements"].items())) or "none"
+    console.print(f"decoupled: merge bytes a learner a round (sent) {r['delta_bytes_per_learner_round'] / 1e6:.4g} MB Δ "
+                  f"+ {r['agreement_bytes_per_learner_round'] / 1e6:.4g} MB agreement; rounds {r['round_s']:.4g} s, "
+                  f"{r['in_group_share']:.1%} merged in a group; group merges by agreement: {kinds}")
+    console.print(f"  consensus: a contribution reached every learner in "
+                  f"{'-' if mixing is None else format(mixing, '.3g')} rounds (median of {r['mixing_reached']} of "
+                  f"{r['mixing_followed']} followed that did); distinct global models {r['distinct_models_mean']:.4g} "
+                  f"(mean at each epoch's dealing), {r['final_models']} at the end")
+
+
 def print_seeds(results: dict, goodput_16: float, console: Console) -> None:
     """The simulated figures beside the seeds' published ones."""
     pub = SEEDS_PUBLISHED
     a = results["algorithms"]
     console.print(f"beside Decoupled DiLoCo (arXiv 2604.21428), {pub['chips']:,} chips:")
     for name, published in pub["goodput"].items():
+        if name not in a:  # left out of run.algorithms
+            continue
         console.print(f"  goodput {name:22s} simulated {a[name]['goodput']:.3f}   published {published:.2f}")
     console.print(f"  goodput decoupled, 16 learners  simulated {goodput_16:.3f}   published {pub['goodput_16_learners']:.2f}")
     for name, published in pub["link_gbps"].items():
+        if name not in a:
+            continue
         console.print(f"  link Gbps {name:20s} simulated {a[name]['link_gbps_needed']:.3g}   published {published:g}")
     console.print("  (p2pdiloco's protocol with the assumptions of p2pdiloco/sim/presets.py; docs/simulation.md says "
                   "where they differ from the seeds')")

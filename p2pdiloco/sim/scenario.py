@@ -2,7 +2,10 @@
 
 A scenario is five small dataclasses, one a TOML table (`[compute]`, `[failures]`, `[network]`, `[protocol]`,
 `[run]`); `load_scenario` reads a TOML or JSON file onto the defaults and rejects unknown keys in one line.
-Defaults are this machine's measured figures (docs/benchmarks.md) or the real config's defaults (`MergeConfig`).
+Hardware, failure and link defaults are this machine's measured figures (docs/benchmarks.md); every protocol
+setting (rounds, windows, groups, epochs, codec, the outer step's `land_wait`, `rebase_keep` and `eager`) defaults
+to the shipped config's (`SHIPPED`, a `Config()`), read here rather than copied, so a changed default moves the
+simulation with it.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from p2pdiloco.algorithm.names import CODECS
-from p2pdiloco.config import ConfigError, MergeConfig
+from p2pdiloco.config import Config, ConfigError
 
 ALGORITHMS = ("decoupled", "sync", "data_parallel", "elastic_data_parallel")
-_MERGE = MergeConfig.model_fields
+SHIPPED = Config()
+"""The shipped defaults the protocol settings below start from."""
 
 
 @dataclass
@@ -67,9 +71,9 @@ class Network:
 
     params: int = 120_576
     """Model parameters (the bench model)."""
-    codec: str = "int4"
-    """Pseudo-gradient codec of merges (`codec.name`); a (θg, momentum) agreement is modelled as one int8 exchange
-    from an anchor (sim/swarm.py), not as a catch-up (network/catch_up.py) or two exchanges without an anchor."""
+    codec: str = SHIPPED.codec.name
+    """Pseudo-gradient codec of merges (`codec.name`). (θg, momentum) agreements are modelled as the code runs them
+    (sim/groups.py): a catch-up of a majority, int8 differences from an anchor, or two int8 exchanges."""
     bandwidth_gbps: float = 2.5
     """Each learner's link rate, each way, Gbit/s (loopback all-reduce here: ~2.5)."""
     latency_s: float = 0.005
@@ -84,21 +88,32 @@ class Network:
 
 @dataclass
 class Protocol:
-    """Round timing and group formation, as in `RoundsConfig` and `MergeConfig`, and the data-parallel baseline's checkpoints."""
+    """Round timing, group formation and the outer step's settings, as in `RoundsConfig`, `MergeConfig` and
+    `OuterOptConfig` (defaults: theirs), and the data-parallel baseline's checkpoints."""
 
-    round_seconds: float = 2.0
-    """Decoupled: timed rounds of this many seconds (0: `round_steps` steps)."""
-    round_steps: int = 20
-    """Steps per round of --sync, and of decoupled when `round_seconds` is 0."""
-    window_fraction: float = _MERGE["window_fraction"].default
+    round_seconds: float = SHIPPED.rounds.round_seconds
+    """Decoupled: timed rounds of this many seconds (0: `round_steps` steps; `rounds.round_seconds`)."""
+    round_steps: int = SHIPPED.rounds.round_steps
+    """Steps per round of --sync, and of decoupled when `round_seconds` is 0 (`rounds.round_steps`)."""
+    window_fraction: float = SHIPPED.merge.window_fraction
     """Decoupled grace window: this fraction of the round, within [min_window_s, merge_window_s]."""
-    min_window_s: float = _MERGE["min_window_s"].default
-    merge_window_s: float = 10.0
-    """Upper bound of the decoupled window (bench: 10); `sync_window_s` is --sync's whole wait."""
+    min_window_s: float = SHIPPED.merge.min_window_s
+    merge_window_s: float = SHIPPED.merge.merge_window_s
+    """Upper bound of the decoupled window, and the whole window of a run's closing merges."""
     sync_window_s: float = 60.0
     """--sync: how long a ready peer waits for every live peer (bench: merge.merge_window_s=60)."""
-    group_cap: int = 0
-    """Largest merge group (0: unbounded, as implemented: everyone ready at once)."""
+    group_size: int = SHIPPED.merge.group_size
+    """Decoupled: most members of a merge group; the census is dealt into groups of at most this every epoch."""
+    epoch_s: float = SHIPPED.merge.epoch_s
+    """Decoupled: seconds between redrawings of the groups (`merge.epoch_s`)."""
+    state_anchors: int = SHIPPED.merge.state_anchors
+    """Recent global models each learner keeps: an agreement whose members all hold one sends int8 differences."""
+    land_wait: float = SHIPPED.outer.land_wait
+    """Decoupled: wait up to this share of a round for a merge to land, where recent exchanges fit it."""
+    rebase_keep: float = SHIPPED.outer.rebase_keep
+    """Decoupled: share of the inner steps taken while a group merge was in flight that its landing keeps."""
+    eager: bool = SHIPPED.outer.eager
+    """Decoupled: steps in flight start from the eager update, so a merge alone keeps all of them."""
     record_ttl_s: float = 3.0
     """How long a dead learner still holds --sync peers back. Its DHT record expires 4-6 s after death (3 heartbeats
     of 2 s); 3 s is fitted to bench churn's --sync goodput (docs/simulation.md)."""
@@ -144,7 +159,9 @@ class Scenario:
             (n.params > 0 and n.bandwidth_gbps > 0 and n.latency_s >= 0, "network: params, bandwidth must be > 0"),
             (p.round_seconds > 0 or p.round_steps >= 1, "protocol: round_seconds > 0 or round_steps >= 1"),
             (0 < p.window_fraction <= 1 and 0 < p.min_window_s <= p.merge_window_s, "protocol: bad window settings"),
-            (p.checkpoint_every_steps >= 1 and p.group_cap >= 0, "protocol: checkpoint_every_steps >= 1, group_cap >= 0"),
+            (p.checkpoint_every_steps >= 1 and p.group_size >= 2 and p.epoch_s > 0,
+             "protocol: checkpoint_every_steps >= 1, group_size >= 2, epoch_s > 0"),
+            (0 <= p.land_wait <= 1 and 0 <= p.rebase_keep <= 1, "protocol: land_wait and rebase_keep in [0, 1]"),
             (r.learners >= 1 and r.duration_s > 0 and r.total_steps >= 0, "run: learners >= 1, duration_s > 0"),
             (all(a in ALGORITHMS for a in r.algorithms), f"run.algorithms: choose from {', '.join(ALGORITHMS)}"),
         ]

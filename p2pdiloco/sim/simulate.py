@@ -17,9 +17,10 @@ import time
 import numpy as np
 
 from p2pdiloco.sim.data_parallel import simulate_data_parallel, simulate_elastic
+from p2pdiloco.sim.decoupled import simulate_decoupled
 from p2pdiloco.sim.failures import Killer, step_times
 from p2pdiloco.sim.scenario import ALGORITHMS, Scenario
-from p2pdiloco.sim.swarm import Ledger, simulate_decoupled, simulate_sync
+from p2pdiloco.sim.swarm import Ledger, simulate_sync
 
 
 def account(scn: Scenario, steps: np.ndarray, ledger: Ledger) -> dict:
@@ -73,9 +74,32 @@ def account(scn: Scenario, steps: np.ndarray, ledger: Ledger) -> dict:
     round_s = duration / max(rounds_per_learner, 1)
     out["link_gbps_mean"] = out["bytes_per_learner"] * 8 / duration / 1e9
     out["link_gbps_needed"] = per_merge * 8 / round_s / 1e9  # one merge's bytes within one round
-    peer_steps = np.bincount(L.peer, weights=L.compute / steps[L.peer], minlength=n)
+    out.update(consensus(ledger, n, m, round_s))
+    trained = L.extra.get("trained", L.compute)  # every step taken, the ones a rebase gave up included
+    peer_steps = np.bincount(L.peer, weights=trained / steps[L.peer], minlength=n)
     out["steps_per_s"] = (peer_steps / np.maximum(L.train_end - t0, 1e-9)).tolist() if n <= 64 else None
     return out
+
+
+def consensus(ledger: Ledger, n: int, rows: int, round_s: float) -> dict:
+    """A decoupled run's bytes per learner per round (Δ exchange and agreement apart), its agreements by kind, and
+    its consensus: rounds until a followed contribution reached every learner (median over those followed; None
+    where none did within the run), distinct global models at each epoch's dealing (mean) and at the end."""
+    x = ledger.extra
+    if "delta_bytes" not in x:
+        return {}
+    per_round = max(rows / n, 1.0)
+    mixing = [s for s in x["mixing_s"] if math.isfinite(s)]
+    distinct = x["distinct_models"]
+    return {
+        "delta_bytes_per_learner_round": float(x["delta_bytes"].mean()) / per_round,
+        "agreement_bytes_per_learner_round": float(x["agreement_bytes"].mean()) / per_round,
+        "agreements": x["agreements"], "round_s": round_s,
+        "mixing_rounds": float(np.median(mixing)) / round_s if mixing else None,
+        "mixing_followed": len(x["mixing_s"]), "mixing_reached": len(mixing),
+        "distinct_models_mean": float(np.mean(distinct)) if distinct else None, "final_models": x["final_models"],
+        "in_group_share": float(ledger.ok.mean()) if rows else 0.0,
+    }
 
 
 def run_algorithm(scn: Scenario, name: str) -> dict:
@@ -87,7 +111,10 @@ def run_algorithm(scn: Scenario, name: str) -> dict:
     killer = Killer(scn, rng)
     if name == "data_parallel":
         return simulate_data_parallel(scn, steps, killer)
-    ledger = (simulate_decoupled if name == "decoupled" else simulate_sync)(scn, steps, killer)
+    if name == "decoupled":
+        ledger = simulate_decoupled(scn, steps, killer, np.random.default_rng([scn.run.seed, 98]))
+    else:
+        ledger = simulate_sync(scn, steps, killer)
     return account(scn, steps, ledger)
 
 

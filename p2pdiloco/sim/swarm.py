@@ -1,12 +1,5 @@
-"""Decoupled and synchronous DiLoCo as p2pdiloco implements them, simulated with numpy, all learners at once.
-
-Decoupled (network/matchmaking.py, training/rounds.py): a learner's rounds follow its own clock (timed rounds end
-at the first step past the next multiple of `round_seconds`, step rounds after `round_steps` steps); it never waits
-for a merge. Contributions form groups in time order: the earliest waiting one opens a window of
-`window_fraction` of its round (within [min_window_s, merge_window_s], doubled after each merge alone); the group
-is everyone who became ready inside it, and forms as soon as every live learner is ready. A member that dies
-before the merge ends fails the whole group (nobody applies a partial average); members whose global models
-differ (after a merge alone) also exchange (θg, momentum) as fp32.
+"""Synchronous DiLoCo as p2pdiloco implements it, simulated with numpy, all learners at once, and the ledger that
+both it and decoupled DiLoCo (decoupled.py) produce.
 
 Sync (--sync): every learner runs `round_steps` steps, then waits until every live learner is ready (a dead
 one's record counts as live for `record_ttl_s`; a restarted one counts from its first step) or
@@ -78,7 +71,7 @@ def merge_cost(scn: Scenario, g: int, state: bool) -> tuple[float, float]:
     return seconds, sent
 
 
-class _Incarnations:
+class Incarnations:
     """Growing arrays of incarnations: who, process start, first step, end, killed."""
 
     def __init__(self, n: int, train: float):
@@ -104,129 +97,6 @@ class _Incarnations:
         ups = np.sort(np.asarray(self.train))
         downs = np.sort(np.where(self.killed, np.asarray(self.end) + ttl, math.inf))
         return lambda t: int(np.searchsorted(ups, t, "right") - np.searchsorted(downs, t, "right"))
-
-
-def _round_ends(scn: Scenario, t: np.ndarray, grid: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """The end of the round that starts at `t` for learners whose steps end on `grid` + k·steps."""
-    p = scn.protocol
-    if p.round_seconds > 0:
-        tick = (np.floor(t / p.round_seconds + EPS) + 1) * p.round_seconds
-        k = np.maximum(np.ceil((tick - grid) / steps - EPS), np.floor((t - grid) / steps + EPS) + 1)
-        return grid + k * steps
-    return t + p.round_steps * steps
-
-
-def simulate_decoupled(scn: Scenario, steps: np.ndarray, killer: Killer) -> Ledger:
-    """Decoupled rounds: timelines learner by learner (nobody waits), then groups in time order."""
-    f = scn.failures
-    n = len(steps)
-    t0 = f.first_start_s
-    end = t0 + scn.duration
-    t, grid = np.full(n, t0), np.full(n, t0)
-    inc = np.arange(n)
-    incs = _Incarnations(n, t0)
-    nk = killer.next_after(np.arange(n), np.zeros(n))
-    active = np.ones(n, bool)
-    rows: list[tuple[np.ndarray, ...]] = []
-    kills = 0
-    while active.any():
-        idx = np.flatnonzero(active)
-        ti, gi, si, nki = t[idx], grid[idx], steps[idx], nk[idx]
-        e = _round_ends(scn, ti, gi, si)
-        last = gi + np.floor((end - gi) / si + EPS) * si
-        final = e >= last - EPS
-        e = np.minimum(e, last)
-        killed = nki < e
-        sub = ~killed & (e > ti + EPS)
-        rows.append((idx[sub], inc[idx[sub]], e[sub], e[sub] - ti[sub], nki[sub]))
-        ok_idx = idx[~killed]
-        t[ok_idx] = e[~killed]
-        finished = idx[~killed & final]
-        active[finished] = False
-        incs.close(inc[finished], np.full(len(finished), end), killed=False)
-        if killed.any():
-            kidx, kt = idx[killed], nki[killed]
-            kills += len(kidx)
-            incs.close(inc[kidx], kt, killed=True)
-            ps = kt + f.down_s
-            resume = ps + f.restart_s
-            back = resume < end
-            active[kidx[~back]] = False
-            kidx, ps, resume = kidx[back], ps[back], resume[back]
-            inc[kidx] = incs.new(kidx, ps, resume)
-            t[kidx] = grid[kidx] = resume
-            nk[kidx] = killer.next_after(kidx, ps)
-    peer, rinc, ts, comp, kill_after = (np.concatenate(c) if rows else np.empty(0) for c in zip(*rows, strict=True))
-    peer, rinc = peer.astype(int), rinc.astype(int)
-    ledger = _form_groups(scn, steps, peer, rinc, ts, comp, kill_after, incs, end)
-    ledger.events = len(ts) + kills
-    ledger.train_end = np.full(n, end)
-    ledger.extra["end"] = end
-    return ledger
-
-
-def _form_groups(scn, steps, peer, rinc, ts, comp, kill_after, incs: _Incarnations, end: float) -> Ledger:
-    p = scn.protocol
-    n = len(steps)
-    order = np.argsort(ts, kind="stable")
-    peer, rinc, ts, comp, kill_after = peer[order], rinc[order], ts[order], comp[order], kill_after[order]
-    m = len(ts)
-    round_len = np.full(n, p.round_seconds) if p.round_seconds > 0 else p.round_steps * steps
-    base = np.clip(p.window_fraction * round_len, p.min_window_s, p.merge_window_s)
-    live = incs.live_counter(p.record_ttl_s)
-    ok = np.zeros(m, bool)
-    t_done = ts.copy()
-    streak = np.zeros(n, int)
-    diverged = np.zeros(n, bool)
-    last_inc = np.arange(n)
-    sent = np.zeros(n)
-    sizes: list[int] = []
-    failed = 0
-    cap = p.group_cap or m
-    j = 0
-    while j < m:
-        lead = peer[j]
-        if rinc[j] != last_inc[lead]:  # a restarted learner: fresh matchmaker, the swarm's global model
-            streak[lead], diverged[lead], last_inc[lead] = 0, False, rinc[j]
-        window = min(base[lead] * 2 ** min(streak[lead], 8), p.merge_window_s, 0.9 * round_len[lead])
-        k = int(np.searchsorted(ts, ts[j] + window, "right"))
-        n_live = max(live(ts[j]), 1)
-        if k - j >= n_live:  # everyone live is ready: the leader invites at once
-            k = j + n_live
-            t_form = ts[k - 1]
-        else:
-            t_form = ts[j] + window if n_live > 1 else ts[j]
-        members = np.arange(j, k)
-        fresh = rinc[members] != last_inc[peer[members]]
-        if fresh.any():
-            fp = peer[members[fresh]]
-            streak[fp], diverged[fp], last_inc[fp] = 0, False, rinc[members[fresh]]
-        for c0 in range(0, len(members), cap):
-            chunk = members[c0:c0 + cap]
-            who = peer[chunk]
-            t_done[chunk] = t_form
-            if len(chunk) == 1:
-                streak[who] += 1
-                diverged[who] = True
-                continue
-            seconds, nbytes = merge_cost(scn, len(chunk), bool(diverged[who].any()))
-            done = t_form + seconds
-            t_done[chunk] = done
-            sent[who] += nbytes
-            if (kill_after[chunk] <= done).any():  # a member died mid-merge: nobody applies it
-                failed += 1
-                streak[who] += 1
-                diverged[who] = True
-                continue
-            ok[chunk] = True
-            sizes.append(len(chunk))
-            streak[who] = 0
-            diverged[who] = False
-        j = k
-    landed = t_done < kill_after
-    return Ledger(peer, rinc, ts, comp, ok, t_done, landed, np.asarray(incs.peer), np.asarray(incs.start),
-                  np.minimum(np.asarray(incs.end), end), np.asarray(incs.killed), np.asarray(sizes, int), failed,
-                  sent, np.zeros(n))
 
 
 def simulate_sync(scn: Scenario, steps: np.ndarray, killer: Killer) -> Ledger:
@@ -256,7 +126,7 @@ class _SyncSwarm:
         self.rnd = np.zeros(n, int)  # rounds in each learner's global model; a joiner adopts the swarm's
         self.rs = np.full(n, t0)  # start of the current round (first step of the incarnation after a restart)
         self.inc = np.arange(n)
-        self.incs = _Incarnations(n, t0)
+        self.incs = Incarnations(n, t0)
         self.nk = killer.next_after(np.arange(n), np.zeros(n))
         self.expiry = np.full(n, -math.inf)  # the dead incarnation's record is live until then
         self.died = np.full(n, math.inf)
