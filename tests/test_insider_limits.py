@@ -13,8 +13,9 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
+from p2pdiloco.algorithm.outer import state_digest
 from p2pdiloco.config import GuardConfig
-from p2pdiloco.network.admission import MAX_PER_SENDER, SENDER_BURST, StreamGate
+from p2pdiloco.network.admission import MAX_PER_SENDER, SENDER_BURST, SENDER_RATE, StreamGate
 from p2pdiloco.network.census import epoch_of, registered_now
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.p2p_merger import P2PMerger
@@ -95,6 +96,27 @@ def test_the_queue_is_bounded():
     for i in range(MAX_WAITING + 10):
         assert slots.ask(f"w{i}", 10).reason == "busy"
     assert len(slots.waiting) == MAX_WAITING
+
+
+def test_a_joiner_comes_back_to_a_busy_donor_when_it_says_after_trying_the_others():
+    state = GlobalState(torch.ones(4), torch.zeros(4), 1, 1, 1.0)
+    digest = state_digest(state.global_params, state.momentum)
+    calls: list[str] = []
+
+    async def fetch_from(peer: str, timeout: float) -> GlobalState:
+        calls.append(peer)
+        if peer == "slow":
+            raise StateBusy("backed off", 1e9)  # beyond what a pass waits: not asked again
+        if calls.count(peer) == 1:
+            raise StateBusy("busy", 0.2)
+        return state
+
+    sync = object.__new__(StateSync)  # no daemon: only the joiner's loop is under test
+    sync.fetch_from = fetch_from
+    records = {"a": {"global_digest": digest}, "slow": {"global_digest": digest}, "me": {}}
+    got = asyncio.run(sync.fetch(records, "me", timeout=5, passes=1))
+    assert got is not None and got[1] == "a" and torch.equal(got[0].global_params, state.global_params)
+    assert sorted(calls[:2]) == ["a", "slow"] and calls[2:] == ["a"], calls
 
 
 # ---- the attack, against a real donor ----
@@ -261,11 +283,14 @@ def test_honest_peers_in_a_group_of_eight_stay_far_within_the_per_sender_budgets
 
 
 class _Flooder:
-    """A key holder (one peer id) that sends valid `ready` requests to `victim_id` from `workers` streams at once
-    and never closes them: each holds a place at the victim until its handler gives up waiting for the close."""
+    """A key holder (one peer id) that sends valid `ready` requests to `victim_id` from `workers` streams at once,
+    and either never closes them (`hold`: each holds a place at the victim until its handler gives up waiting for
+    the close) or asks again as soon as it is answered."""
 
-    def __init__(self, p2p: P2P, auth, victim_id: str, proto: str, workers: int):
+    def __init__(self, p2p: P2P, auth, victim_id: str, proto: str, workers: int, hold: bool):
         self.p2p, self.auth, self.victim_id, self.proto, self.workers = p2p, auth, victim_id, proto, workers
+        self.hold = hold
+        """Keep each answered stream open until the victim lets go (else close it at once and ask again)."""
         self.sent = self.answered = 0
         self.stopped = False
 
@@ -281,7 +306,8 @@ class _Flooder:
                     self.sent += 1
                     answered = bool(await reader.read(1))  # a reply, then held until the victim lets go; or EOF
                     self.answered += answered
-                    await reader.read()
+                    if self.hold:
+                        await reader.read()
                 finally:
                     writer.close()
             except Exception:  # noqa: S110 - refused or reset: ask again
@@ -294,10 +320,13 @@ class _Flooder:
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize(("hold", "workers", "bound", "refusals"),
+                         [(True, 300, "sender streams", 600), (False, 12, "sender rate", 100)], ids=["held", "fast"])
 def test_a_flood_of_valid_requests_from_one_key_holder_is_refused_beyond_its_budget_and_merges_go_on(
-        keyed, net_loop, capsys):
-    """Without the per-sender bounds the flooder's 300 streams, each held 10 s after its answer, fill all 256 of
-    the victim's places, and the honest peer's requests to it are closed unread."""
+        keyed, net_loop, capsys, hold, workers, bound, refusals):
+    """Without the per-sender bounds the flooder's 300 held streams, each held 10 s after its answer, fill all 256
+    of the victim's places, and the honest peer's requests to it are closed unread (both peers then merged alone);
+    12 streams that ask again as soon as they are answered are served at whatever rate the victim manages."""
     n = 10_000
     victim_dht = start_dht(keyed.swarm)
     honest_dht = flooder_p2p = victim = honest = flooder = running = None
@@ -311,25 +340,28 @@ def test_a_flood_of_valid_requests_from_one_key_holder_is_refused_beyond_its_bud
         flooder_p2p = net_loop.run(P2P.create(initial_peers=cfg.swarm.initial_peers,
                                               host_maddrs=["/ip4/127.0.0.1/tcp/0"]), 30)
         flooder_id = flooder_p2p.peer_id.to_base58()
-        flooder = _Flooder(flooder_p2p, victim.auth, victim.peer_id, victim.rpc.proto("ready"), workers=300)
+        flooder = _Flooder(flooder_p2p, victim.auth, victim.peer_id, victim.rpc.proto("ready"), workers, hold)
+        t_flood = time.monotonic()
         running = net_loop.submit(flooder.run())
         gate = victim.gate
-        wait_for(lambda: gate.by_sender[flooder_id] >= MAX_PER_SENDER and gate.refused_from[flooder_id] >= 600,
-                 timeout=30, what="the flooder holding its places and refused beyond them")
+        wait_for(lambda: gate.refused_by[bound] >= refusals, timeout=60, what=f"the flooder refused by its {bound} bound")
         t0 = time.monotonic()
         futures = [m.submit(_part(i, n)) for i, m in enumerate((victim, honest))]
         results = [flat(f.result(timeout=60)) for f in futures]
         took = time.monotonic() - t0
         with capsys.disabled():
-            print(f"\nflood: {flooder.sent} valid requests sent, {flooder.answered} answered; victim gate: peak "
+            print(f"\nflood: {flooder.sent} valid requests sent in {time.monotonic() - t_flood:.1f} s, "
+                  f"{flooder.answered} answered; victim gate: peak "
                   f"{gate.peak_open[flooder_id]} held by the flooder, refused {dict(gate.refused_by)}, the honest "
                   f"peer's refused {gate.refused_from[honest.peer_id]}; merge {[r.failure for r in results]} "
                   f"in {took:.1f} s")
         assert all(len(r.group) == 2 and r.failure == "" for r in results), [(r.group, r.failure) for r in results]
         torch.testing.assert_close(results[0].pseudo_grad, torch.full((n,), 10.5))
-        assert gate.peak_open[flooder_id] == MAX_PER_SENDER  # never more than its places
-        assert gate.refused_from[flooder_id] >= 100 and gate.refused_from[honest.peer_id] == 0
-        assert gate.refused_by.keys() <= {"sender streams", "sender rate"}, gate.refused_by
+        assert gate.peak_open[flooder_id] <= MAX_PER_SENDER  # never more than its places
+        assert gate.refused_from[honest.peer_id] == 0
+        assert gate.refused_by["streams"] == gate.refused_by["unauthenticated"] == 0, gate.refused_by  # room left
+        # what it got answered: a burst, then the rate
+        assert flooder.answered <= SENDER_BURST + SENDER_RATE * (time.monotonic() - t_flood), flooder.answered
     finally:
         if flooder is not None:
             flooder.stopped = True
