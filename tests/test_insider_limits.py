@@ -49,7 +49,7 @@ def test_one_slot_per_sender_and_a_stalled_sender_is_backed_off_longer_each_time
     refusal = slots.ask("pinner", 10)
     assert refusal is not None and refusal.reason == "one at a time" and 0 < refusal.retry_after_s <= 10
     assert slots.ask("honest", 10) is None  # the second slot is the honest joiner's
-    slots.release("honest", stalled=False)
+    slots.release("honest", stalled=False, completed=True)
     slots.release("pinner", stalled=True)
     refusal = slots.ask("pinner", 10)
     assert refusal.reason == "backed off" and refusal.retry_after_s == BACKOFF_S
@@ -64,9 +64,17 @@ def test_one_slot_per_sender_and_a_stalled_sender_is_backed_off_longer_each_time
     assert slots.ask("pinner", 10).retry_after_s == MAX_BACKOFF_S  # up to a bound
     clock.now += MAX_BACKOFF_S
     assert slots.ask("pinner", 10) is None
-    slots.release("pinner", stalled=False)  # a download read to the end forgets the stalls
+    slots.release("pinner", stalled=False)  # a stream that broke forgets nothing
     assert slots.ask("pinner", 10) is None
-    assert slots.refused == {"busy": 0, "one at a time": 1, "backed off": 3}
+    slots.release("pinner", stalled=True)
+    assert slots.ask("pinner", 10).retry_after_s == MAX_BACKOFF_S
+    clock.now += MAX_BACKOFF_S
+    assert slots.ask("pinner", 10) is None
+    slots.release("pinner", stalled=False, completed=True)  # a download sent to the end forgets the stalls
+    assert slots.ask("pinner", 10) is None
+    slots.release("pinner", stalled=True)
+    assert slots.ask("pinner", 10).retry_after_s == BACKOFF_S
+    assert slots.refused == {"busy": 0, "one at a time": 1, "backed off": 5}
 
 
 def test_a_freed_slot_goes_to_who_waited_first_and_a_waiter_that_left_loses_its_place():
@@ -83,7 +91,7 @@ def test_a_freed_slot_goes_to_who_waited_first_and_a_waiter_that_left_loses_its_
     clock.now += honest.retry_after_s
     assert slots.ask("honest", 10) is None
     assert slots.ask("c", 10).reason == "busy"  # none free; c is first in the queue now
-    slots.release("b", stalled=False)
+    slots.release("b", stalled=False, completed=True)
     assert slots.ask("d", 10).reason == "busy"  # c's place holds
     clock.now += 60  # c never came back: its place lapsed, and the next asker is served
     assert slots.ask("d", 10) is None

@@ -5,7 +5,7 @@ more, a key holder that opens downloads and never reads them, asking again every
 every slot the moment it is cut and starves honest joiners. So `StateSlots` decides each request:
 
 1. a sender that stalled a download recently is refused ("backed off") for `BACKOFF_S`, doubling with each
-   further stall up to `MAX_BACKOFF_S`; a download served to the end forgets its stalls;
+   further stall up to `MAX_BACKOFF_S`; a download sent to the end forgets its stalls;
 2. a sender holds one slot at a time: a second request while its first download runs is refused ("one at a
    time");
 3. a free slot goes to the peers that were refused "busy" first, in the order they first asked (a queue of at
@@ -100,12 +100,14 @@ class StateSlots:
             self.waiting[sender] = now + retry + RETRY_GRACE_S  # keeps its place if already queued
         return self._refuse("busy", retry)
 
-    def release(self, sender: str, stalled: bool) -> None:
-        """`sender`'s download ended: read to the end, or cut because its reader stalled (`stalled`)."""
+    def release(self, sender: str, stalled: bool, completed: bool = False) -> None:
+        """`sender`'s download ended: cut because its reader stalled (`stalled`), sent to the end (`completed`: its
+        stalls are forgotten), or neither (the stream broke: nothing is learned of the sender)."""
         self.serving.pop(sender, None)
         now = self.clock()
-        if not stalled:
+        if completed:
             self.stalls.pop(sender, None)
+        if not stalled:
             return
         strikes = self.stalls[sender].strikes + 1 if sender in self.stalls else 1
         self.stalls[sender] = _Stalls(strikes, now + min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (strikes - 1)))

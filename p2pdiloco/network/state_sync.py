@@ -211,17 +211,18 @@ class StateSync:
                                     "retry_after_s": refusal.retry_after_s, "auth": tag},
                            counter=self.counter, deadline_s=send_deadline(0))
         else:
-            stalled = False
+            stalled = completed = False
             try:
                 header, payload = pack_state(state)
                 await send_msg(writer, {**header, "auth": tag}, payload, self.counter,
                                deadline_s=send_deadline(len(payload)))
+                completed = True
             except WireError as e:
                 self.aborted, stalled = self.aborted + 1, True
                 self.log.warning("cut off a state download to %s: %s", short_id(joiner), e)
                 return
             finally:
-                self.slots.release(joiner, stalled)
+                self.slots.release(joiner, stalled, completed)
             self.log.info("served state of round %d to %s", state.round, short_id(joiner))
         await await_requester_close(reader)  # closing at once could lose the reply (see wire.py)
 
