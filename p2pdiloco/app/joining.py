@@ -13,7 +13,7 @@ from p2pdiloco.app.heartbeat import swarm_finished
 from p2pdiloco.app.startup import say
 from p2pdiloco.config import Config
 from p2pdiloco.network.peer_tag import short_id
-from p2pdiloco.network.state_sync import StateSync
+from p2pdiloco.network.state_sync import BUSY_WAIT_S, StateSync
 from p2pdiloco.network.swarm import BackgroundLoop, live_records, read_peers
 from p2pdiloco.training.batches import BatchSampler
 from p2pdiloco.training.checkpoint import load_latest
@@ -74,8 +74,10 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
 
     # every live record counts in checking a donor's state, not only those claiming to be ahead
     passes = 3
+    # each pass may also wait up to BUSY_WAIT_S for donors that said "busy" and when to come back
     got = loop.run(sync.fetch(records, peer_id, timeout=cfg.merge.merge_timeout_s, refresh=refresh, passes=passes),
-                   timeout=(cfg.merge.merge_timeout_s + cfg.swarm.heartbeat_s + 5) * (len(records) + 1) * passes + 10)
+                   timeout=((cfg.merge.merge_timeout_s + cfg.swarm.heartbeat_s + 5) * (len(records) + 1) + BUSY_WAIT_S)
+                   * passes + 10)
     if got is None:
         logger.warning("[%s] no live peer could give its state; the first merge will bring this peer in line",
                        short_id(peer_id))

@@ -3,10 +3,12 @@
 What travels: θg and the outer momentum (fp32, concatenated) as the payload, and the counters (round,
 schedule step, tokens absorbed) with a sha256 of the payload in the header. The joiner verifies length,
 checksum and finiteness before it uses anything, and tries the next donor on any failure. Donors serve
-`SERVING_SLOTS` downloads at a time and answer "busy" otherwise, so several joiners spread over several
-donors instead of queueing on the freshest one. A download is a bounded send (`wire.send_msg`): a joiner
-that stops reading is cut off within seconds, so it cannot keep a slot (or a copy of the state) for long.
-Requests pass the peer's stream admission first (admission.py): the key is checked before anything else.
+`SERVING_SLOTS` downloads at a time, one per joiner, shared fairly (state_slots.py), and otherwise answer
+"busy" with the time to ask again, so several joiners spread over several donors instead of queueing on the
+freshest one, and come back when told. A download is a bounded send (`wire.send_msg`): a joiner that stops
+reading is cut off within seconds and then refused for a while, so it cannot keep a slot (or a copy of the
+state) for long. Requests pass the peer's stream admission first (admission.py): the key is checked before
+anything else.
 
 Nothing a donor says about its state is taken on its word (a donor may lie): the joiner takes a state only if its
 digest is the global model of at least two live peers (their heartbeat records carry `global_digest`; with a
@@ -20,7 +22,9 @@ import asyncio
 import functools
 import hashlib
 import logging
+import math
 import random
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -32,6 +36,7 @@ from hivemind.p2p import PeerID
 from p2pdiloco.algorithm.outer import state_digest
 from p2pdiloco.network.admission import Request, StreamGate, serve_stream
 from p2pdiloco.network.peer_tag import PeerLog, short_id
+from p2pdiloco.network.state_slots import StateSlots
 from p2pdiloco.network.swarm_key import SwarmAuth
 from p2pdiloco.network.wire import (
     HEADER_TIMEOUT_S,
@@ -46,12 +51,25 @@ from p2pdiloco.network.wire import (
 
 logger = logging.getLogger(__name__)
 
-SERVING_SLOTS = 2
-"""Downloads a donor serves at once: one slow joiner does not make every other one "busy"."""
+BUSY_WAIT_S = 30.0
+"""How long, at most, one pass of a joiner over its donors waits in all for donors that said "busy" to be free."""
 
 
 class StateError(Exception):
     """A downloaded state that must not be used."""
+
+
+class StateBusy(StateError):
+    """A donor that does not serve this joiner now, and says when to ask again.
+
+    Args:
+        reason: the donor's word: 'busy', 'one at a time' or 'backed off' (state_slots.py).
+        retry_after_s: seconds after which the donor may serve this joiner.
+    """
+
+    def __init__(self, reason: str, retry_after_s: float):
+        super().__init__(f"donor busy ({reason}; ask again in {retry_after_s:.1f} s)")
+        self.reason, self.retry_after_s = reason, retry_after_s
 
 
 @dataclass
@@ -97,6 +115,12 @@ def unpack_state(header: dict, payload: bytes, n_params: int) -> GlobalState:
 
 def _number(value: object) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _retry_after(header: dict) -> float:
+    """A busy donor's `retry_after_s`, bounded to [0, `BUSY_WAIT_S`] (a donor's word; 1 s if it gave none)."""
+    value = _number(header.get("retry_after_s"))
+    return 1.0 if value is None or not math.isfinite(value) else min(max(value, 0.0), BUSY_WAIT_S)
 
 
 def donor_order(records: dict[str, dict], me: str, rng: random.Random | None = None) -> list[str]:
@@ -154,7 +178,8 @@ class StateSync:
         self.gate = gate or StreamGate()
         self.me = dht.peer_id.to_base58()
         self.log = PeerLog(logger, self.me)
-        self._serving = asyncio.Semaphore(SERVING_SLOTS)
+        self.slots = StateSlots()
+        """Who is served now, who waits, who is backed off (state_slots.py)."""
         self.aborted = 0
         """Downloads cut off because the joiner did not read them in time."""
         self._p2p = None
@@ -181,19 +206,23 @@ class StateSync:
         if state is None:
             await send_msg(writer, {"ok": False, "error": "no state yet", "auth": tag}, counter=self.counter,
                            deadline_s=send_deadline(0))
-        elif self._serving.locked():
-            await send_msg(writer, {"ok": False, "busy": True, "auth": tag}, counter=self.counter,
-                           deadline_s=send_deadline(0))
+        elif (refusal := self.slots.ask(joiner, send_deadline(2 * self.n_params * 4))) is not None:
+            await send_msg(writer, {"ok": False, "busy": True, "reason": refusal.reason,
+                                    "retry_after_s": refusal.retry_after_s, "auth": tag},
+                           counter=self.counter, deadline_s=send_deadline(0))
         else:
-            async with self._serving:
+            stalled = completed = False
+            try:
                 header, payload = pack_state(state)
-                try:
-                    await send_msg(writer, {**header, "auth": tag}, payload, self.counter,
-                                   deadline_s=send_deadline(len(payload)))
-                except WireError as e:
-                    self.aborted += 1
-                    self.log.warning("cut off a state download to %s: %s", short_id(joiner), e)
-                    return
+                await send_msg(writer, {**header, "auth": tag}, payload, self.counter,
+                               deadline_s=send_deadline(len(payload)))
+                completed = True
+            except WireError as e:
+                self.aborted, stalled = self.aborted + 1, True
+                self.log.warning("cut off a state download to %s: %s", short_id(joiner), e)
+                return
+            finally:
+                self.slots.release(joiner, stalled, completed)
             self.log.info("served state of round %d to %s", state.round, short_id(joiner))
         await await_requester_close(reader)  # closing at once could lose the reply (see wire.py)
 
@@ -207,7 +236,9 @@ class StateSync:
                 if not self.auth.verify("state:reply", peer, self.me, header.get("auth")):
                     raise StateError("the donor does not hold the swarm key")
                 if not header.get("ok"):
-                    raise StateError("donor busy" if header.get("busy") else f"donor refused: {header.get('error')}")
+                    if header.get("busy"):
+                        raise StateBusy(str(header.get("reason", "busy")), _retry_after(header))
+                    raise StateError(f"donor refused: {header.get('error')}")
                 payload = await recv_payload(reader, 2 * self.n_params * 4, self.counter, exact=True)
         finally:
             writer.close()
@@ -228,7 +259,8 @@ class StateSync:
                 to a heartbeat, and where rounds are shorter than a heartbeat every donor may serve a state no
                 record names yet: so after each pass over the donors without a qualifying state the records are
                 read again, and what every read named is kept.
-            passes: passes over the donors, at most (each but the first after a refresh).
+            passes: passes over the donors, at most (each but the first after a refresh). In a pass, a donor that
+                says "busy" is asked again when it says to come back (`_download_pass`).
 
         Returns:
             (the state, with counters bounded by the latest records; the donor), or None if no state qualified.
@@ -249,20 +281,19 @@ class StateSync:
                     return bounded_counters(state, records, me), donor
             return None
 
+        def take(state: GlobalState, donor: str) -> tuple[GlobalState, str] | None:
+            digest = state_digest(state.global_params, state.momentum)
+            got.setdefault(digest, (state, donor))
+            served.setdefault(digest, set()).add(donor)
+            if (found := agreed(records)) is None:
+                logger.info("the state from %s is held by no other live peer yet; trying the next donor",
+                            short_id(donor))
+            return found
+
         note(records)
         for attempt in range(1, passes + 1):
-            for donor in donor_order(records, me):
-                try:
-                    state = await asyncio.wait_for(self.fetch_from(donor, timeout), timeout)
-                except (StateError, WireError, TimeoutError, ConnectionError, OSError, Exception) as e:
-                    logger.warning("state download from %s failed (%s); trying the next donor", short_id(donor), e)
-                    continue
-                digest = state_digest(state.global_params, state.momentum)
-                got.setdefault(digest, (state, donor))
-                served.setdefault(digest, set()).add(donor)
-                if (found := agreed(records)) is not None:
-                    return found
-                logger.info("the state from %s is held by no other live peer yet; trying the next donor", short_id(donor))
+            if (found := await self._download_pass(donor_order(records, me), timeout, take)) is not None:
+                return found
             if refresh is None or attempt == passes:
                 break
             records = note(await refresh())
@@ -272,4 +303,33 @@ class StateSync:
                         attempt, passes)
         if got:
             logger.warning("no state offered by %d donor(s) was held by enough live peers: not taken", len(got))
+        return None
+
+    async def _download_pass(self, donors: list[str], timeout: float,
+                             take: Callable[[GlobalState, str], tuple[GlobalState, str] | None]
+                             ) -> tuple[GlobalState, str] | None:
+        """Ask each of `donors` in order; a donor that says "busy" again when it says to come back (other donors
+        first), for at most `BUSY_WAIT_S` from the pass's start. `take(state, donor)` returns what `fetch` returns
+        once a state qualifies, which ends the pass."""
+        due = [(0.0, donor) for donor in donors]  # (monotonic time to ask, donor)
+        give_up = time.monotonic() + BUSY_WAIT_S
+        while due:
+            due.sort(key=lambda d: d[0])  # stable: donors due at once keep their order
+            at, donor = due.pop(0)
+            if at > give_up:
+                logger.info("donor %s still busy; not waiting longer", short_id(donor))
+                continue
+            if (pause := at - time.monotonic()) > 0:
+                await asyncio.sleep(pause)
+            try:
+                state = await asyncio.wait_for(self.fetch_from(donor, timeout), timeout)
+            except StateBusy as e:
+                logger.info("state download from %s: %s", short_id(donor), e)
+                due.append((time.monotonic() + e.retry_after_s, donor))
+                continue
+            except (StateError, WireError, TimeoutError, ConnectionError, OSError, Exception) as e:
+                logger.warning("state download from %s failed (%s); trying the next donor", short_id(donor), e)
+                continue
+            if (found := take(state, donor)) is not None:
+                return found
         return None
