@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from p2pdiloco.bench import wanfigures
+from p2pdiloco.bench import wanbench, wanfigures
 from p2pdiloco.bench.wanfigures import (
     alone_reasons,
     clean,
@@ -22,6 +22,7 @@ from p2pdiloco.bench.wanfigures import (
     utilization,
 )
 from p2pdiloco.bench.wanreport import eval_ratio, print_swarm_figures
+from p2pdiloco.config import ConfigError
 
 RUN = Path(__file__).parent / "fixtures" / "bench-wan"
 
@@ -108,3 +109,26 @@ def test_the_report_prints_every_run_and_counts_the_clean_ones():
     text = console.export_text()
     assert "1 of 2 runs of wan50 clean" in text
     assert "1.0100" in text and "0.975" in text and "clean: yes" in text and "clean: no" in text
+
+
+def test_bench_wan_runs_lan_once_then_each_repeat_then_sync(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_run(profile, peers, nat, steps, out, sets, console, name=None, joiner=False):
+        calls.append((profile, name, sets, joiner))
+        g = group_figures(RUN, ["peer0"], swarm=3)
+        return {"groups": g, "utilization": utilization([]), "eval_loss_final": None, "peers": [], "status": {},
+                "sync": bool(sets), "wall_s": 1.0, "final_models": "identical", "global_models_identical": True,
+                "delay_daemons_alive_at_end": {}}
+
+    monkeypatch.setattr(wanbench, "check_can_run", lambda what, links: None)
+    monkeypatch.setattr(wanbench, "run_profile", fake_run)
+    results = wanbench.bench_wan(tmp_path, profile="wan50", peers=3, nat=0, repeat=3, sync=True, joiner=True,
+                                 console=Console(quiet=True))
+    assert list(results["runs"]) == ["lan", "wan50 1", "wan50 2", "wan50 3", "wan50 --sync"]
+    assert [c[1] for c in calls] == ["lan", "wan50-1", "wan50-2", "wan50-3", "wan50-sync"]
+    assert [c[2] for c in calls][:4] == [[]] * 4 and calls[4][2] == wanbench.SYNC_SETS
+    assert all(c[3] for c in calls)
+    assert (tmp_path / "wan.json").exists()
+    with pytest.raises(ConfigError, match="--repeat >= 1"):
+        wanbench.bench_wan(tmp_path, repeat=0)
