@@ -104,7 +104,7 @@ def test_the_report_prints_every_run_and_counts_the_clean_ones():
                "runs": {"lan": lan, "wan50 1": run, "wan50 2": {**run, "groups": {**groups, "max_over_median": 1.5}}}}
     assert eval_ratio(run, lan) == pytest.approx(1.01)
     assert eval_ratio(run, None) is None
-    console = Console(record=True, width=250)
+    console = Console(record=True, width=1000)
     print_swarm_figures(results, console)
     text = console.export_text()
     assert "1 of 2 runs of wan50 clean" in text

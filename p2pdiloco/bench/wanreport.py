@@ -38,9 +38,9 @@ def print_swarm_figures(results: dict, console: Console) -> None:
         console.print(f"  {name}: {g['group_merges']} of {g['merges']} merges in a group, median {_s(g['median_s'])}, "
                       f"largest {_ratio(g['max_over_median'], 2)}x the median (final merges up to "
                       f"{_s(g['final_max_s'])}), {g['split_merges']} splits (smallest group {g['smallest_group'] or '-'}), "
-                      f"{g['failed_dial_records']} log records of failed dials or merges{f' ({dials})' if dials else ''}; compute "
-                      f"utilization {_ratio(u['mean'])} (min {_ratio(u['min'])}), eval loss ÷ lan's "
-                      f"{_ratio(eval_ratio(run, lan), 4)}; clean: {'yes' if clean(g) else 'no'}"
+                      f"{g['failed_dial_records']} log records of failed dials or merges"
+                      f"{f' ({dials})' if dials else ''}; compute utilization {_ratio(u['mean'])} (min "
+                      f"{_ratio(u['min'])}), eval loss ÷ lan's {_ratio(eval_ratio(run, lan), 4)}; clean: {'yes' if clean(g) else 'no'}"
                       + (f" [red](run failed: {run['error']})[/red]" if run.get("error") else ""))
     repeats = [run for name, run in runs.items() if name != "lan" and not run.get("sync")]
     if len(repeats) > 1:
