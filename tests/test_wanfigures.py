@@ -57,6 +57,7 @@ def test_group_figures_find_the_slow_merge_the_splits_and_the_failed_dials():
     assert g["median_s"] == pytest.approx(1.1)  # of 1.0, 1.2, 3.0, 1.1, 1.0: the final merge (9 s) left out
     assert g["max_s"] == 3.0 and g["max_over_median"] == pytest.approx(3.0 / 1.1)
     assert g["final_max_s"] == 9.0
+    assert g["later_max_over_median"] == pytest.approx(3.0 / 1.1)  # peer0's 3 s merge is its third
     assert g["split_merges"] == 2 and g["smallest_group"] == 1
     assert g["failed_dial_records"] == 4
     assert not clean(g)
@@ -64,6 +65,8 @@ def test_group_figures_find_the_slow_merge_the_splits_and_the_failed_dials():
     assert whole["split_merges"] == 0 and whole["failed_dial_records"] == 0
     assert not clean(whole)  # 3.0 s is over 2x the median of 1.0, 1.2, 3.0
     assert clean(whole, max_ratio=2.5)
+    firsts = group_figures(RUN, ["peer2"], swarm=3)  # the joiner: alone first, then one group merge of 1.3 s
+    assert firsts["later_max_over_median"] == pytest.approx(1.0) and firsts["split_merges"] == 1
     assert not clean(group_figures(RUN, [], swarm=3))  # no group merge is not a clean run
 
 
@@ -101,13 +104,14 @@ def test_the_report_prints_every_run_and_counts_the_clean_ones():
            "eval_loss_final": 2.9, "sync": False, "peers": [], "status": {}}
     lan = {**run, "eval_loss_final": 2.9 / 1.01}
     results = {"peers": 3, "nat": 0, "profile": "wan50", "joiner": False,
-               "runs": {"lan": lan, "wan50 1": run, "wan50 2": {**run, "groups": {**groups, "max_over_median": 1.5}}}}
+               "runs": {"lan": lan, "wan50 1": run, "wan50 2": {
+                   **run, "groups": {**groups, "max_over_median": 1.5, "later_max_over_median": 1.2}}}}
     assert eval_ratio(run, lan) == pytest.approx(1.01)
     assert eval_ratio(run, None) is None
     console = Console(record=True, width=1000)
     print_swarm_figures(results, console)
     text = console.export_text()
-    assert "1 of 2 runs of wan50 clean" in text
+    assert "1 of 2 runs of wan50 clean" in text and "1 of 2 without each peer's first merge" in text
     assert "1.0100" in text and "0.975" in text and "clean: yes" in text and "clean: no" in text
 
 

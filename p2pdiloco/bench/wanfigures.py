@@ -93,23 +93,27 @@ def group_figures(run_dir: Path, names: list[str], swarm: int) -> dict:
 
     Returns:
         {"merges", "group_merges", "median_s", "max_s", "max_over_median" (of the group merges but the final ones:
-        a peer that reached the last step waits there for the others), "final_max_s", "split_merges" (merges, alone included,
-        in a group of fewer than `swarm`), "smallest_group", "failed_dials" ({kind: records}, every peer),
+        a peer that reached the last step waits there for the others), "later_max_over_median" (the same without
+        each peer's first merge, which opens its first connections), "final_max_s", "split_merges" (merges, alone
+        included, in a group of fewer than `swarm`), "smallest_group", "failed_dials" ({kind: records}, every peer),
         "failed_dial_records"}.
     """
-    merges, dials = [], {}
+    merges, later, dials = [], [], {}
     for name in names:
-        merges += [r for r in read_lines(run_dir / "peers" / name / "metrics.jsonl") if r.get("kind") == "merge"] \
-            if (run_dir / "peers" / name / "metrics.jsonl").exists() else []
+        path = run_dir / "peers" / name / "metrics.jsonl"
+        own = [r for r in read_lines(path) if r.get("kind") == "merge"] if path.exists() else []
+        merges, later = merges + own, later + own[1:]
         for kind, n in failed_dials(run_dir / "peers" / name / f"{name}.log").items():
             dials[kind] = dials.get(kind, 0) + n
     group = [r for r in merges if r.get("group_size", 1) >= 2]
     before_final = [r["merge_s"] for r in group if not r.get("final")]
     final = [r["merge_s"] for r in group if r.get("final")]
+    after_first = [r["merge_s"] for r in later if r.get("group_size", 1) >= 2 and not r.get("final")]
     median = statistics.median(before_final) if before_final else None
     return {"merges": len(merges), "group_merges": len(group), "median_s": median,
             "max_s": max(before_final, default=None),
             "max_over_median": max(before_final) / median if before_final and median else None,
+            "later_max_over_median": max(after_first) / median if after_first and median else None,
             "final_max_s": max(final, default=None),
             "split_merges": sum(1 for r in merges if r.get("group_size", 1) < swarm),
             "smallest_group": min((r.get("group_size", 1) for r in merges), default=None),

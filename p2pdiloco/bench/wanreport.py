@@ -36,7 +36,8 @@ def print_swarm_figures(results: dict, console: Console) -> None:
         g, u = run["groups"], run["utilization"]
         dials = ", ".join(f"{k} {n}" for k, n in g["failed_dials"].items())
         console.print(f"  {name}: {g['group_merges']} of {g['merges']} merges in a group, median {_s(g['median_s'])}, "
-                      f"largest {_ratio(g['max_over_median'], 2)}x the median (final merges up to "
+                      f"largest {_ratio(g['max_over_median'], 2)}x the median ({_ratio(g['later_max_over_median'], 2)}x "
+                      f"without each peer's first merge; final merges up to "
                       f"{_s(g['final_max_s'])}), {g['split_merges']} splits (smallest group {g['smallest_group'] or '-'}), "
                       f"{g['failed_dial_records']} log records of failed dials or merges"
                       f"{f' ({dials})' if dials else ''}; compute utilization {_ratio(u['mean'])} (min "
@@ -45,8 +46,10 @@ def print_swarm_figures(results: dict, console: Console) -> None:
     repeats = [run for name, run in runs.items() if name != "lan" and not run.get("sync")]
     if len(repeats) > 1:
         n_clean = sum(1 for run in repeats if clean(run["groups"]) and not run.get("error"))
+        but_first = sum(1 for run in repeats if not run.get("error") and clean(
+            {**run["groups"], "max_over_median": run["groups"]["later_max_over_median"]}))
         console.print(f"{n_clean} of {len(repeats)} runs of {results['profile']} clean (no failed dial, no merge over "
-                      f"2x the median, no split)")
+                      f"2x the median, no split); {but_first} of {len(repeats)} without each peer's first merge")
     if results["nat"] == results["peers"]:
         print_alone(results, console)
     if results.get("joiner"):
