@@ -122,7 +122,7 @@ def run_profile(profile: str, peers: int, nat: int, steps: int, out: Path, extra
                     **alone_reasons(run_dir / "peers" / row["peer"], row["peer"])})
     swarm = [summaries[n] for n in names[:peers] if n in summaries]
     losses = [p["eval_loss_final"] for p in swarm if p.get("eval_loss_final") is not None]
-    which, _ = final_models(list(summaries.values()))
+    which, _ = final_models([p for p in summaries.values() if not p.get("arrived_after_end")])  # as `summarize`
     result = {"accuracy": accuracy, "peers": figures, "wall_s": time.monotonic() - t0, "error": error,
               "sync": cfg.rounds.sync, "global_models_identical": which == "identical", "final_models": which,
               "eval_loss_final": statistics.mean(losses) if losses else None, "utilization": utilization(swarm),
