@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from p2pdiloco.app.commands import stop_on_signals
+from p2pdiloco.bench.wanlab import PROFILES
 from p2pdiloco.config import CODECS, ConfigError
 
 
@@ -57,7 +58,11 @@ FLAGS: dict[str, dict] = {
     "--kinds": {"metavar": "K[,K...]"},
     "--group-size": {"type": int},
     "--dht-seconds": {"type": float},
-    "--profile": {"default": "home", "choices": ["lan", "home", "intercontinental", "mixed"]},
+    "--profile": {"default": "home", "choices": list(PROFILES)},
+    "--repeat": {"type": int, "default": 1},
+    "--sync": {"action": "store_true"},
+    "--joiner": {"action": "store_true"},
+    "--tcp": {"default": "default", "choices": ["default", "reno"]},
     "--nat": {"type": int, "default": 4},
     "--samples": {"type": int, "default": 30},
     "--set": {"dest": "sets", "action": "append", "default": [], "metavar": "SECTION.KEY=VALUE"},
@@ -145,9 +150,16 @@ BENCHES: dict[str, tuple[str, str, dict[str, str | tuple[str, str]]]] = {
         "minutes; needs root; docs/wanlab.md).",
         {"--steps": "inner steps per peer, padded to 0.3 s each (default 200)",
          "--peers": ("N", "peers, one home each (default 6)"),
-         "--profile": "the links of the homes (default home: 20/100 Mbit/s, 40 ms each way, 0.5 % loss; see "
-                      "docs/wanlab.md)",
+         "--profile": "the links of the homes (default home: 20/100 Mbit/s, 40 ms each way, 0.5 % loss; wan50: 25 "
+                      "ms each way at each home, 50 ms home to home; see docs/wanlab.md)",
          "--nat": "how many of the peers are behind NAT routers (default 4)",
+         "--repeat": "runs of the profile, each in a fresh lab, after one run of lan; counts the clean ones (no "
+                     "failed dial, no merge over 2x the median, no split) (default 1)",
+         "--sync": "also run the profile with synchronous rounds of 10 steps (--sync), beside lan and decoupled",
+         "--joiner": "in every run, start one more peer behind NAT at half the run, and time its state download and "
+                     "first group merge",
+         "--tcp": "TCP congestion control of the lab's hosts: default (the machine's, BBR here) or reno (loss-based, "
+                  "as CUBIC on most volunteers' hosts)",
          "--set": "override one config value of the peers, e.g. --set data.tokenizer=tokenizer.json (repeatable)"}),
     "wanrpc": (
         "what a libp2p request and a new connection cost in round trips (root)",
@@ -237,7 +249,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from p2pdiloco.bench.wanbench import STEPS, bench_wan
 
         bench_wan(out, profile=args.profile, peers=_one_int(args.peers, "--peers") or 6, nat=args.nat,
-                  steps=args.steps or STEPS, extra_sets=tuple(args.sets))
+                  steps=args.steps or STEPS, extra_sets=tuple(args.sets), repeat=args.repeat, sync=args.sync,
+                  joiner=args.joiner, tcp="" if args.tcp == "default" else args.tcp)
     elif args.which == "wanrpc":
         from p2pdiloco.bench.rpcprobe import bench_wanrpc
 

@@ -12,6 +12,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from p2pdiloco.app.local import PeerProc, peer_command, stop_peers
@@ -53,8 +54,18 @@ def merge_rows(path: Path) -> list[dict]:
     return [r for r in rows if r.get("kind") == "merge"]
 
 
+def start_peer(i: int, n: int, place: tuple[str, str], cfg: Config, maddr: str, sets: list[str], out: Path) -> PeerProc:
+    """Peer i of n (data shard i/n, seed i; waits for n live peers) in namespace place[0], listening on place[1],
+    with its folder out/peers/peer<i>."""
+    ns, addr = place
+    # the peer command of `local` (shard, seed, wait for all peers); the later --host wins
+    cmd = exec_in(ns) + peer_command(i, n, cfg, maddr, out / "peers" / f"peer{i}", None, sets) + ["--host", addr]
+    return start_proc(f"peer{i}", cmd, out / "peers" / f"peer{i}")
+
+
 def run_swarm(hub: str, hub_addr: str, places: list[tuple[str, str]], cfg: Config, sets: list[str], out: Path,
-              timeout_s: float, bootstrap_port: int) -> dict:
+              timeout_s: float, bootstrap_port: int,
+              late: Callable[[float, str], list[PeerProc]] | None = None) -> dict:
     """One swarm: a bootstrap node in namespace `hub`, peer i in namespace places[i]; the run's summary.
 
     Args:
@@ -66,6 +77,9 @@ def run_swarm(hub: str, hub_addr: str, places: list[tuple[str, str]], cfg: Confi
         out: the run's folder (peers/peer<i>/ each).
         timeout_s: how long the peers may take to finish before the run counts as failed.
         bootstrap_port: the bootstrap node's TCP port.
+        late: called every half second while the peers run, with the seconds since they were started and the
+            bootstrap node's multiaddr; the peers it starts (e.g. a joiner, `start_peer`) are waited for, stopped
+            and summarized with the others.
 
     Returns:
         `summarize`'s summary, with `merge_s_mean`: the mean merge time of merges in a group.
@@ -79,14 +93,13 @@ def run_swarm(hub: str, hub_addr: str, places: list[tuple[str, str]], cfg: Confi
             "--identity", str(out / "bootstrap.key"), "--maddr-file", str(out / "bootstrap.maddr")], out)
         procs.append(boot)
         maddr = bootstrap_maddr(boot, out / "bootstrap.maddr", hub_addr)
-        for i, (ns, addr) in enumerate(places):
-            # the peer command of `local` (shard, seed, wait for all peers); the later --host wins
-            cmd = exec_in(ns) + peer_command(i, n, cfg, maddr, out / "peers" / f"peer{i}", None, sets) + [
-                "--host", addr]
-            procs.append(start_proc(f"peer{i}", cmd, out / "peers" / f"peer{i}"))
-        deadline = time.monotonic() + timeout_s
-        peers = procs[1:]
-        while any(p.proc.poll() is None for p in peers):
+        for i, place in enumerate(places):
+            procs.append(start_peer(i, n, place, cfg, maddr, sets, out))
+        started = time.monotonic()
+        deadline = started + timeout_s
+        while any(p.proc.poll() is None for p in procs[1:]):
+            if late is not None:
+                procs += late(time.monotonic() - started, maddr)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"peers did not finish in {timeout_s:.0f} s; see {out}/peers/*/peer*.log")
             for p in procs:

@@ -81,11 +81,14 @@ LAN = Link(name="lan")
 HOME = Link(up_mbit=20, down_mbit=100, delay_ms=40, loss=0.005, name="home")
 INTERCONTINENTAL = Link(up_mbit=50, down_mbit=200, delay_ms=100, jitter_ms=5, loss=0.01, name="intercontinental")
 FIBER = Link(up_mbit=100, down_mbit=100, delay_ms=10, jitter_ms=1, name="fiber")
+WAN50 = Link(delay_ms=25, name="wan50")
+"""25 ms each way at each home's router: 50 ms one way between two homes, no rate limit, no loss."""
 PROFILES: dict[str, tuple[Link, ...]] = {
     "lan": (LAN,),
     "home": (HOME,),
     "intercontinental": (INTERCONTINENTAL,),
     "mixed": (HOME, INTERCONTINENTAL, FIBER),
+    "wan50": (WAN50,),
 }
 """Named profiles: the links of homes 0, 1, 2, ... in turn."""
 
