@@ -118,8 +118,9 @@ def test_the_report_prints_every_run_and_counts_the_clean_ones():
 def test_bench_wan_runs_lan_once_then_each_repeat_then_sync(monkeypatch, tmp_path):
     calls = []
 
-    def fake_run(profile, peers, nat, steps, out, sets, console, name=None, joiner=False):
+    def fake_run(profile, peers, nat, steps, out, sets, console, name=None, joiner=False, tcp=""):
         calls.append((profile, name, sets, joiner))
+        assert tcp == ""  # the lab's default unless --tcp says otherwise
         g = group_figures(RUN, ["peer0"], swarm=3)
         return {"groups": g, "utilization": utilization([]), "eval_loss_final": None, "peers": [], "status": {},
                 "sync": bool(sets), "wall_s": 1.0, "final_models": "identical", "global_models_identical": True,
