@@ -148,8 +148,23 @@ BENCHES: dict[str, tuple[str, str, dict[str, str | tuple[str, str]]]] = {
                       "docs/wanlab.md)",
          "--nat": "how many of the peers are behind NAT routers (default 4)",
          "--set": "override one config value of the peers, e.g. --set data.tokenizer=tokenizer.json (repeatable)"}),
+    "wancodec": (
+        "int4 against --recipe sparseloco in time to a loss on home links, a 22M model (root)",
+        "The default codec (int4) against --recipe sparseloco, each in a fresh WAN lab of the home profile (20/100 "
+        "Mbit/s, 40 ms each way, 0.5 % loss), with a model whose int4 merge is 11.9 MB a peer (inner steps padded "
+        "to 1 s, 10 s timed rounds): wall-clock time until the peers' mean eval loss reaches a target, merge time, "
+        "bytes per merge, rounds in a group, compute utilization, final eval loss, each beside int4's as a ratio "
+        "(two runs of about 9 minutes; needs root; docs/wanlab.md).",
+        {"--steps": "inner steps per peer, padded to 1 s each (default 450)",
+         "--peers": ("N", "peers, one home each (default 4)"),
+         "--nat": "how many of the peers are behind NAT routers (default 0)",
+         "--codecs": ("A,A[,...]", "the arms, codecs or recipes, the first the baseline (default int4,sparseloco)"),
+         "--set": "override one config value of the peers of every arm, e.g. --set model.d_model=1280 "
+                  "(repeatable)"}),
 }
 """Each benchmark: (one-line help, description, {flag: help, or (metavar, help)}); each takes --out and -v too."""
+BENCH_DEFAULTS: dict[str, dict] = {"wancodec": {"nat": 0}}
+"""Where a bench's default differs from the one in `FLAGS`."""
 
 
 def add_bench_parser(sub: argparse._SubParsersAction, epilog: str) -> None:
@@ -166,7 +181,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, epilog: str) -> None:
             kwargs = {**FLAGS[flag], **({"metavar": metavar} if metavar else {})}
             b.add_argument(flag, help=text.replace("%", "%%"), **kwargs)
         b.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-        b.set_defaults(func=cmd_bench)
+        b.set_defaults(func=cmd_bench, **BENCH_DEFAULTS.get(name, {}))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -230,6 +245,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         bench_wan(out, profile=args.profile, peers=_one_int(args.peers, "--peers") or 6, nat=args.nat,
                   steps=args.steps or STEPS, extra_sets=tuple(args.sets))
+    elif args.which == "wancodec":
+        from p2pdiloco.bench.wancodec import bench_from_args
+
+        bench_from_args(out, args)
     else:
         from p2pdiloco.bench.overhead import bench_overhead
 

@@ -1,0 +1,308 @@
+"""`p2pdiloco bench wancodec`: the default codec against `--recipe sparseloco` on home links, in wall-clock time to
+a loss, with a model whose int4 merge is >= 10 MB a peer.
+
+The same swarm runs once per arm (int4, the default codec, first; then the sparseloco recipe's settings), each in
+a fresh WAN lab (wanlab.py) of `peers` homes on the `home` profile (20 Mbit/s up, 100 down, 40 ms each way,
+0.5 % loss), with the public CLI (`p2pdiloco peer --initial-peers ...`, nsswarm.py). The model is wide (d_model
+960, 2 layers: 22.4M parameters, an int4 pseudo-gradient of 11.9 MB) and its batches tiny, so that an inner step
+takes ~0.2 s of one core; steps are padded to `STEP_S` so that 4 peers on 2 cores do not compete, and rounds are
+timed (`ROUND_S`). Every round's merge is followed by an eval of the peer's global model.
+
+Per arm it reports:
+
+- the swarm's eval loss over time: at each moment, the mean over peers of each peer's latest eval of its global
+  model (`swarm_curve`), from the earliest peer's first inner step;
+- the wall-clock time until that mean first reaches a target (`time_to_target`): by default the loss the worse
+  arm ends at (both reach it), and the points 50 %, 75 % and 90 % of the way there from the start;
+- the median time of group merges, bytes a peer sent per group merge (all merge traffic, and the pseudo-gradient
+  exchange alone), rounds merged in a group, compute utilization (time in padded inner steps ÷ the training
+  loop's wall time; the evals after each merge count as not computing), final eval loss;
+
+each arm's figure beside the first arm's, as a ratio. Needs root, like `bench wan`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from p2pdiloco.algorithm.codecs import get_codec
+from p2pdiloco.bench.common import BENCH_DATA, machine, report, write_results
+from p2pdiloco.bench.nsswarm import merge_rows, run_swarm
+from p2pdiloco.bench.wanaccuracy import measure, print_accuracy
+from p2pdiloco.bench.wanlab import HUB_ADDR, WanLab, check_can_run, profile_links
+from p2pdiloco.config import CODECS, Config, ConfigError, load_config, parse_set
+from p2pdiloco.config.recipes import RECIPES
+
+STEP_S = 1.0
+"""Padded inner step, seconds: 4 peers' unpadded steps (~0.2 s of one core each) fit twice into it on 2 cores."""
+ROUND_S = 10.0
+"""Timed rounds: about 10 inner steps (the H at which the sparseloco recipe matches int4, benchmarks.md)."""
+STEPS = 450
+"""Inner steps per peer by default: 7.5 minutes of training at `STEP_S`."""
+PEERS = 4
+ARMS = ("int4", "sparseloco")
+"""The default codec first (the baseline of every ratio), then the sparseloco recipe."""
+PROFILE = "home"
+BOOTSTRAP_PORT = 31339
+TARGET_FRACTIONS = (0.5, 0.75, 0.9, 1.0)
+"""Targets on the way from the initial loss to the worse arm's final loss (1.0: that loss itself)."""
+MODEL_SETS = [
+    "model.n_layer=2", "model.d_model=960", "model.n_head=8", "model.seq_len=32", "data.batch_size=2", *BENCH_DATA,
+    "inner.warmup_steps=20", "run.eval_batches=8", "run.eval_every_rounds=1", "run.log_every=10",
+    "run.checkpoint_every=0", "merge.merge_window_s=10", f"emulate.min_step_s={STEP_S}",
+    f"rounds.round_seconds={ROUND_S}",
+]
+"""Every arm's settings: the wide model, an eval of the global model after every merge, padded steps, timed rounds."""
+
+
+def arm_sets(arm: str) -> list[str]:
+    """The settings of one arm: a recipe's (`config/recipes.py`) if `arm` names one, else `codec.name=ARM`."""
+    return list(RECIPES[arm]) if arm in RECIPES else [f"codec.name={arm}"]
+
+
+def payload_bytes(cfg: Config, n_params: int, peers: int) -> dict:
+    """What one merge of a `n_params` pseudo-gradient costs a peer's uplink, computed before the run.
+
+    int4 is exact (N/2 bytes of codes plus an fp32 scale per 128 values); a sliced codec's all-reduce sends
+    2·(n−1)/n of it (the parts of the others' slices, then its own slice's average to each). sparseloco's size
+    varies: it is measured on a Gaussian vector of `n_params` values, and its all-gather sends it to n − 1 members.
+
+    Args:
+        cfg: the arm's config (its codec and `sparse_keep`).
+        n_params: the model's parameter count.
+        peers: members of a merge group.
+    """
+    codec = get_codec(cfg.codec.name, cfg.codec.sparse_keep)
+    if codec.exact_size:
+        part = codec.encoded_size(n_params)
+    else:
+        part = len(codec.encode(torch.randn(n_params, generator=torch.Generator().manual_seed(0))))
+    sent = part * (2 * (peers - 1) / peers if codec.sliced else peers - 1)
+    return {"codec": cfg.codec.name, "part_bytes": part, "sent_bytes": sent}
+
+
+def eval_series(rows: list[dict]) -> list[tuple[float, float]]:
+    """(Unix time, eval loss of the global model) of one peer's metrics lines: its `eval` lines (start and end)
+    and the merges that evaluated, in time order."""
+    points = [(r["t"], r["eval_loss"]) for r in rows
+              if r.get("kind") in ("eval", "merge") and r.get("eval_loss") is not None]
+    return sorted(points)
+
+
+def swarm_curve(series: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The mean over peers of each peer's latest eval loss, at every moment one changes, from the moment every
+    peer has one (before that, the mean of some peers only would be another quantity).
+
+    Args:
+        series: one `eval_series` per peer.
+
+    Returns:
+        (time, mean) at each point, in time order; empty if a peer has no point.
+    """
+    if not series or any(not s for s in series):
+        return []
+    start = max(s[0][0] for s in series)
+    times = sorted({t for s in series for t, _ in s if t >= start})
+    curve = []
+    for t in times:
+        latest = [s[bisect.bisect_right(s, (t, float("inf"))) - 1][1] for s in series]
+        curve.append((t, statistics.fmean(latest)))
+    return curve
+
+
+def time_to_target(curve: list[tuple[float, float]], target: float, t0: float) -> float | None:
+    """Seconds from `t0` until the curve's mean first reaches `target` (<=); None if it never does."""
+    return next((t - t0 for t, loss in curve if loss <= target), None)
+
+
+def targets(initial: float, finals: list[float], fractions: tuple[float, ...] = TARGET_FRACTIONS) -> list[float]:
+    """The losses at `fractions` of the way from `initial` to the worst of `finals` (the loss every arm reaches)."""
+    worst = max(finals)
+    return [initial + f * (worst - initial) for f in fractions]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """A metrics.jsonl's lines (none if it does not exist)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def arm_figures(run_dir: Path, summary: dict) -> dict:
+    """One arm's figures (the module docstring) from its run folder and `run_swarm`'s summary."""
+    peers = summary["peers"]
+    metrics = [read_metrics(run_dir / "peers" / f"peer{i}" / "metrics.jsonl") for i in range(len(peers))]
+    series = [eval_series(rows) for rows in metrics]
+    starts = [s[0][0] for s in series if s]
+    merges = [r for i in range(len(peers)) for r in merge_rows(run_dir / "peers" / f"peer{i}" / "metrics.jsonl")]
+    group = [r["merge_s"] for r in merges if r.get("group_size", 1) >= 2]
+    per_merge = [p["bytes_sent"] / p["merges"] for p in peers if p.get("merges")]
+    delta_per_merge = [p.get("pseudo_grad_bytes_sent", 0) / p["merges"] for p in peers if p.get("merges")]
+    return {
+        "t0": min(starts) if starts else None, "curve": swarm_curve(series),
+        "eval_loss_initial": summary["eval_loss_initial"], "eval_loss_final": summary["eval_loss_final"],
+        "group_merge_s_median": statistics.median(group) if group else None,
+        "group_merge_s_max": max(group) if group else None,
+        "bytes_per_merge": statistics.fmean(per_merge) if per_merge else None,
+        "delta_bytes_per_merge": statistics.fmean(delta_per_merge) if delta_per_merge else None,
+        "group_rounds": len(group), "rounds": len(merges),
+        "steps_per_round": statistics.fmean(p["inner_steps"] / p["rounds"] for p in peers if p.get("rounds")),
+        "utilization": statistics.fmean(p["compute_s"] / p["train_s"] for p in peers if p.get("train_s")),
+        "final_models": summary.get("final_models"), "wall_s": summary["wall_s"],
+    }
+
+
+def run_arm(arm: str, peers: int, nat: int, steps: int, out: Path, extra_sets: list[str], console: Console) -> dict:
+    """One lab of the `home` profile, its accuracy, and one swarm of `arm` in it; the arm's figures."""
+    sets = MODEL_SETS + arm_sets(arm) + extra_sets + [f"run.total_steps={steps}", f"swarm.run_id=bench-wancodec-{arm}"]
+    cfg = load_config(None, [parse_set(sets)])
+    with WanLab(profile_links(PROFILE, peers), nat=[i < nat for i in range(peers)], tag=arm[:4]) as lab:
+        console.print(f"[bold]{arm}[/bold]: {peers} peers ({nat} behind NAT) on {PROFILE}, the lab measured:")
+        accuracy = measure(lab)
+        print_accuracy(accuracy, console)
+        console.print(f"  training {steps} steps of {cfg.emulate.min_step_s} s, rounds of "
+                      f"{cfg.rounds.round_seconds} s ...")
+        summary = run_swarm(lab.hub, HUB_ADDR, [(h.ns, h.addr) for h in lab.homes], cfg, sets, out / arm,
+                            timeout_s=2 * steps * cfg.emulate.min_step_s + 300, bootstrap_port=BOOTSTRAP_PORT)
+        daemons = lab.daemons_alive()
+    figures = arm_figures(out / arm, summary)
+    figures.update({"accuracy": accuracy, "sets": arm_sets(arm), "delay_daemons_alive_at_end": daemons,
+                    "n_params": summary["peers"][0].get("n_params")})
+    return figures
+
+
+def model_params(sets: list[str]) -> int:
+    """Parameters of the model `sets` describe (built on CPU, then dropped)."""
+    from p2pdiloco.training.model import build_model
+
+    return sum(p.numel() for p in build_model(load_config(None, [parse_set(sets)]).model).parameters())
+
+
+def bench_wancodec(out: Path, arms: tuple[str, ...] = ARMS, peers: int = PEERS, nat: int = 0, steps: int = STEPS,
+                   extra_sets: tuple[str, ...] = (), console: Console | None = None) -> dict:
+    """Each arm in its own lab, one after the other; prints the payloads first, then every figure beside the first
+    arm's (see the module docstring).
+
+    Args:
+        out: results folder (wancodec.json, one sub-folder per arm).
+        arms: codecs or recipes (`config/recipes.py`), the first the baseline.
+        peers: peers, one home each.
+        nat: how many of them (the first) are behind NAT routers.
+        steps: inner steps per peer.
+        extra_sets: config overrides (`--set`), for every peer of every arm (e.g. the model's size).
+        console: where the tables are printed.
+    """
+    if peers < 2 or not 0 <= nat < peers or len(arms) < 2:
+        raise ConfigError(f"bench wancodec needs --peers >= 2, 0 <= --nat < --peers and two arms or more, got "
+                          f"{peers}, {nat} and {','.join(arms)}")
+    check_can_run("bench wancodec", profile_links(PROFILE, peers))
+    console = console or Console()
+    out.mkdir(parents=True, exist_ok=True)
+    n_params = model_params(MODEL_SETS + list(extra_sets))
+    results: dict = {"machine": machine(), "loadavg_at_start": _loadavg(), "profile": PROFILE, "peers": peers,
+                     "nat": nat, "steps": steps, "sets": list(extra_sets), "n_params": n_params, "arms": {},
+                     "payload": {a: payload_bytes(load_config(None, [parse_set(MODEL_SETS + arm_sets(a) + list(
+                         extra_sets))]), n_params, peers) for a in arms}}
+    print_payload(results, console)
+    for arm in arms:
+        results["arms"][arm] = run_arm(arm, peers, nat, steps, out, list(extra_sets), console)
+        write_results(out, "wancodec", results)  # after every arm: an interrupted bench keeps what it has
+    compare(results)
+    return report(out, "wancodec", results, print_wancodec, console)
+
+
+def bench_from_args(out: Path, args) -> dict:
+    """`p2pdiloco bench wancodec`'s flags (bench/cli.py) parsed and checked, then `bench_wancodec`."""
+    arms = tuple(args.codecs.split(",")) if args.codecs else ARMS
+    known = (*CODECS, *RECIPES)
+    if any(a not in known for a in arms) or len(set(arms)) != len(arms):
+        raise ConfigError(f"--codecs takes distinct codecs or recipes separated by commas ({', '.join(known)}), "
+                          f"got {args.codecs!r}")
+    peers = int(args.peers) if args.peers and args.peers.isdigit() else None
+    if args.peers and peers is None:
+        raise ConfigError(f"--peers takes one positive integer, got {args.peers!r}")
+    return bench_wancodec(out, arms=arms, peers=peers or PEERS, nat=args.nat, steps=args.steps or STEPS,
+                          extra_sets=tuple(args.sets))
+
+
+def compare(results: dict) -> None:
+    """Add the targets, each arm's time to each target, and the crossover estimate, to `results`."""
+    arms = results["arms"]
+    initial = statistics.fmean(a["curve"][0][1] for a in arms.values() if a["curve"])
+    finals = [a["curve"][-1][1] for a in arms.values() if a["curve"]]
+    results["targets"] = targets(initial, finals) if finals else []
+    for a in arms.values():
+        a["time_to_target_s"] = [time_to_target(a["curve"], x, a["t0"]) for x in results["targets"]]
+    base = arms[next(iter(arms))]
+    if base["group_merge_s_median"] and base["bytes_per_merge"]:
+        rate = base["bytes_per_merge"] / base["group_merge_s_median"]  # the uplink as the baseline's merges used it
+        round_s = load_config(None, [parse_set(MODEL_SETS + results["sets"])]).rounds.round_seconds
+        results["baseline_merge_bytes_per_s"] = rate
+        results["baseline_merge_fills_round_at_params"] = round_s * rate / (base["bytes_per_merge"] / results["n_params"])
+
+
+def _loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def print_payload(results: dict, console: Console) -> None:
+    """The payload arithmetic, before the runs."""
+    console.print(f"machine: {results['machine']}; load average at start: {results['loadavg_at_start']}")
+    console.print(f"model: {results['n_params']:,} parameters; per merge of {results['peers']} peers, a peer's part "
+                  "and what its uplink sends (computed):")
+    for arm, p in results["payload"].items():
+        console.print(f"  {arm}: part {p['part_bytes'] / 1e6:.2f} MB, sends {p['sent_bytes'] / 1e6:.2f} MB = "
+                      f"{p['sent_bytes'] * 8 / 20e6:.1f} s at 20 Mbit/s")
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return f"{value / base:.3f}" if value is not None and base else "-"
+
+
+def print_wancodec(results: dict, console: Console) -> None:
+    """Every figure of each arm beside the first arm's, and the ratio."""
+    arms = results["arms"]
+    names = list(arms)
+    base = arms[names[0]]
+    table = Table(title=f"bench wancodec: {results['peers']} peers ({results['nat']} behind NAT) on "
+                  f"{results['profile']}, {results['n_params']:,} parameters, {results['steps']} inner steps each")
+    table.add_column("figure")
+    for name in names:
+        table.add_column(name)
+    for name in names[1:]:
+        table.add_column(f"{name} ÷ {names[0]}")
+    rows = [(f"time to eval loss {x:.4f} (s)", lambda a, i=i: a["time_to_target_s"][i], ".0f")
+            for i, x in enumerate(results.get("targets", []))]
+    rows += [("group merge, median (s)", lambda a: a["group_merge_s_median"], ".2f"),
+             ("group merge, max (s)", lambda a: a["group_merge_s_max"], ".2f"),
+             ("bytes sent per merge, a peer (MB)", lambda a: a["bytes_per_merge"] and a["bytes_per_merge"] / 1e6, ".3f"),
+             ("  of it Δ (MB)", lambda a: a["delta_bytes_per_merge"] and a["delta_bytes_per_merge"] / 1e6, ".3f"),
+             ("rounds in a group", lambda a: a["group_rounds"], "d"), ("rounds", lambda a: a["rounds"], "d"),
+             ("inner steps per round", lambda a: a["steps_per_round"], ".1f"),
+             ("compute utilization", lambda a: a["utilization"], ".3f"),
+             ("eval loss, final (mean)", lambda a: a["eval_loss_final"], ".4f"),
+             ("run wall time (s)", lambda a: a["wall_s"], ".0f")]
+    for label, get, fmt in rows:
+        table.add_row(label, *(_num(get(arms[n]), fmt) for n in names),
+                      *(_ratio(get(arms[n]), get(base)) for n in names[1:]))
+    console.print(table)
+    for name, arm in arms.items():
+        console.print(f"{name}: final models {arm['final_models']}; sets {' '.join(arm['sets'])}")
+        if not all(arm["delay_daemons_alive_at_end"].values()):
+            console.print(f"[red]  a delay daemon died during the run: {arm['delay_daemons_alive_at_end']}")
+    if results.get("baseline_merge_fills_round_at_params"):
+        console.print(f"{names[0]}'s merges moved {results['baseline_merge_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s of a "
+                      f"peer's uplink; at that rate its merge fills a round at about "
+                      f"{results['baseline_merge_fills_round_at_params'] / 1e6:.0f}M parameters")
