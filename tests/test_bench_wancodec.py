@@ -82,7 +82,22 @@ def test_the_default_arm_is_the_default_codec_and_sparseloco_is_its_recipe():
 
     assert load_config(None, []).codec.name == wancodec.ARMS[0] == "int4"
     assert wancodec.arm_sets("sparseloco") == RECIPES["sparseloco"]
-    assert wancodec.arm_sets("int8") == ["codec.name=int8"]
+    assert wancodec.arm_sets("int8@lan") == ["codec.name=int8"]
+    assert wancodec.parse_arm("int4") == ("int4", "home") and wancodec.parse_arm("int4@lan") == ("int4", "lan")
+
+
+def test_crossover_takes_the_links_part_from_the_same_codec_on_lan():
+    arms = {"int4": {"group_merge_s_median": 8.0, "bytes_per_merge": 10e6},
+            "sparseloco": {"group_merge_s_median": 2.0, "bytes_per_merge": 0.3e6},
+            "int4@lan": {"group_merge_s_median": 3.0, "bytes_per_merge": 10e6}}
+    c = wancodec.crossover(arms, round_s=10.0, n_params=20_000_000)
+    assert c["merge_s"] == 8.0 and c["lan_merge_s"] == 3.0 and c["link_s"] == 5.0
+    assert c["link_mbit"] == pytest.approx(16.0)  # 10 MB in 5 s
+    assert c["params_merge_fills_round"] == pytest.approx(25e6)  # 20M · 10 s ÷ 8 s
+    assert c["params_link_fills_round"] == pytest.approx(40e6)  # 20M · 10 s ÷ 5 s
+    alone = wancodec.crossover({"int4": arms["int4"], "sparseloco": arms["sparseloco"]}, 10.0, 20_000_000)
+    assert alone["lan_merge_s"] is None and alone["params_link_fills_round"] is None
+    assert wancodec.crossover({"int4": {"group_merge_s_median": None, "bytes_per_merge": None}}, 10.0, 1) is None
 
 
 def test_the_bench_model_has_an_int4_merge_of_at_least_10_mb():
@@ -92,8 +107,9 @@ def test_the_bench_model_has_an_int4_merge_of_at_least_10_mb():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--codecs", "int4,zstd"], "--codecs takes distinct codecs or recipes"),
-    (["--codecs", "int4,int4"], "--codecs takes distinct codecs or recipes"),
+    (["--codecs", "int4,zstd"], "--codecs takes distinct arms NAME[@PROFILE]"),
+    (["--codecs", "int4,int4@home"], "--codecs takes distinct arms NAME[@PROFILE]"),
+    (["--codecs", "int4,int4@moon"], "--codecs takes distinct arms NAME[@PROFILE]"),
     (["--peers", "4,8"], "--peers takes one positive integer"),
     (["--peers", "4", "--nat", "4"], "bench wancodec needs --peers >= 2, 0 <= --nat < --peers"),
 ])

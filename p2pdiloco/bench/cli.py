@@ -151,14 +151,15 @@ BENCHES: dict[str, tuple[str, str, dict[str, str | tuple[str, str]]]] = {
     "wancodec": (
         "int4 against --recipe sparseloco in time to a loss on home links, a 22M model (root)",
         "The default codec (int4) against --recipe sparseloco, each in a fresh WAN lab of the home profile (20/100 "
-        "Mbit/s, 40 ms each way, 0.5 % loss), with a model whose int4 merge is 11.9 MB a peer (inner steps padded "
-        "to 1 s, 10 s timed rounds): wall-clock time until the peers' mean eval loss reaches a target, merge time, "
-        "bytes per merge, rounds in a group, compute utilization, final eval loss, each beside int4's as a ratio "
-        "(two runs of about 9 minutes; needs root; docs/wanlab.md).",
-        {"--steps": "inner steps per peer, padded to 1 s each (default 450)",
-         "--peers": ("N", "peers, one home each (default 4)"),
+        "Mbit/s, 40 ms each way, 0.5 % loss), and int4 on lan, with a model whose int4 merge is 11.9 MB a peer "
+        "(inner steps padded to 1 s, 10 s timed rounds): wall-clock time until the peers' mean eval loss reaches a "
+        "target, merge time, bytes per merge, rounds in a group, compute utilization, final eval loss, each beside "
+        "int4's as a ratio (three runs of about 7 minutes; needs root; docs/wanlab.md).",
+        {"--steps": "inner steps per peer, padded to 1 s each (default 300)",
+         "--peers": ("N", "peers, one home each (default 2)"),
          "--nat": "how many of the peers are behind NAT routers (default 0)",
-         "--codecs": ("A,A[,...]", "the arms, codecs or recipes, the first the baseline (default int4,sparseloco)"),
+         "--codecs": ("A,A[,...]", "the arms, each a codec or recipe with an optional @PROFILE (default home), the "
+                                   "first the baseline (default int4,sparseloco,int4@lan)"),
          "--set": "override one config value of the peers of every arm, e.g. --set model.d_model=1280 "
                   "(repeatable)"}),
 }

@@ -1,12 +1,14 @@
 """`p2pdiloco bench wancodec`: the default codec against `--recipe sparseloco` on home links, in wall-clock time to
 a loss, with a model whose int4 merge is >= 10 MB a peer.
 
-The same swarm runs once per arm (int4, the default codec, first; then the sparseloco recipe's settings), each in
-a fresh WAN lab (wanlab.py) of `peers` homes on the `home` profile (20 Mbit/s up, 100 down, 40 ms each way,
-0.5 % loss), with the public CLI (`p2pdiloco peer --initial-peers ...`, nsswarm.py). The model is wide (d_model
-960, 2 layers: 22.4M parameters, an int4 pseudo-gradient of 11.9 MB) and its batches tiny, so that an inner step
-takes ~0.2 s of one core; steps are padded to `STEP_S` so that 4 peers on 2 cores do not compete, and rounds are
-timed (`ROUND_S`). Every round's merge is followed by an eval of the peer's global model.
+The same swarm runs once per arm, each in a fresh WAN lab (wanlab.py) of `peers` homes, with the public CLI
+(`p2pdiloco peer --initial-peers ...`, nsswarm.py). An arm is `NAME[@PROFILE]`: a codec or a recipe
+(`config/recipes.py`) on a profile (`home` where it names none: 20 Mbit/s up, 100 down, 40 ms each way, 0.5 %
+loss). By default: int4 (the default codec, the baseline of every ratio), sparseloco (the recipe's settings), and
+int4 on `lan`, whose merges show what int4's cost without the link. The model is wide (d_model 960, 2 layers:
+22.4M parameters, an int4 pseudo-gradient of 11.9 MB) and its batches tiny, so that an inner step takes ~0.2 s of
+one core; steps are padded to `STEP_S` so that the peers do not compete for the 2 cores, and rounds are timed
+(`ROUND_S`). Every round's merge is followed by an eval of the peer's global model.
 
 Per arm it reports:
 
@@ -36,7 +38,7 @@ from p2pdiloco.algorithm.codecs import get_codec
 from p2pdiloco.bench.common import BENCH_DATA, machine, report, write_results
 from p2pdiloco.bench.nsswarm import merge_rows, run_swarm
 from p2pdiloco.bench.wanaccuracy import measure, print_accuracy
-from p2pdiloco.bench.wanlab import HUB_ADDR, WanLab, check_can_run, profile_links
+from p2pdiloco.bench.wanlab import HUB_ADDR, PROFILES, WanLab, check_can_run, profile_links
 from p2pdiloco.config import CODECS, Config, ConfigError, load_config, parse_set
 from p2pdiloco.config.recipes import RECIPES
 
@@ -44,12 +46,15 @@ STEP_S = 1.0
 """Padded inner step, seconds: 4 peers' unpadded steps (~0.2 s of one core each) fit twice into it on 2 cores."""
 ROUND_S = 10.0
 """Timed rounds: about 10 inner steps (the H at which the sparseloco recipe matches int4, benchmarks.md)."""
-STEPS = 450
-"""Inner steps per peer by default: 7.5 minutes of training at `STEP_S`."""
-PEERS = 4
-ARMS = ("int4", "sparseloco")
-"""The default codec first (the baseline of every ratio), then the sparseloco recipe."""
+STEPS = 300
+"""Inner steps per peer by default: 5 minutes of training at `STEP_S`."""
+PEERS = 2
+"""Two peers: 4 peers of this model do not fit beside other work in this machine's memory (~5 GB a peer)."""
+ARMS = ("int4", "sparseloco", "int4@lan")
+"""The default codec first (the baseline of every ratio), the sparseloco recipe, and int4 again on `lan` (no
+shaping): what its merges cost without the link (CPU, mostly) against what the link adds."""
 PROFILE = "home"
+"""The profile of an arm that names none."""
 BOOTSTRAP_PORT = 31339
 TARGET_FRACTIONS = (0.5, 0.75, 0.9, 1.0)
 """Targets on the way from the initial loss to the worse arm's final loss (1.0: that loss itself)."""
@@ -62,9 +67,16 @@ MODEL_SETS = [
 """Every arm's settings: the wide model, an eval of the global model after every merge, padded steps, timed rounds."""
 
 
+def parse_arm(arm: str) -> tuple[str, str]:
+    """An arm `NAME[@PROFILE]` as (codec or recipe, profile); the profile is `PROFILE` where it names none."""
+    name, _, profile = arm.partition("@")
+    return name, profile or PROFILE
+
+
 def arm_sets(arm: str) -> list[str]:
-    """The settings of one arm: a recipe's (`config/recipes.py`) if `arm` names one, else `codec.name=ARM`."""
-    return list(RECIPES[arm]) if arm in RECIPES else [f"codec.name={arm}"]
+    """The settings of one arm: a recipe's (`config/recipes.py`) if it names one, else `codec.name=NAME`."""
+    name, _ = parse_arm(arm)
+    return list(RECIPES[name]) if name in RECIPES else [f"codec.name={name}"]
 
 
 def payload_bytes(cfg: Config, n_params: int, peers: int) -> dict:
@@ -158,21 +170,24 @@ def arm_figures(run_dir: Path, summary: dict) -> dict:
 
 
 def run_arm(arm: str, peers: int, nat: int, steps: int, out: Path, extra_sets: list[str], console: Console) -> dict:
-    """One lab of the `home` profile, its accuracy, and one swarm of `arm` in it; the arm's figures."""
-    sets = MODEL_SETS + arm_sets(arm) + extra_sets + [f"run.total_steps={steps}", f"swarm.run_id=bench-wancodec-{arm}"]
+    """One lab of the arm's profile, its accuracy, and one swarm of the arm in it; the arm's figures."""
+    name, profile = parse_arm(arm)
+    folder = f"{name}-{profile}"
+    sets = MODEL_SETS + arm_sets(arm) + extra_sets + [f"run.total_steps={steps}",
+                                                       f"swarm.run_id=bench-wancodec-{folder}"]
     cfg = load_config(None, [parse_set(sets)])
-    with WanLab(profile_links(PROFILE, peers), nat=[i < nat for i in range(peers)], tag=arm[:4]) as lab:
-        console.print(f"[bold]{arm}[/bold]: {peers} peers ({nat} behind NAT) on {PROFILE}, the lab measured:")
+    with WanLab(profile_links(profile, peers), nat=[i < nat for i in range(peers)], tag=f"c{name[:2]}{profile[:2]}") as lab:
+        console.print(f"[bold]{arm}[/bold]: {peers} peers ({nat} behind NAT) on {profile}, the lab measured:")
         accuracy = measure(lab)
         print_accuracy(accuracy, console)
         console.print(f"  training {steps} steps of {cfg.emulate.min_step_s} s, rounds of "
                       f"{cfg.rounds.round_seconds} s ...")
-        summary = run_swarm(lab.hub, HUB_ADDR, [(h.ns, h.addr) for h in lab.homes], cfg, sets, out / arm,
+        summary = run_swarm(lab.hub, HUB_ADDR, [(h.ns, h.addr) for h in lab.homes], cfg, sets, out / folder,
                             timeout_s=2 * steps * cfg.emulate.min_step_s + 300, bootstrap_port=BOOTSTRAP_PORT)
         daemons = lab.daemons_alive()
-    figures = arm_figures(out / arm, summary)
-    figures.update({"accuracy": accuracy, "sets": arm_sets(arm), "delay_daemons_alive_at_end": daemons,
-                    "n_params": summary["peers"][0].get("n_params")})
+    figures = arm_figures(out / folder, summary)
+    figures.update({"accuracy": accuracy, "sets": arm_sets(arm), "profile": profile, "delay_daemons_alive_at_end": daemons,
+                    "peak_host_bytes": max(p.get("peak_host_bytes") or 0 for p in summary["peers"])})
     return figures
 
 
@@ -200,14 +215,14 @@ def bench_wancodec(out: Path, arms: tuple[str, ...] = ARMS, peers: int = PEERS, 
     if peers < 2 or not 0 <= nat < peers or len(arms) < 2:
         raise ConfigError(f"bench wancodec needs --peers >= 2, 0 <= --nat < --peers and two arms or more, got "
                           f"{peers}, {nat} and {','.join(arms)}")
-    check_can_run("bench wancodec", profile_links(PROFILE, peers))
+    check_can_run("bench wancodec", [link for a in arms for link in profile_links(parse_arm(a)[1], peers)])
     console = console or Console()
     out.mkdir(parents=True, exist_ok=True)
     n_params = model_params(MODEL_SETS + list(extra_sets))
     results: dict = {"machine": machine(), "loadavg_at_start": _loadavg(), "profile": PROFILE, "peers": peers,
                      "nat": nat, "steps": steps, "sets": list(extra_sets), "n_params": n_params, "arms": {},
-                     "payload": {a: payload_bytes(load_config(None, [parse_set(MODEL_SETS + arm_sets(a) + list(
-                         extra_sets))]), n_params, peers) for a in arms}}
+                     "payload": {parse_arm(a)[0]: payload_bytes(load_config(None, [parse_set(
+                         MODEL_SETS + arm_sets(a) + list(extra_sets))]), n_params, peers) for a in arms}}
     print_payload(results, console)
     for arm in arms:
         results["arms"][arm] = run_arm(arm, peers, nat, steps, out, list(extra_sets), console)
@@ -220,9 +235,10 @@ def bench_from_args(out: Path, args) -> dict:
     """`p2pdiloco bench wancodec`'s flags (bench/cli.py) parsed and checked, then `bench_wancodec`."""
     arms = tuple(args.codecs.split(",")) if args.codecs else ARMS
     known = (*CODECS, *RECIPES)
-    if any(a not in known for a in arms) or len(set(arms)) != len(arms):
-        raise ConfigError(f"--codecs takes distinct codecs or recipes separated by commas ({', '.join(known)}), "
-                          f"got {args.codecs!r}")
+    if (any(parse_arm(a)[0] not in known or parse_arm(a)[1] not in PROFILES for a in arms)
+            or len({parse_arm(a) for a in arms}) != len(arms)):
+        raise ConfigError(f"--codecs takes distinct arms NAME[@PROFILE] separated by commas (names: "
+                          f"{', '.join(known)}; profiles: {', '.join(PROFILES)}), got {args.codecs!r}")
     peers = int(args.peers) if args.peers and args.peers.isdigit() else None
     if args.peers and peers is None:
         raise ConfigError(f"--peers takes one positive integer, got {args.peers!r}")
@@ -238,12 +254,38 @@ def compare(results: dict) -> None:
     results["targets"] = targets(initial, finals) if finals else []
     for a in arms.values():
         a["time_to_target_s"] = [time_to_target(a["curve"], x, a["t0"]) for x in results["targets"]]
-    base = arms[next(iter(arms))]
-    if base["group_merge_s_median"] and base["bytes_per_merge"]:
-        rate = base["bytes_per_merge"] / base["group_merge_s_median"]  # the uplink as the baseline's merges used it
-        round_s = load_config(None, [parse_set(MODEL_SETS + results["sets"])]).rounds.round_seconds
-        results["baseline_merge_bytes_per_s"] = rate
-        results["baseline_merge_fills_round_at_params"] = round_s * rate / (base["bytes_per_merge"] / results["n_params"])
+    round_s = load_config(None, [parse_set(MODEL_SETS + results["sets"])]).rounds.round_seconds
+    results["crossover"] = crossover(arms, round_s, results["n_params"])
+
+
+def crossover(arms: dict[str, dict], round_s: float, n_params: int) -> dict | None:
+    """Where the first arm's merge outlasts a round, if merge time grows in proportion to the parameters.
+
+    Its merge on the same codec's `lan` arm, if there is one, is the part the link does not cause (CPU, mostly);
+    the rest is the link's: `link_s` and the uplink rate it means.
+
+    Args:
+        arms: the arms' figures, the first the baseline.
+        round_s: the rounds' length, seconds.
+        n_params: the model's parameters.
+
+    Returns:
+        None without group merges; else `merge_s`, `lan_merge_s`, `link_s`, `link_mbit` (bytes per merge ÷
+        `link_s`), `params_merge_fills_round` (N · round ÷ merge) and `params_link_fills_round` (N · round ÷ link).
+    """
+    first = next(iter(arms))
+    base = arms[first]
+    merge_s = base["group_merge_s_median"]
+    if not merge_s:
+        return None
+    name, profile = parse_arm(first)
+    lan = next((a for arm, a in arms.items() if parse_arm(arm) == (name, "lan") and profile != "lan"), None)
+    lan_s = lan["group_merge_s_median"] if lan else None
+    link_s = merge_s - lan_s if lan_s is not None and merge_s > lan_s else None
+    return {"merge_s": merge_s, "lan_merge_s": lan_s, "link_s": link_s, "round_s": round_s,
+            "link_mbit": base["bytes_per_merge"] * 8 / link_s / 1e6 if link_s and base["bytes_per_merge"] else None,
+            "params_merge_fills_round": n_params * round_s / merge_s,
+            "params_link_fills_round": n_params * round_s / link_s if link_s else None}
 
 
 def _loadavg() -> str:
@@ -293,6 +335,7 @@ def print_wancodec(results: dict, console: Console) -> None:
              ("inner steps per round", lambda a: a["steps_per_round"], ".1f"),
              ("compute utilization", lambda a: a["utilization"], ".3f"),
              ("eval loss, final (mean)", lambda a: a["eval_loss_final"], ".4f"),
+             ("peak host memory, a peer (GB)", lambda a: a["peak_host_bytes"] / 1e9, ".2f"),
              ("run wall time (s)", lambda a: a["wall_s"], ".0f")]
     for label, get, fmt in rows:
         table.add_row(label, *(_num(get(arms[n]), fmt) for n in names),
@@ -302,7 +345,12 @@ def print_wancodec(results: dict, console: Console) -> None:
         console.print(f"{name}: final models {arm['final_models']}; sets {' '.join(arm['sets'])}")
         if not all(arm["delay_daemons_alive_at_end"].values()):
             console.print(f"[red]  a delay daemon died during the run: {arm['delay_daemons_alive_at_end']}")
-    if results.get("baseline_merge_fills_round_at_params"):
-        console.print(f"{names[0]}'s merges moved {results['baseline_merge_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s of a "
-                      f"peer's uplink; at that rate its merge fills a round at about "
-                      f"{results['baseline_merge_fills_round_at_params'] / 1e6:.0f}M parameters")
+    c = results.get("crossover")
+    if c:
+        console.print(f"{names[0]}'s median group merge {c['merge_s']:.1f} s against rounds of {c['round_s']:g} s: "
+                      f"in proportion to the parameters it outlasts a round at "
+                      f"{c['params_merge_fills_round'] / 1e6:.1f}M parameters")
+    if c and c["link_s"]:
+        console.print(f"  of it on lan {c['lan_merge_s']:.1f} s, so the link's part is {c['link_s']:.1f} s "
+                      f"({c['link_mbit']:.1f} Mbit/s of a peer's uplink for its bytes); the link alone would fill a "
+                      f"round at {c['params_link_fills_round'] / 1e6:.1f}M parameters")
