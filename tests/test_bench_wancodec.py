@@ -62,7 +62,7 @@ def test_arm_figures_from_a_run_folder(tmp_path):
     assert f["group_rounds"] == 2 and f["rounds"] == 3
     assert f["group_merge_s_median"] == 3.0 and f["group_merge_s_max"] == 4.0  # the merge alone is left out
     assert f["bytes_per_merge"] == 5e6 and f["delta_bytes_per_merge"] == 3e6
-    assert f["steps_per_round"] == pytest.approx(12.5)
+    assert f["inner_steps"] == 30 and f["steps_per_round"] == pytest.approx(12.5)
     assert f["utilization"] == pytest.approx(0.85)
 
 

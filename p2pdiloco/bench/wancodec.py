@@ -8,7 +8,8 @@ loss). By default: int4 (the default codec, the baseline of every ratio), sparse
 int4 on `lan`, whose merges show what int4's cost without the link. The model is wide (d_model 960, 2 layers:
 22.4M parameters, an int4 pseudo-gradient of 11.9 MB) and its batches tiny, so that an inner step takes ~0.2 s of
 one core; steps are padded to `STEP_S` so that the peers do not compete for the 2 cores, and rounds are timed
-(`ROUND_S`). Every round's merge is followed by an eval of the peer's global model.
+(`ROUND_S`); a peer trains `steps` inner steps or `TIME_CAP` times their padded time, whichever comes first. Every
+round's merge is followed by an eval of the peer's global model.
 
 Per arm it reports:
 
@@ -56,6 +57,8 @@ shaping): what its merges cost without the link (CPU, mostly) against what the l
 PROFILE = "home"
 """The profile of an arm that names none."""
 BOOTSTRAP_PORT = 31339
+TIME_CAP = 1.15
+"""Each peer trains at most this many times `steps` × the padded step (`run.time_limit_s`)."""
 TARGET_FRACTIONS = (0.5, 0.75, 0.9, 1.0)
 """Targets on the way from the initial loss to the worse arm's final loss (1.0: that loss itself)."""
 MODEL_SETS = [
@@ -163,6 +166,7 @@ def arm_figures(run_dir: Path, summary: dict) -> dict:
         "bytes_per_merge": statistics.fmean(per_merge) if per_merge else None,
         "delta_bytes_per_merge": statistics.fmean(delta_per_merge) if delta_per_merge else None,
         "group_rounds": len(group), "rounds": len(merges),
+        "inner_steps": statistics.fmean(p["inner_steps"] for p in peers),
         "steps_per_round": statistics.fmean(p["inner_steps"] / p["rounds"] for p in peers if p.get("rounds")),
         "utilization": statistics.fmean(p["compute_s"] / p["train_s"] for p in peers if p.get("train_s")),
         "final_models": summary.get("final_models"), "wall_s": summary["wall_s"],
@@ -175,6 +179,8 @@ def run_arm(arm: str, peers: int, nat: int, steps: int, out: Path, extra_sets: l
     folder = f"{name}-{profile}"
     sets = MODEL_SETS + arm_sets(arm) + extra_sets + [f"run.total_steps={steps}",
                                                        f"swarm.run_id=bench-wancodec-{folder}"]
+    step_s = load_config(None, [parse_set(sets)]).emulate.min_step_s
+    sets.append(f"run.time_limit_s={TIME_CAP * steps * step_s:g}")  # a loaded machine cannot stretch the bench
     cfg = load_config(None, [parse_set(sets)])
     with WanLab(profile_links(profile, peers), nat=[i < nat for i in range(peers)], tag=f"c{name[:2]}{profile[:2]}") as lab:
         console.print(f"[bold]{arm}[/bold]: {peers} peers ({nat} behind NAT) on {profile}, the lab measured:")
@@ -332,6 +338,7 @@ def print_wancodec(results: dict, console: Console) -> None:
              ("bytes sent per merge, a peer (MB)", lambda a: a["bytes_per_merge"] and a["bytes_per_merge"] / 1e6, ".3f"),
              ("  of it Δ (MB)", lambda a: a["delta_bytes_per_merge"] and a["delta_bytes_per_merge"] / 1e6, ".3f"),
              ("rounds in a group", lambda a: a["group_rounds"], "d"), ("rounds", lambda a: a["rounds"], "d"),
+             ("inner steps, a peer", lambda a: a["inner_steps"], ".0f"),
              ("inner steps per round", lambda a: a["steps_per_round"], ".1f"),
              ("compute utilization", lambda a: a["utilization"], ".3f"),
              ("eval loss, final (mean)", lambda a: a["eval_loss_final"], ".4f"),
