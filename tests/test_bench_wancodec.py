@@ -9,7 +9,14 @@ import os
 import pytest
 
 from p2pdiloco.bench import wancodec
-from p2pdiloco.bench.wancodec import arm_figures, eval_series, swarm_curve, targets, time_to_target
+from p2pdiloco.bench.wancodec import (
+    arm_figures,
+    eval_series,
+    swarm_curve,
+    targets,
+    time_to_stay,
+    time_to_target,
+)
 from p2pdiloco.cli import main
 from p2pdiloco.config import load_config, parse_set
 
@@ -38,8 +45,18 @@ def test_time_to_target_is_the_first_point_at_or_below_it():
     assert time_to_target(curve, 2.0, t0=100.0) is None
 
 
-def test_targets_lead_to_the_worse_arms_final_loss():
-    assert targets(6.0, [2.0, 3.0], (0.5, 1.0)) == [4.5, 3.0]
+def test_targets_lead_to_the_worse_arms_final_loss_then_the_others_finals():
+    assert targets(6.0, [2.0, 3.0], (0.5, 1.0)) == [4.5, 3.0, 2.0]
+    assert targets(6.0, [2.0, 3.0, 2.5, 3.0], (1.0,)) == [3.0, 2.5, 2.0]
+
+
+def test_time_to_stay_counts_a_target_reached_for_good():
+    dips = [(101.0, 6.0), (110.0, 3.0), (115.0, 3.6), (120.0, 3.4), (125.0, 3.2)]
+    assert time_to_target(dips, 3.5, t0=100.0) == 10.0  # first reached, then lost again
+    assert time_to_stay(dips, 3.5, t0=100.0) == 20.0  # below from 120 on
+    assert time_to_stay(dips, 3.1, t0=100.0) is None  # ends above it
+    assert time_to_stay(dips, 7.0, t0=100.0) == 1.0  # below from the start
+    assert time_to_stay([], 3.0, t0=0.0) is None
 
 
 def test_arm_figures_from_a_run_folder(tmp_path):
@@ -61,7 +78,7 @@ def test_arm_figures_from_a_run_folder(tmp_path):
     assert f["curve"][0] == (1.0, 6.0) and f["curve"][-1] == (31.0, 3.1)
     assert f["group_rounds"] == 2 and f["rounds"] == 3
     assert f["group_merge_s_median"] == 3.0 and f["group_merge_s_max"] == 4.0  # the merge alone is left out
-    assert f["bytes_per_merge"] == 5e6 and f["delta_bytes_per_merge"] == 3e6
+    assert f["bytes_per_round"] == pytest.approx(3e6) and f["delta_bytes_per_merge"] == 3e6
     assert f["inner_steps"] == 30 and f["steps_per_round"] == pytest.approx(12.5)
     assert f["utilization"] == pytest.approx(0.85)
 
@@ -87,17 +104,16 @@ def test_the_default_arm_is_the_default_codec_and_sparseloco_is_its_recipe():
 
 
 def test_crossover_takes_the_links_part_from_the_same_codec_on_lan():
-    arms = {"int4": {"group_merge_s_median": 8.0, "bytes_per_merge": 10e6},
-            "sparseloco": {"group_merge_s_median": 2.0, "bytes_per_merge": 0.3e6},
-            "int4@lan": {"group_merge_s_median": 3.0, "bytes_per_merge": 10e6}}
-    c = wancodec.crossover(arms, round_s=10.0, n_params=20_000_000)
+    arms = {"int4": {"group_merge_s_median": 8.0}, "sparseloco": {"group_merge_s_median": 2.0},
+            "int4@lan": {"group_merge_s_median": 3.0}}
+    c = wancodec.crossover(arms, round_s=10.0, n_params=20_000_000, sent_bytes=10e6)
     assert c["merge_s"] == 8.0 and c["lan_merge_s"] == 3.0 and c["link_s"] == 5.0
     assert c["link_mbit"] == pytest.approx(16.0)  # 10 MB in 5 s
     assert c["params_merge_fills_round"] == pytest.approx(25e6)  # 20M · 10 s ÷ 8 s
     assert c["params_link_fills_round"] == pytest.approx(40e6)  # 20M · 10 s ÷ 5 s
-    alone = wancodec.crossover({"int4": arms["int4"], "sparseloco": arms["sparseloco"]}, 10.0, 20_000_000)
+    alone = wancodec.crossover({"int4": arms["int4"], "sparseloco": arms["sparseloco"]}, 10.0, 20_000_000, 10e6)
     assert alone["lan_merge_s"] is None and alone["params_link_fills_round"] is None
-    assert wancodec.crossover({"int4": {"group_merge_s_median": None, "bytes_per_merge": None}}, 10.0, 1) is None
+    assert wancodec.crossover({"int4": {"group_merge_s_median": None}}, 10.0, 1, 1.0) is None
 
 
 def test_the_bench_model_has_an_int4_merge_of_at_least_10_mb():

@@ -15,11 +15,13 @@ Per arm it reports:
 
 - the swarm's eval loss over time: at each moment, the mean over peers of each peer's latest eval of its global
   model (`swarm_curve`), from the earliest peer's first inner step;
-- the wall-clock time until that mean first reaches a target (`time_to_target`): by default the loss the worse
-  arm ends at (both reach it), and the points 50 %, 75 % and 90 % of the way there from the start;
-- the median time of group merges, bytes a peer sent per group merge (all merge traffic, and the pseudo-gradient
-  exchange alone), rounds merged in a group, compute utilization (time in padded inner steps ÷ the training
-  loop's wall time; the evals after each merge count as not computing), final eval loss;
+- the wall-clock time until that mean first reaches a target (`time_to_target`), and from when it stays there
+  (`time_to_stay`): the loss the worst arm ends at (every arm reaches it), the point 75 % of the way there from
+  the start, and the other arms' final losses;
+- the median time of group merges, bytes a peer sent per round (all merge traffic, failed merges too) and per
+  group merge (the pseudo-gradient exchange alone), rounds merged in a group, compute utilization (time in padded
+  inner steps ÷ the training loop's wall time; the evals after each merge count as not computing), final eval
+  loss, peak host memory;
 
 each arm's figure beside the first arm's, as a ratio. Needs root, like `bench wan`.
 """
@@ -59,8 +61,9 @@ PROFILE = "home"
 BOOTSTRAP_PORT = 31339
 TIME_CAP = 1.15
 """Each peer trains at most this many times `steps` × the padded step (`run.time_limit_s`)."""
-TARGET_FRACTIONS = (0.5, 0.75, 0.9, 1.0)
-"""Targets on the way from the initial loss to the worse arm's final loss (1.0: that loss itself)."""
+TARGET_FRACTIONS = (0.75, 1.0)
+"""Targets on the way from the initial loss to the worst arm's final loss (1.0: that loss itself); the other arms'
+final losses are targets too."""
 MODEL_SETS = [
     "model.n_layer=2", "model.d_model=960", "model.n_head=8", "model.seq_len=32", "data.batch_size=2", *BENCH_DATA,
     "inner.warmup_steps=20", "run.eval_batches=8", "run.eval_every_rounds=1", "run.log_every=10",
@@ -137,10 +140,22 @@ def time_to_target(curve: list[tuple[float, float]], target: float, t0: float) -
     return next((t - t0 for t, loss in curve if loss <= target), None)
 
 
+def time_to_stay(curve: list[tuple[float, float]], target: float, t0: float) -> float | None:
+    """Seconds from `t0` until the curve's mean reaches `target` (<=) for good: from the point after its last one
+    above it; None if it ends above it. Unlike `time_to_target`, a swarm that dips below and climbs back (peers that
+    stop merging) does not count as there."""
+    if not curve or curve[-1][1] > target:
+        return None
+    above = [i for i, (_, loss) in enumerate(curve) if loss > target]
+    return curve[above[-1] + 1 if above else 0][0] - t0
+
+
 def targets(initial: float, finals: list[float], fractions: tuple[float, ...] = TARGET_FRACTIONS) -> list[float]:
-    """The losses at `fractions` of the way from `initial` to the worst of `finals` (the loss every arm reaches)."""
+    """The losses at `fractions` of the way from `initial` to the worst of `finals` (the loss every arm reaches at
+    its end), then the other `finals`, best last."""
     worst = max(finals)
-    return [initial + f * (worst - initial) for f in fractions]
+    on_the_way = [initial + f * (worst - initial) for f in fractions]
+    return on_the_way + sorted((x for x in set(finals) if x != worst), reverse=True)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -156,14 +171,14 @@ def arm_figures(run_dir: Path, summary: dict) -> dict:
     starts = [s[0][0] for s in series if s]
     merges = [r for i in range(len(peers)) for r in merge_rows(run_dir / "peers" / f"peer{i}" / "metrics.jsonl")]
     group = [r["merge_s"] for r in merges if r.get("group_size", 1) >= 2]
-    per_merge = [p["bytes_sent"] / p["merges"] for p in peers if p.get("merges")]
+    per_round = [p["bytes_sent"] / p["rounds"] for p in peers if p.get("rounds")]
     delta_per_merge = [p.get("pseudo_grad_bytes_sent", 0) / p["merges"] for p in peers if p.get("merges")]
     return {
         "t0": min(starts) if starts else None, "curve": swarm_curve(series),
         "eval_loss_initial": summary["eval_loss_initial"], "eval_loss_final": summary["eval_loss_final"],
         "group_merge_s_median": statistics.median(group) if group else None,
         "group_merge_s_max": max(group) if group else None,
-        "bytes_per_merge": statistics.fmean(per_merge) if per_merge else None,
+        "bytes_per_round": statistics.fmean(per_round) if per_round else None,
         "delta_bytes_per_merge": statistics.fmean(delta_per_merge) if delta_per_merge else None,
         "group_rounds": len(group), "rounds": len(merges),
         "inner_steps": statistics.fmean(p["inner_steps"] for p in peers),
@@ -260,11 +275,13 @@ def compare(results: dict) -> None:
     results["targets"] = targets(initial, finals) if finals else []
     for a in arms.values():
         a["time_to_target_s"] = [time_to_target(a["curve"], x, a["t0"]) for x in results["targets"]]
+        a["time_to_stay_s"] = [time_to_stay(a["curve"], x, a["t0"]) for x in results["targets"]]
     round_s = load_config(None, [parse_set(MODEL_SETS + results["sets"])]).rounds.round_seconds
-    results["crossover"] = crossover(arms, round_s, results["n_params"])
+    first = parse_arm(next(iter(arms)))[0]
+    results["crossover"] = crossover(arms, round_s, results["n_params"], results["payload"][first]["sent_bytes"])
 
 
-def crossover(arms: dict[str, dict], round_s: float, n_params: int) -> dict | None:
+def crossover(arms: dict[str, dict], round_s: float, n_params: int, sent_bytes: float) -> dict | None:
     """Where the first arm's merge outlasts a round, if merge time grows in proportion to the parameters.
 
     Its merge on the same codec's `lan` arm, if there is one, is the part the link does not cause (CPU, mostly);
@@ -274,9 +291,10 @@ def crossover(arms: dict[str, dict], round_s: float, n_params: int) -> dict | No
         arms: the arms' figures, the first the baseline.
         round_s: the rounds' length, seconds.
         n_params: the model's parameters.
+        sent_bytes: what the first arm's merge sends a peer's uplink (`payload_bytes`).
 
     Returns:
-        None without group merges; else `merge_s`, `lan_merge_s`, `link_s`, `link_mbit` (bytes per merge ÷
+        None without group merges; else `merge_s`, `lan_merge_s`, `link_s`, `link_mbit` (`sent_bytes` ÷
         `link_s`), `params_merge_fills_round` (N · round ÷ merge) and `params_link_fills_round` (N · round ÷ link).
     """
     first = next(iter(arms))
@@ -289,9 +307,22 @@ def crossover(arms: dict[str, dict], round_s: float, n_params: int) -> dict | No
     lan_s = lan["group_merge_s_median"] if lan else None
     link_s = merge_s - lan_s if lan_s is not None and merge_s > lan_s else None
     return {"merge_s": merge_s, "lan_merge_s": lan_s, "link_s": link_s, "round_s": round_s,
-            "link_mbit": base["bytes_per_merge"] * 8 / link_s / 1e6 if link_s and base["bytes_per_merge"] else None,
+            "link_mbit": sent_bytes * 8 / link_s / 1e6 if link_s else None,
             "params_merge_fills_round": n_params * round_s / merge_s,
             "params_link_fills_round": n_params * round_s / link_s if link_s else None}
+
+
+def rederive(out: Path, console: Console | None = None) -> dict:
+    """The figures of a finished bench again, from its wancodec.json and run folders (after a change to how a
+    figure is computed: the runs themselves are not repeated)."""
+    results = json.loads((out / "wancodec.json").read_text())
+    for arm, figures in results["arms"].items():
+        name, profile = parse_arm(arm)
+        summary = json.loads((out / f"{name}-{profile}" / "summary.json").read_text())
+        kept = {k: figures[k] for k in ("accuracy", "sets", "profile", "delay_daemons_alive_at_end", "peak_host_bytes")}
+        results["arms"][arm] = {**arm_figures(out / f"{name}-{profile}", summary), **kept}
+    compare(results)
+    return report(out, "wancodec", results, print_wancodec, console or Console())
 
 
 def _loadavg() -> str:
@@ -331,12 +362,14 @@ def print_wancodec(results: dict, console: Console) -> None:
         table.add_column(name)
     for name in names[1:]:
         table.add_column(f"{name} ÷ {names[0]}")
-    rows = [(f"time to eval loss {x:.4f} (s)", lambda a, i=i: a["time_to_target_s"][i], ".0f")
-            for i, x in enumerate(results.get("targets", []))]
+    rows = [row for i, x in enumerate(results.get("targets", [])) for row in (
+        (f"eval loss {x:.4f}: first reached (s)", lambda a, i=i: a["time_to_target_s"][i], ".0f"),
+        (f"eval loss {x:.4f}: for good from (s)", lambda a, i=i: a["time_to_stay_s"][i], ".0f"))]
     rows += [("group merge, median (s)", lambda a: a["group_merge_s_median"], ".2f"),
              ("group merge, max (s)", lambda a: a["group_merge_s_max"], ".2f"),
-             ("bytes sent per merge, a peer (MB)", lambda a: a["bytes_per_merge"] and a["bytes_per_merge"] / 1e6, ".3f"),
-             ("  of it Δ (MB)", lambda a: a["delta_bytes_per_merge"] and a["delta_bytes_per_merge"] / 1e6, ".3f"),
+             ("bytes sent per round, a peer (MB)", lambda a: a["bytes_per_round"] and a["bytes_per_round"] / 1e6, ".3f"),
+             ("Δ bytes per group merge (MB)", lambda a: a["delta_bytes_per_merge"] and a["delta_bytes_per_merge"] / 1e6,
+              ".3f"),
              ("rounds in a group", lambda a: a["group_rounds"], "d"), ("rounds", lambda a: a["rounds"], "d"),
              ("inner steps, a peer", lambda a: a["inner_steps"], ".0f"),
              ("inner steps per round", lambda a: a["steps_per_round"], ".1f"),
