@@ -168,8 +168,24 @@ BENCHES: dict[str, tuple[str, str, dict[str, str | tuple[str, str]]]] = {
         "minute; needs root; docs/wanlab.md).",
         {"--profile": "the links of the two homes (default home)",
          "--samples": "requests of each kind (default 30)"}),
+    "wancodec": (
+        "int4 against --recipe sparseloco in time to a loss on home links, a 22M model (root)",
+        "The default codec (int4) against --recipe sparseloco, each in a fresh WAN lab of the home profile (20/100 "
+        "Mbit/s, 40 ms each way, 0.5 % loss), and int4 on lan, with a model whose int4 merge is 11.9 MB a peer "
+        "(inner steps padded to 1 s, 10 s timed rounds): wall-clock time until the peers' mean eval loss reaches a "
+        "target, merge time, bytes per merge, rounds in a group, compute utilization, final eval loss, each beside "
+        "int4's as a ratio (three runs of about 7 minutes; needs root; docs/wanlab.md).",
+        {"--steps": "inner steps per peer, padded to 1 s each (default 300)",
+         "--peers": ("N", "peers, one home each (default 2)"),
+         "--nat": "how many of the peers are behind NAT routers (default 0)",
+         "--codecs": ("A,A[,...]", "the arms, each a codec or recipe with an optional @PROFILE (default home), the "
+                                   "first the baseline (default int4,sparseloco,int4@lan)"),
+         "--set": "override one config value of the peers of every arm, e.g. --set model.d_model=1280 "
+                  "(repeatable)"}),
 }
 """Each benchmark: (one-line help, description, {flag: help, or (metavar, help)}); each takes --out and -v too."""
+BENCH_DEFAULTS: dict[str, dict] = {"wancodec": {"nat": 0}}
+"""Where a bench's default differs from the one in `FLAGS`."""
 
 
 def add_bench_parser(sub: argparse._SubParsersAction, epilog: str) -> None:
@@ -186,7 +202,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, epilog: str) -> None:
             kwargs = {**FLAGS[flag], **({"metavar": metavar} if metavar else {})}
             b.add_argument(flag, help=text.replace("%", "%%"), **kwargs)
         b.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-        b.set_defaults(func=cmd_bench)
+        b.set_defaults(func=cmd_bench, **BENCH_DEFAULTS.get(name, {}))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -257,6 +273,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.samples < 1:
             raise ConfigError(f"--samples takes a positive integer, got {args.samples}")
         bench_wanrpc(out, profiles=tuple(dict.fromkeys(("lan", args.profile))), samples=args.samples)
+    elif args.which == "wancodec":
+        from p2pdiloco.bench.wancodec import bench_from_args
+
+        bench_from_args(out, args)
     else:
         from p2pdiloco.bench.overhead import bench_overhead
 
