@@ -20,12 +20,16 @@ HEADER_TIMEOUT_S = 5.0
 """How long a handler waits for a request's header: a stream that sends none is closed after this."""
 
 SEND_STALL_S = 5.0
-"""How long one chunk of a bounded send may wait for the reader (see `send_msg`)."""
+"""How long one chunk (`SEND_CHUNK`) of a bounded send may wait for the reader (see `send_msg`)."""
 
-MIN_SEND_RATE = 1_000_000
-"""Bytes per second a reader must take, on average, from a bounded send (see `send_deadline`)."""
+MIN_SEND_RATE = 64_000
+"""Bytes per second a reader must take, on average, from a bounded send (see `send_deadline`): 0.5 Mbit/s, below what
+one TCP connection of a home uplink to another continent carries (in the WAN lab, at 160 ms and 1 % loss, 0.8 Mbit/s
+with a loss-based congestion control such as most hosts run: docs/wanlab.md), so that an owner does not cut its
+reply to a member on such a link mid-message. A reader that stops reading is still cut after `SEND_STALL_S`."""
 
-SEND_CHUNK = 1 << 20
+SEND_CHUNK = 1 << 16
+"""A bounded send hands the stream this much at a time, each within `SEND_STALL_S` (12.8 kB/s at the least)."""
 
 
 class WireError(Exception):
