@@ -1,0 +1,73 @@
+"""Append-only log files capped by size, and reading them whole across their rotations.
+
+A capped file `NAME` is written until it holds half its byte budget; then it is renamed `NAME.1` (replacing the
+previous `NAME.1`) and a new `NAME` is started, so the two together never hold more than the budget and the
+newest lines are always kept. Readers take `NAME.1` then `NAME`: `rotations` lists them, `read_jsonl` parses
+them in that order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+KEEP = 1
+"""Rotated files kept beside the live one (`NAME.1`)."""
+
+
+def rotations(path: Path) -> list[Path]:
+    """The files of a capped log that exist, oldest first: `NAME.1`, then `NAME`."""
+    older = [path.with_name(f"{path.name}.{i}") for i in range(KEEP, 0, -1)]
+    return [p for p in [*older, path] if p.exists()]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every JSON object line of a capped log, oldest first, across its rotations; a line that is not JSON (one
+    being written, or torn by a crash) is skipped."""
+    rows = []
+    for p in rotations(path):
+        with p.open(errors="replace") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(row, dict):
+                    rows.append(row)
+    return rows
+
+
+def rotate(path: Path) -> None:
+    """Move `NAME` to `NAME.1` (and each older one up, the oldest dropped)."""
+    for i in range(KEEP, 0, -1):
+        older = path.with_name(f"{path.name}.{i - 1}") if i > 1 else path
+        if older.exists():
+            os.replace(older, path.with_name(f"{path.name}.{i}"))
+
+
+class CappedLog:
+    """Lines appended to `path`, line-buffered (a crash loses at most the line being written), rotated so that
+    the file and its rotations hold at most `max_bytes` together.
+
+    Args:
+        path: the live file; opened for appending (a resumed process goes on where it stopped).
+        max_bytes: the budget of the file and its rotations together; 0 or less: no cap.
+    """
+
+    def __init__(self, path: Path, max_bytes: int):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.max_bytes = path, max_bytes
+        self._file = path.open("a", buffering=1)
+        self._size = self._file.tell()
+
+    def write_line(self, line: str) -> None:
+        if self.max_bytes > 0 and self._size > 0 and self._size + len(line) + 1 > self.max_bytes // (KEEP + 1):
+            self._file.close()
+            rotate(self.path)
+            self._file, self._size = self.path.open("a", buffering=1), 0
+        self._file.write(line + "\n")
+        self._size += len(line.encode()) + 1
+
+    def close(self) -> None:
+        self._file.close()
