@@ -87,7 +87,7 @@ def print_soak(r: dict, console: Console) -> None:
                   f"({a['machine_stale']} stale) after; /dev/shm entries {b['shm']} -> {a['shm']}; "
                   f"processes of the run still alive: {len(a['processes'])}")
     for name, s in r["group_shares"].items():
-        console.print(f"  {name}: share of merges in a group, first {r["schedule"]["warmup_s"] / 60:g} min "
+        console.print(f"  {name}: share of merges in a group, first {r['schedule']['warmup_s'] / 60:g} min "
                       f"{_fmt(s['first'], '.3f')} ({s['first_merges']} merges), last {_fmt(s['last'], '.3f')} "
                       f"({s['last_merges']}), drop {_fmt(s['drop'], '.3f')} (limit {SHARE_LIMIT})")
     console.print(f"final models: {r['final_models']} (digests {r['final_digests']})")
