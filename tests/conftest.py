@@ -48,6 +48,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     hf = pytest.mark.skip(reason=f"needs the hf extra ({', '.join(missing_hf)} not installed): pip install -e '.[hf]'")
     browser = pytest.mark.skip(reason="needs Chromium for the headless browser test: apt-get install chromium")
     lab = pytest.mark.skip(reason=f"the WAN lab needs root, iproute2, iptables and NetfilterQueue; here: {lab_missing()}")
+    soak = pytest.mark.skip(reason="a soak of a few minutes: run it on its own with -m soak (.ci/run does)")
+    soak_selected = "soak" in (config.getoption("markexpr", "") or "")
     for item in items:
         if missing_hf and item.get_closest_marker("hf"):
             item.add_marker(hf)
@@ -55,6 +57,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(browser)
         if item.get_closest_marker("lab") and lab_missing() is not None:
             item.add_marker(lab)
+        if item.get_closest_marker("soak") and not soak_selected:
+            item.add_marker(soak)
 
 
 def wait_for(condition, timeout: float, interval: float = 0.1, what: str = "condition"):

@@ -85,6 +85,8 @@ class PeerProc:
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return
+        if path.stat().st_size < self.offset:  # rotated (util/logfiles.py): the new file is read from its start
+            self.offset = 0
         with path.open() as f:
             f.seek(self.offset)
             chunk = f.read()
@@ -105,6 +107,8 @@ class PeerProc:
         if self.stage == "training" or not path.exists():
             self.log_offset = path.stat().st_size if path.exists() else 0  # a restart's lines are read from here on
             return
+        if path.stat().st_size < self.log_offset:  # emptied by the peer's cap (util/logfiles.cap_output)
+            self.log_offset = 0
         with path.open("rb") as f:
             f.seek(self.log_offset)
             chunk = f.read()
@@ -336,11 +340,12 @@ def launch_peers(peers: list[PeerProc], n_peers: int, cfg: Config, maddr: str, r
     for i in range(n_peers):
         pdir = run_dir / "peers" / f"peer{i}"
         pdir.mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.jsonl", "peer_summary.json"):
+        for stale in ("metrics.jsonl", "metrics.jsonl.1", "peer.log.1", "peer_summary.json"):
             (pdir / stale).unlink(missing_ok=True)
         for stale in (pdir / "checkpoints").glob("ckpt-*"):  # a chaos restart must not resume an old run
             stale.unlink()
-        log = (pdir / "peer.log").open("w")
+        (pdir / "peer.log").write_text("")
+        log = (pdir / "peer.log").open("a")  # appended to, so that the peer can cap it (util/logfiles.cap_output)
         cmd = peer_command(i, n_peers, cfg, maddr, pdir, config_path, sets + peer_sets.get(i, []),
                            slow.get(i, 1.0), barrier)
         peer = PeerProc(f"peer{i}", pdir, None, log, cmd=cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -186,7 +186,7 @@ class Soak:
         pdir.mkdir(parents=True, exist_ok=True)
         cmd = peer_command(i, i + 1, self.cfg, self.maddr, pdir, None, [*self.sets, "startup.wait_for_peers=1"],
                            1.0, self.run_dir / "started")
-        peer = PeerProc(f"peer{i}", pdir, None, (pdir / "peer.log").open("w"), cmd=cmd,
+        peer = PeerProc(f"peer{i}", pdir, None, (pdir / "peer.log").open("a"), cmd=cmd,
                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, prefork=self.prefork)
         peer.start()
         self.peers.append(peer)
