@@ -45,6 +45,12 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def read_from(path: Path, offset: int) -> int:
+    """Where a reader that has read `offset` bytes of a growing log goes on: there, or at 0 when the file is
+    shorter (rotated or emptied since)."""
+    return offset if path.stat().st_size >= offset else 0
+
+
 def rotate(path: Path) -> None:
     """Move `NAME` to `NAME.1` (and each older one up, the oldest dropped)."""
     for i in range(KEEP, 0, -1):
