@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from p2pdiloco.config import Config, load_config
+from p2pdiloco.network.sockets import remove_stale_sockets
 from p2pdiloco.network.swarm import BackgroundLoop
 
 # What a marked test needs beyond `pip install -e ".[dev]"`, and how to get it. Such a test is skipped with that
@@ -59,6 +60,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(lab)
         if item.get_closest_marker("soak") and not soak_selected:
             item.add_marker(soak)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remove the socket files of the p2p daemons that tests killed with their whole process tree (their reaper
+    died with them, so nobody else can), once the run is over, as the next DHT start would (network/sockets.py:
+    only files no live socket in any network namespace has bound, so never another run's)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:  # the controller, after its workers have ended
+        remove_stale_sockets(grace_s=0)
 
 
 def wait_for(condition, timeout: float, interval: float = 0.1, what: str = "condition"):

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from p2pdiloco.bench.proctree import process_memory
-from p2pdiloco.network.sockets import bound_paths, daemon_sockets, socket_files
+from p2pdiloco.network.sockets import bound_paths, bound_sockets, daemon_sockets, socket_files
 
 ROLES = ("main", "dht", "p2pd", "reaper")
 COUNTS = ("fds", "threads", "children")
@@ -58,10 +58,21 @@ def sample_tree(pid: int) -> dict[str, dict]:
 
 
 def daemon_ids(tree: dict[str, dict]) -> list[str]:
-    """The socket files of the p2pd daemon in a sampled tree (`sample_tree`), from its command line."""
+    """The hivemind socket files of a sampled tree (`sample_tree`): its p2pd's two, from its command line, and
+    every one a process of the tree has bound (the peer's own client of its daemon, bound by its main process)."""
+    paths = []
     with contextlib.suppress(psutil.Error, KeyError):
-        return daemon_sockets(psutil.Process(tree["p2pd"]["pid"]).cmdline())
-    return []
+        paths += daemon_sockets(psutil.Process(tree["p2pd"]["pid"]).cmdline())
+    table = bound_sockets() or {}
+    for proc in tree.values():
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{proc['pid']}/fd"):
+                with contextlib.suppress(OSError, ValueError):
+                    link = os.readlink(f"/proc/{proc['pid']}/fd/{fd}")
+                    path = table.get(int(link[8:-1])) if link.startswith("socket:[") else None
+                    if path and Path(path).name.startswith("hivemind-"):
+                        paths.append(path)
+    return paths
 
 
 def socket_census(ours: set[str]) -> dict[str, int]:

@@ -36,8 +36,15 @@ def socket_files(folder: Path = SOCKET_DIR) -> list[Path]:
 def bound_paths() -> set[str] | None:
     """The paths of every bound Unix socket in every network namespace this user can see processes of; None if
     the tables cannot be read (not Linux): then nothing can be proven stale."""
+    table = bound_sockets()
+    return None if table is None else set(table.values())
+
+
+def bound_sockets() -> dict[int, str] | None:
+    """{inode: path} of every bound Unix socket in every network namespace this user can see processes of (a
+    process's /proc/PID/fd links name the inodes of its sockets); None if the tables cannot be read."""
     seen_ns: set[str] = set()
-    paths: set[str] = set()
+    paths: dict[int, str] = {}
     try:
         pids = [p for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
@@ -55,7 +62,7 @@ def bound_paths() -> set[str] | None:
                 for line in f:
                     fields = line.split(maxsplit=7)
                     if len(fields) == 8:
-                        paths.add(fields[7].strip())
+                        paths[int(fields[6])] = fields[7].strip()
         except OSError:
             continue
         seen_ns.add(ns)
