@@ -199,7 +199,8 @@ class Soak:
             if stopped or (p.restart_at is not None and now >= p.restart_at):
                 self.stopping.pop(p.name, None)
                 p.restart_at = None
-                p.last.pop("group_id", None)  # a group merge after the restart sets it again
+                p.poll_metrics()  # the old incarnation's last lines, so that only a new merge line sets group_id
+                p.last.pop("group_id", None)
                 p.start(resume=True)
                 if p.name in self.awaiting:
                     self.awaiting[p.name]["restarted_at_s"] = now - self.t0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 from pathlib import Path
 
 import psutil
@@ -23,7 +24,10 @@ COUNTS = ("fds", "threads", "children")
 PSS_LIMIT_MB_PER_H = 2.0
 """The most a process's PSS may grow per hour after the warm-up."""
 COUNT_LIMIT = 2
-"""The most a process's fds, threads or children may grow from the warm-up sample to the last."""
+"""The most a process's fds, threads or children may grow from the warm-up's end to the run's end."""
+EDGE = 5
+"""Samples at each end whose median stands for it: one sample is a moment (a connection or a stream being opened),
+five at 30 s are the level over 2.5 minutes."""
 
 
 def process_counts(pid: int) -> dict[str, int]:
@@ -126,7 +130,8 @@ def series(samples: list[dict], tree: str, role: str, key: str) -> list[tuple[fl
 def flatness(samples: list[dict], warmup_s: float) -> list[dict]:
     """Per tree and role, over the samples after `warmup_s` of the process alive at the end (a restarted peer's
     last incarnation): PSS and USS slopes in MB/h and the growth of each count from the first such sample to the
-    last. A process that lived less than half the time after the warm-up is reported without a verdict."""
+    last (each end the median of its `EDGE` samples). A process that lived less than half the time after the
+    warm-up is reported without a verdict."""
     if not samples:
         return []
     end = samples[-1]["elapsed_s"]
@@ -149,8 +154,8 @@ def flatness(samples: list[dict], warmup_s: float) -> list[dict]:
                 row[f"{key}_mb_last"] = pts[-1][1]
             for key in COUNTS:
                 vals = [v for t, pid, v in series(samples, tree, role, key) if t >= warmup_s and pid == last_pid]
-                row[f"{key}_first"], row[f"{key}_last"] = vals[0], vals[-1]
-                row[f"{key}_growth"] = vals[-1] - vals[0]
+                row[f"{key}_first"], row[f"{key}_last"] = statistics.median_low(vals[:EDGE]), statistics.median_low(vals[-EDGE:])
+                row[f"{key}_growth"] = row[f"{key}_last"] - row[f"{key}_first"]
             slope = row["pss_mb_per_h"]
             row["ok"] = (None if not row["judged"] else
                          (slope is None or slope <= PSS_LIMIT_MB_PER_H)

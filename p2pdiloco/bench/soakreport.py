@@ -8,7 +8,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from p2pdiloco.bench.soakprobe import COUNT_LIMIT, COUNTS, PSS_LIMIT_MB_PER_H, ROLES, flatness, slope_per_hour
+from p2pdiloco.bench.soakprobe import (
+    COUNT_LIMIT,
+    COUNTS,
+    EDGE,
+    PSS_LIMIT_MB_PER_H,
+    ROLES,
+    flatness,
+    slope_per_hour,
+)
 from p2pdiloco.util.logfiles import read_jsonl
 
 SHARE_LIMIT = 0.05
@@ -42,6 +50,9 @@ def analyse(raw: dict, warmup_s: float, run_dir: Path) -> dict:
     worst = {k: max((abs(lv["growth"].get(k, 0)) for lv in levels), default=0)
              for k in sorted({k for lv in levels for k in lv["growth"]})}
     summary = raw["summary"]
+    left = {e["peer"] for e in raw["events"] if e["event"] == "leave"}
+    digests = {p["name"]: p.get("global_digest") for p in summary.get("peers", [])}
+    at_end = {name: d for name, d in digests.items() if name not in left}
     return {
         "flatness": flatness(samples, warmup_s),
         "run_mb_per_h": slope_per_hour(disk),
@@ -52,8 +63,9 @@ def analyse(raw: dict, warmup_s: float, run_dir: Path) -> dict:
         "level_cycles": len(levels), "level_cycles_unfinished": len(raw["levels"]) - len(levels),
         "level_worst_growth": worst,
         "group_shares": group_shares(run_dir, raw["start_unix"], end, warmup_s),
-        "final_models": summary.get("final_models"), "global_models_identical": summary.get("global_models_identical"),
-        "final_digests": {p["name"]: p.get("global_digest") for p in summary.get("peers", [])},
+        "final_models": summary.get("final_models"), "final_digests": digests,
+        "final_models_identical_at_end": len(set(at_end.values())) == 1 if at_end else None,
+        "left_before_end": sorted(left),
     }
 
 
@@ -65,7 +77,7 @@ def print_soak(r: dict, console: Console) -> None:
     """Print the soak's figures beside their limits."""
     console.print(f"machine: {r['machine']}")
     table = Table(title=f"after the {r['schedule']['warmup_s']:.0f} s warm-up: PSS slope <= {PSS_LIMIT_MB_PER_H} "
-                  f"MB/h, fds/threads/children last - first <= {COUNT_LIMIT}")
+                  f"MB/h, fds/threads/children: median of the last {EDGE} samples - of the first {EDGE} <= {COUNT_LIMIT}")
     for col in ("tree", "role", "pid", "span min", "PSS MB", "PSS MB/h", "USS MB/h", *COUNTS, "ok"):
         table.add_column(col, justify="left" if col in ("tree", "role") else "right", no_wrap=True)
     for f in r["flatness"]:
@@ -90,7 +102,9 @@ def print_soak(r: dict, console: Console) -> None:
         console.print(f"  {name}: share of merges in a group, first {r['schedule']['warmup_s'] / 60:g} min "
                       f"{_fmt(s['first'], '.3f')} ({s['first_merges']} merges), last {_fmt(s['last'], '.3f')} "
                       f"({s['last_merges']}), drop {_fmt(s['drop'], '.3f')} (limit {SHARE_LIMIT})")
-    console.print(f"final models: {r['final_models']} (digests {r['final_digests']})")
+    console.print(f"final models of the peers there at the end: "
+                  f"{'identical' if r['final_models_identical_at_end'] else 'NOT identical'} (digests "
+                  f"{r['final_digests']}; left before the end, with the model they had then: {r['left_before_end']})")
 
 
 FIGURES = {
