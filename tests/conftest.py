@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from p2pdiloco.config import Config, load_config
+from p2pdiloco.network.sockets import remove_stale_sockets
 from p2pdiloco.network.swarm import BackgroundLoop
 
 # What a marked test needs beyond `pip install -e ".[dev]"`, and how to get it. Such a test is skipped with that
@@ -48,6 +49,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     hf = pytest.mark.skip(reason=f"needs the hf extra ({', '.join(missing_hf)} not installed): pip install -e '.[hf]'")
     browser = pytest.mark.skip(reason="needs Chromium for the headless browser test: apt-get install chromium")
     lab = pytest.mark.skip(reason=f"the WAN lab needs root, iproute2, iptables and NetfilterQueue; here: {lab_missing()}")
+    soak = pytest.mark.skip(reason="a soak of a few minutes: run it on its own with -m soak (.ci/run does)")
+    soak_selected = "soak" in (config.getoption("markexpr", "") or "")
     for item in items:
         if missing_hf and item.get_closest_marker("hf"):
             item.add_marker(hf)
@@ -55,6 +58,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(browser)
         if item.get_closest_marker("lab") and lab_missing() is not None:
             item.add_marker(lab)
+        if item.get_closest_marker("soak") and not soak_selected:
+            item.add_marker(soak)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remove the socket files of the p2p daemons that tests killed with their whole process tree (their reaper
+    died with them, so nobody else can), once the run is over, as the next DHT start would (network/sockets.py:
+    only files no live socket in any network namespace has bound, so never another run's)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:  # the controller, after its workers have ended
+        remove_stale_sockets(grace_s=0)
 
 
 def wait_for(condition, timeout: float, interval: float = 0.1, what: str = "condition"):

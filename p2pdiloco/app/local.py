@@ -27,6 +27,7 @@ from p2pdiloco.app.summary import summarize
 from p2pdiloco.config import Config, SwarmConfig
 from p2pdiloco.network.reachability import serving_reach
 from p2pdiloco.network.swarm import Reaper, start_dht, visible_maddrs
+from p2pdiloco.util.logfiles import read_from
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class PeerProc:
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return
+        self.offset = read_from(path, self.offset)  # from the start of a new file after a rotation
         with path.open() as f:
             f.seek(self.offset)
             chunk = f.read()
@@ -105,6 +107,7 @@ class PeerProc:
         if self.stage == "training" or not path.exists():
             self.log_offset = path.stat().st_size if path.exists() else 0  # a restart's lines are read from here on
             return
+        self.log_offset = read_from(path, self.log_offset)  # from the start after the peer's cap emptied it
         with path.open("rb") as f:
             f.seek(self.log_offset)
             chunk = f.read()
@@ -336,11 +339,10 @@ def launch_peers(peers: list[PeerProc], n_peers: int, cfg: Config, maddr: str, r
     for i in range(n_peers):
         pdir = run_dir / "peers" / f"peer{i}"
         pdir.mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.jsonl", "peer_summary.json"):
-            (pdir / stale).unlink(missing_ok=True)
-        for stale in (pdir / "checkpoints").glob("ckpt-*"):  # a chaos restart must not resume an old run
-            stale.unlink()
-        log = (pdir / "peer.log").open("w")
+        for stale in [*(pdir / "checkpoints").glob("ckpt-*"), *(pdir / s for s in ("metrics.jsonl", "metrics.jsonl.1",
+                      "peer.log", "peer.log.1", "peer_summary.json"))]:  # a restart must not resume an old run
+            stale.unlink(missing_ok=True)
+        log = (pdir / "peer.log").open("a")  # appended to, so that the peer can cap it (util/logfiles.cap_output)
         cmd = peer_command(i, n_peers, cfg, maddr, pdir, config_path, sets + peer_sets.get(i, []),
                            slow.get(i, 1.0), barrier)
         peer = PeerProc(f"peer{i}", pdir, None, log, cmd=cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"},

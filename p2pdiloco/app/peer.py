@@ -62,6 +62,7 @@ from p2pdiloco.training.model import build_model, count_params, named_weights
 from p2pdiloco.training.reporting import MetricsLog
 from p2pdiloco.training.tokenizer import check_vocab, load_tokenizer
 from p2pdiloco.util.files import replacing, write_json_atomic
+from p2pdiloco.util.logfiles import OutputCap, rotations
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +130,12 @@ def join_address(maddrs: list[str]) -> str:
 
 
 def keep_previous(path: Path) -> None:
-    """A new run into an old folder must not mix with (or erase) the old run's metrics: move them aside."""
+    """A new run into an old folder must not mix with (or erase) the old run's metrics: move them aside, the
+    rotated older half (`NAME.1`) with them."""
     if path.exists() and path.stat().st_size > 0:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
-        path.rename(path.with_name(f"{path.stem}-{stamp}{path.suffix}"))
+        for p in rotations(path):
+            p.rename(p.with_name(p.name.replace(path.name, f"{path.stem}-{stamp}{path.suffix}", 1)))
 
 
 @dataclass
@@ -279,7 +282,7 @@ def build_peer(cfg: Config, stop: StopFlag, unit: UnitContext, device: torch.dev
     run_dir = Path(cfg.run.run_dir)
     if not cfg.run.resume:
         keep_previous(run_dir / "metrics.jsonl")
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    metrics = MetricsLog(run_dir / "metrics.jsonl", int(cfg.run.max_log_mb * 1e6))
     closing.callback(metrics.close)  # after the merger's close, whose last results the learner may still log
     auth = swarm_auth(cfg.swarm)
     hooks = peer_hooks(cfg)  # no faults and no hostile wrapper unless a test or benchmark asked for them
@@ -317,6 +320,7 @@ def start_services(peer: Peer, announce, closing: contextlib.ExitStack) -> None:
                                learner.report.traffic.state,
                                on_verdict=lambda found: merger.set_dialable(found.reachable is not False))
     loop.submit(learner.report.traffic.watch_dht(dht, cfg.swarm.heartbeat_s))
+    closing.callback(OutputCap(int(cfg.run.max_log_mb * 1e6)).close)  # the log file `local` sends our output to
     if cfg.run.resume:
         resume_from_checkpoint(learner, peer.sampler, merger.remember_trust, Path(cfg.run.run_dir) / "checkpoints", announce)
     join_swarm_state(learner, state_sync, loop, dht, cfg, peer.peer_id, peer.metrics, peer.every)

@@ -27,6 +27,7 @@ from rich.console import Console
 from p2pdiloco.app.local import run_local
 from p2pdiloco.bench.common import BENCH_EVAL, BENCH_MODEL, machine, write_results
 from p2pdiloco.config import load_config, parse_set
+from p2pdiloco.util.logfiles import read_jsonl
 
 HONEST_ONLY = "honest_only"
 """Not a hostile kind: a clean run of only the honest peers (size − hostile), the best any defence can do, since a
@@ -71,17 +72,12 @@ def _honest_outcome(summary: dict, hostile: set[str]) -> dict:
 
 def _merge_lines(run_dir: Path, names: list[str]) -> tuple[int, int]:
     """(merges that adopted a group's averaged global model, merges whose averaged model was refused)."""
-    import json
 
     adopted = refused = 0
     for name in names:
-        path = run_dir / "peers" / name / "metrics.jsonl"
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines():
-            if '"kind": "merge"' not in line and '"kind":"merge"' not in line:
+        for row in read_jsonl(run_dir / "peers" / name / "metrics.jsonl"):
+            if row.get("kind") != "merge":
                 continue
-            row = json.loads(line)
             adopted += bool(row.get("adopted_state"))
             refused += bool(row.get("state_refused"))
     return adopted, refused

@@ -44,7 +44,7 @@ def _names(text: str | None, allowed: tuple[str, ...], flag: str) -> tuple[str, 
 
 FLAGS: dict[str, dict] = {
     "--seconds": {"type": float, "default": 60.0},
-    "--minutes": {"type": float, "default": 5.0},
+    "--minutes": {"type": float},
     "--kill-every": {"type": float, "default": 60.0},
     "--steps": {"type": int},
     "--h": {},
@@ -182,6 +182,15 @@ BENCHES: dict[str, tuple[str, str, dict[str, str | tuple[str, str]]]] = {
                                    "first the baseline (default int4,sparseloco,int4@lan)"),
          "--set": "override one config value of the peers of every arm, e.g. --set model.d_model=1280 "
                   "(repeatable)"}),
+    "soak": (
+        "a peer's memory, fds, threads, sockets, disk and DHT records over an hour of churn",
+        "A swarm under churn (a peer SIGKILLed and restarted, one stopped with SIGTERM and resumed, a fresh peer "
+        "joining, one event every twelfth of the run) sampled every 30 s: per process of each peer PSS, USS, open "
+        "fds, threads and child processes; socket files in /tmp, the run folder's bytes, the DHT records a node "
+        "holds. Slopes after a warm-up beside their limits, one plot per figure, the share of group merges early "
+        "and late, and whether the final models are identical.",
+        {"--minutes": "length of the run (default 60; the warm-up is 10 minutes, a sixth of shorter runs)",
+         "--peers": ("N", "peers at the start (default 4; peer0 is never disturbed)")}),
 }
 """Each benchmark: (one-line help, description, {flag: help, or (metavar, help)}); each takes --out and -v too."""
 BENCH_DEFAULTS: dict[str, dict] = {"wancodec": {"nat": 0}}
@@ -215,7 +224,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.which == "churn":
         from p2pdiloco.bench.churn import bench_churn
 
-        bench_churn(out, minutes=args.minutes, kill_every=args.kill_every)
+        bench_churn(out, minutes=args.minutes or 5.0, kill_every=args.kill_every)
     elif args.which == "bandwidth":
         from p2pdiloco.bench.bandwidth import HS, bench_bandwidth
 
@@ -277,6 +286,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from p2pdiloco.bench.wancodec import bench_from_args
 
         bench_from_args(out, args)
+    elif args.which == "soak":
+        from p2pdiloco.bench.soak import bench_soak
+
+        bench_soak(out, minutes=args.minutes or 60.0, peers=_one_int(args.peers, "--peers") or 4)
     else:
         from p2pdiloco.bench.overhead import bench_overhead
 

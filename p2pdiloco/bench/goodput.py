@@ -46,27 +46,17 @@ agree. Lines written before `own_kept` and `state_share` existed count as all ke
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
-
-def read_lines(path: Path) -> list[dict]:
-    """The JSON lines of a metrics or chaos file, skipping a line cut by a kill."""
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+from p2pdiloco.util.logfiles import read_jsonl
 
 
 def chaos_events(run: Path) -> dict[str, list[dict]]:
     """{peer name: its kill and restart events in time order} from `run/chaos.jsonl` ({} without churn)."""
     path = run / "chaos.jsonl"
     events: dict[str, list[dict]] = {}
-    for row in read_lines(path) if path.exists() else []:
+    for row in read_jsonl(path) if path.exists() else []:
         events.setdefault(row["peer"], []).append(row)
     return {peer: sorted(rows, key=lambda r: r["t"]) for peer, rows in events.items()}
 
@@ -83,7 +73,7 @@ def goodput_from_metrics(path: Path, chaos: list[dict] | None = None) -> dict:
         {"spent_s", "reached_s", "incarnations"}.
     """
     incarnations: list[list[dict]] = []
-    for row in read_lines(path):
+    for row in read_jsonl(path):
         if row.get("kind") == "start" or not incarnations:
             incarnations.append([])
         incarnations[-1].append(row)
@@ -136,7 +126,7 @@ def startups(run: Path) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"first": [], "restart": []}
     for path in sorted(run.glob("peers/*/metrics.jsonl")):
         n = 0
-        for row in read_lines(path):
+        for row in read_jsonl(path):
             if row.get("kind") == "start":
                 n, seen = n + 1, False
             elif n and not seen and row.get("kind") == "eval" and "process_s" in row:

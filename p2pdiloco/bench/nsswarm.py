@@ -7,7 +7,6 @@ and reap them all (by pid, with what they started) however the run ends.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -19,6 +18,7 @@ from p2pdiloco.app.local import PeerProc, peer_command, stop_peers
 from p2pdiloco.app.summary import summarize
 from p2pdiloco.bench.netns import exec_in
 from p2pdiloco.config import Config
+from p2pdiloco.util.logfiles import read_jsonl
 
 BOOTSTRAP_START_S = 60.0
 
@@ -50,8 +50,7 @@ def bootstrap_maddr(boot: PeerProc, path: Path, host: str, timeout_s: float = BO
 
 def merge_rows(path: Path) -> list[dict]:
     """The merge lines of a peer's metrics.jsonl (alone and in a group)."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    return [r for r in rows if r.get("kind") == "merge"]
+    return [r for r in read_jsonl(path) if r.get("kind") == "merge"]
 
 
 def start_peer(i: int, n: int, place: tuple[str, str], cfg: Config, maddr: str, sets: list[str], out: Path) -> PeerProc:

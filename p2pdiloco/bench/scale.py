@@ -46,10 +46,10 @@ from rich.table import Table
 
 from p2pdiloco.app.local import run_local
 from p2pdiloco.bench.common import BENCH_MODEL_SETS, machine, report, write_results
-from p2pdiloco.bench.goodput import read_lines
 from p2pdiloco.bench.proctree import PeerSampler
 from p2pdiloco.config import load_config, parse_set
 from p2pdiloco.observe.status import human
+from p2pdiloco.util.logfiles import read_jsonl
 
 PEERS = (4, 8, 16, 32)
 STEPS = 350
@@ -259,7 +259,7 @@ def bench_scale(out: Path, peers: tuple[int, ...] = PEERS, steps: int = STEPS, g
             summary = run_local(n, cfg, out / name, None, sets, console=quiet, reraise_interrupt=True)
         if summary["peers_finished"] != n:
             raise RuntimeError(f"{name}: only {summary['peers_finished']} of {n} peers finished; see {out / name}")
-        rows = {f"peer{i}": read_lines(out / name / "peers" / f"peer{i}" / "metrics.jsonl") for i in range(n)}
+        rows = {f"peer{i}": read_jsonl(out / name / "peers" / f"peer{i}" / "metrics.jsonl") for i in range(n)}
         run = run_figures(summary, rows, sampler.cpu, sampler.memory)
         results["runs"][str(n)] = {**run, "wall_s": time.monotonic() - t0}
         add_ratios(results["runs"])

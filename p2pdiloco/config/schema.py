@@ -251,6 +251,9 @@ class RunConfig(_Section):
     """Interface for metrics_port; 0.0.0.0 lets a Prometheus on another machine scrape this peer."""
     compile: bool = False
     """Compile the model of the inner steps with torch.compile (falls back to eager, with a warning, if it fails)."""
+    max_log_mb: float = 64.0
+    """The most megabytes metrics.jsonl, and the log file `local` writes the peer's output to, each hold on disk
+    with their one rotation (NAME.1, the older half) included; 0: no cap."""
 
     def checks(self) -> Iterator[tuple[bool, str]]:
         yield self.total_steps >= 1, "run.total_steps must be >= 1"
@@ -258,6 +261,7 @@ class RunConfig(_Section):
         yield self.eval_every_rounds >= 0, "run.eval_every_rounds must be >= 0"
         yield self.log_every >= 1, "run.log_every must be >= 1"
         yield self.checkpoint_every >= 0, "run.checkpoint_every must be >= 0"
+        yield self.max_log_mb >= 0, "run.max_log_mb must be >= 0"
         yield self.eval_batches >= 1, "run.eval_batches must be >= 1"
         yield 0 <= self.metrics_port <= 65535, "run.metrics_port must be in [0, 65535]"
         yield (self.precision in PRECISIONS,

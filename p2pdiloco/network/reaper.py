@@ -3,9 +3,10 @@
 hivemind's DHT runs in a child process that starts the p2pd daemon; neither exits when the peer process
 is killed (SIGKILL, OOM killer, a crash), so a dead peer would leave them running and its id reachable.
 The peer starts this watchdog with a pipe on its stdin and never writes to it: when the peer dies, for
-any reason, the pipe closes, and the watchdog SIGKILLs the processes it was given, then exits.
+any reason, the pipe closes, and the watchdog SIGKILLs the processes it was given, removes the socket files
+of the p2p daemon it killed (hivemind removes them only on a clean shutdown), then exits.
 
-Usage: python -m p2pdiloco.network.reaper PID:CREATE_TIME [PID:CREATE_TIME ...]
+Usage: python -m p2pdiloco.network.reaper PID:CREATE_TIME [PID:CREATE_TIME ...] [/SOCKET/PATH ...]
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ def _same_process(pid: int, create_time: float) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    targets = []
+    targets, sockets = [], []
     for item in argv:
+        if item.startswith("/"):  # a socket file of the daemon: named by a random id of that daemon alone
+            sockets.append(item)
+            continue
         pid, _, created = item.partition(":")
         targets.append((int(pid), float(created)))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl+C to the group is for the peer, not for us
@@ -42,6 +46,11 @@ def main(argv: list[str]) -> int:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    for path in sockets:  # its daemon is dead now (killed above, or it shut down and removed them itself)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
     return 0
 
 

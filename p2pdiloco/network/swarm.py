@@ -10,6 +10,7 @@ Only the peer a subkey names can write under it (`PeerRecordValidator`, network/
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hashlib
 import logging
@@ -38,6 +39,7 @@ from p2pdiloco.network.identity import (
     load_or_create_identity,
     write_temporary_identity,
 )
+from p2pdiloco.network.sockets import daemon_sockets, remove_stale_sockets
 from p2pdiloco.network.swarm_key import KeyedRecordValidator, SwarmAuth, SwarmKeyError, load_key
 from p2pdiloco.network.traffic import install_dht_counter
 
@@ -127,6 +129,8 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
     identity, validators = identity_and_validators(cfg, identity_path)
     temporary = write_temporary_identity(identity) if identity_path is None else None
     t0 = time.monotonic()
+    with contextlib.suppress(OSError):  # what earlier killed daemons on this machine left behind
+        remove_stale_sockets()
     install_dht_counter()  # before the DHT process forks, so that it counts its own traffic
     os.environ.setdefault("GOGC", P2PD_GOGC)  # p2pd inherits this process's environment (a user's GOGC wins)
     os.environ.setdefault("LIBP2P_TCP_REUSEPORT", P2PD_TCP_REUSEPORT)
@@ -193,6 +197,8 @@ class Reaper:
             root = psutil.Process(dht.pid)
             for p in [root, *root.children(recursive=True)]:
                 targets.append(f"{p.pid}:{p.create_time()}")
+                if p.name() == "p2pd":
+                    targets += daemon_sockets(p.cmdline())
         except psutil.Error as e:
             logger.warning("cannot watch the DHT's processes: %r", e)
         self._proc = subprocess.Popen(

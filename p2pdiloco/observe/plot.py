@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from p2pdiloco.util.files import replacing
+from p2pdiloco.util.logfiles import read_jsonl
 from p2pdiloco.util.numbers import number_or_none
 
 LOG = logging.getLogger(__name__)
@@ -59,17 +59,11 @@ def read_metrics(path: Path) -> PeerCurves:
     """
     curves = PeerCurves()
     try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        records = read_jsonl(path)
     except OSError as e:
         LOG.warning("cannot read %s: %s", path, e.strerror)
         return curves
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(record, dict):
-            continue
+    for record in records:
         t = _number(record.get("elapsed_s"))
         if t is None:
             continue

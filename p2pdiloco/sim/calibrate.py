@@ -16,10 +16,11 @@ import json
 import statistics
 from pathlib import Path
 
-from p2pdiloco.bench.goodput import read_lines, run_goodput
+from p2pdiloco.bench.goodput import run_goodput
 from p2pdiloco.config import ConfigError
 from p2pdiloco.sim.scenario import Scenario
 from p2pdiloco.sim.simulate import run_algorithm
+from p2pdiloco.util.logfiles import read_jsonl
 
 
 def _peer_files(run: Path) -> list[Path]:
@@ -37,7 +38,7 @@ def first_start_s(runs: list[Path]) -> float | None:
     starts = []
     for run in runs:
         for path in _peer_files(run):
-            rows = read_lines(path)
+            rows = read_jsonl(path)
             if rows and rows[0].get("kind") == "start":
                 starts.append(float(rows[0].get("process_s", 0.0)))
     return statistics.median(starts) if starts else None
@@ -48,14 +49,14 @@ def sync_overhead_s(run: Path, round_compute_s: float) -> float | None:
     last gap (the partial round the time limit cut) is left out."""
     gaps = []
     for path in _peer_files(run):
-        t = [r["elapsed_s"] for r in read_lines(path) if r.get("kind") == "merge" and r.get("group_size", 1) > 1]
+        t = [r["elapsed_s"] for r in read_jsonl(path) if r.get("kind") == "merge" and r.get("group_size", 1) > 1]
         gaps += [b - a for a, b in zip(t, t[1:-1], strict=False)]
     return max(statistics.mean(gaps) - round_compute_s, 0.0) if gaps else None
 
 
 def finish_s(run: Path, seconds: float) -> float | None:
     """Median time from a time-limited run's end of training to each peer's last line (final merge, eval)."""
-    tails = [rows[-1]["elapsed_s"] - seconds for p in _peer_files(run) if (rows := read_lines(p))]
+    tails = [rows[-1]["elapsed_s"] - seconds for p in _peer_files(run) if (rows := read_jsonl(p))]
     return max(statistics.median(tails), 0.0) if tails else None
 
 

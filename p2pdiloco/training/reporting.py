@@ -21,19 +21,25 @@ from p2pdiloco.network.peer_tag import PeerLog, short_id
 from p2pdiloco.network.traffic import Traffic, bandwidth_report
 from p2pdiloco.training.accel import compute_dtype, flops_per_token, mfu, peak_flops, peak_memory
 from p2pdiloco.training.meters import Ema, RateMeter
+from p2pdiloco.util.logfiles import CappedLog
 
 logger = logging.getLogger(__name__)
 
 
 class MetricsLog:
-    """Append-only JSON lines, flushed per line so that a crash loses at most the line being written."""
+    """Append-only JSON lines, flushed per line so that a crash loses at most the line being written, rotated by
+    size (util/logfiles.py: read them back whole with `read_jsonl`).
 
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", buffering=1)
+    Args:
+        path: the file (`metrics.jsonl`); its older half is `metrics.jsonl.1`.
+        max_bytes: the most the file and its rotation hold together (`run.max_log_mb`); 0: no cap.
+    """
+
+    def __init__(self, path: Path, max_bytes: int = 0):
+        self._file = CappedLog(path, max_bytes)
 
     def write(self, **fields) -> None:
-        self._file.write(json.dumps({"t": time.time(), **fields}) + "\n")
+        self._file.write_line(json.dumps({"t": time.time(), **fields}))
 
     def close(self) -> None:
         self._file.close()

@@ -1,0 +1,37 @@
+"""`bench soak` in small: a few minutes of a 3-peer swarm under churn (bench/soak.py). After each kill (SIGKILL of a
+peer and all it started, restart with --resume) and each stop (SIGTERM, resume), the peer's processes hold as many
+file descriptors, threads and child processes as before, and no socket file of a dead daemon is left; after the
+run nothing of it is left.
+
+A few minutes long: marked `soak`, skipped in the default run and run by .ci/run in a step of its own."""
+
+import os
+
+import pytest
+from rich.console import Console
+
+from p2pdiloco.bench.soak import bench_soak
+from p2pdiloco.bench.soakprobe import COUNT_LIMIT
+
+P2PD_THREADS_SLACK = 4
+"""p2pd is a Go program: the Go runtime starts an OS thread for each goroutine blocked in a system call and keeps
+idle ones a while, so its thread count moves with its traffic by a few either way."""
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(900)
+def test_counts_return_to_their_level_after_each_kill_and_stop(tmp_path):
+    quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115 - closed with the test process
+    r = bench_soak(tmp_path, minutes=3, peers=3, event_s=30, sample_s=10, console=quiet)
+    cycles = [lv for lv in r["levels"] if "growth" in lv]
+    assert {lv["event"] for lv in cycles} == {"kill", "term"}, r["levels"]  # each kind came back at least once
+    for lv in cycles:
+        for key, growth in lv["growth"].items():
+            limit = P2PD_THREADS_SLACK if key == "p2pd.threads" else COUNT_LIMIT
+            assert abs(growth) <= limit, (lv["event"], key, lv["before"], lv["after"])
+        assert lv["after"]["sockets_ours_stale"] == 0, lv  # the restart removed what the killed daemon left
+    assert r["after"]["processes"] == []
+    assert (r["after"]["ours"], r["after"]["ours_stale"]) == (0, 0)
+    assert r["after"]["shm"] <= r["before"]["shm"]
+    assert r["final_models_identical_at_end"]
+    assert (tmp_path / "soak.json").exists() and (tmp_path / "soak-pss.png").exists()
