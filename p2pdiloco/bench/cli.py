@@ -270,7 +270,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from p2pdiloco.bench.dht import PEERS, SECONDS, bench_dht
 
         bench_dht(out, peers=_positive_ints(args.peers, "--peers") or PEERS, seconds=args.dht_seconds or SECONDS)
-    elif args.which == "wan":
+    elif args.which in ("wan", "wanrpc", "wancodec"):
+        _wan_lab_bench(args, out)
+    elif args.which == "soak":
+        from p2pdiloco.bench.soak import bench_soak
+
+        bench_soak(out, minutes=args.minutes or 60.0, peers=_one_int(args.peers, "--peers") or 4)
+    else:
+        from p2pdiloco.bench.overhead import bench_overhead
+
+        bench_overhead(out, steps=args.steps or 600)
+    return 0
+
+
+def _wan_lab_bench(args: argparse.Namespace, out: Path) -> None:
+    """The benches that build a WAN lab (root): wan, wanrpc, wancodec."""
+    if args.which == "wan":
         from p2pdiloco.bench.wanbench import STEPS, bench_wan
 
         bench_wan(out, profile=args.profile, peers=_one_int(args.peers, "--peers") or 6, nat=args.nat,
@@ -282,16 +297,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.samples < 1:
             raise ConfigError(f"--samples takes a positive integer, got {args.samples}")
         bench_wanrpc(out, profiles=tuple(dict.fromkeys(("lan", args.profile))), samples=args.samples)
-    elif args.which == "wancodec":
+    else:
         from p2pdiloco.bench.wancodec import bench_from_args
 
         bench_from_args(out, args)
-    elif args.which == "soak":
-        from p2pdiloco.bench.soak import bench_soak
-
-        bench_soak(out, minutes=args.minutes or 60.0, peers=_one_int(args.peers, "--peers") or 4)
-    else:
-        from p2pdiloco.bench.overhead import bench_overhead
-
-        bench_overhead(out, steps=args.steps or 600)
-    return 0

@@ -35,7 +35,6 @@ from rich.table import Table
 from p2pdiloco.app.local import PeerProc
 from p2pdiloco.app.summary import final_models
 from p2pdiloco.bench.common import BENCH_MODEL_SETS, machine, report, write_results
-from p2pdiloco.bench.goodput import read_lines
 from p2pdiloco.bench.netns import exec_in
 from p2pdiloco.bench.nsswarm import merge_rows, run_swarm, start_peer
 from p2pdiloco.bench.wanaccuracy import measure, print_accuracy
@@ -44,6 +43,7 @@ from p2pdiloco.bench.wanlab import HUB_ADDR, WanLab, check_can_run, profile_link
 from p2pdiloco.bench.wanreport import eval_ratio, print_swarm_figures
 from p2pdiloco.config import Config, ConfigError, load_config, parse_set
 from p2pdiloco.training.model import build_model, count_params
+from p2pdiloco.util.logfiles import read_jsonl
 
 STEP_S = 0.3
 ROUND_S = 3.0
@@ -159,7 +159,7 @@ class Late:
 
 def peer_step(metrics: Path) -> int:
     """The last inner step a peer's metrics.jsonl names (0 before any)."""
-    rows = read_lines(metrics) if metrics.exists() else []
+    rows = read_jsonl(metrics) if metrics.exists() else []
     return max((r.get("step", 0) for r in rows), default=0)
 
 

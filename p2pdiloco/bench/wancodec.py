@@ -44,6 +44,7 @@ from p2pdiloco.bench.wanaccuracy import measure, print_accuracy
 from p2pdiloco.bench.wanlab import HUB_ADDR, PROFILES, WanLab, check_can_run, profile_links
 from p2pdiloco.config import CODECS, Config, ConfigError, load_config, parse_set
 from p2pdiloco.config.recipes import RECIPES
+from p2pdiloco.util.logfiles import read_jsonl
 
 STEP_S = 1.0
 """Padded inner step, seconds: 4 peers' unpadded steps (~0.2 s of one core each) fit twice into it on 2 cores."""
@@ -159,8 +160,8 @@ def targets(initial: float, finals: list[float], fractions: tuple[float, ...] = 
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """A metrics.jsonl's lines (none if it does not exist)."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """A metrics.jsonl's lines across its rotations (none if it does not exist)."""
+    return read_jsonl(path) if path.exists() else []
 
 
 def arm_figures(run_dir: Path, summary: dict) -> dict:

@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from p2pdiloco.bench.goodput import read_lines
+from p2pdiloco.util.logfiles import read_jsonl
 
 JOIN_SLACK_S = 30.0
 """What a joiner may take beyond downloading the state at its downlink's rate: start-up, matchmaking, a round."""
@@ -101,7 +101,7 @@ def group_figures(run_dir: Path, names: list[str], swarm: int) -> dict:
     merges, later, dials = [], [], {}
     for name in names:
         path = run_dir / "peers" / name / "metrics.jsonl"
-        own = [r for r in read_lines(path) if r.get("kind") == "merge"] if path.exists() else []
+        own = [r for r in read_jsonl(path) if r.get("kind") == "merge"] if path.exists() else []
         merges, later = merges + own, later + own[1:]
         for kind, n in failed_dials(run_dir / "peers" / name / f"{name}.log").items():
             dials[kind] = dials.get(kind, 0) + n
@@ -129,7 +129,7 @@ def clean(figures: dict, max_ratio: float = 2.0) -> bool:
 def alone_reasons(peer_dir: Path, name: str) -> dict:
     """Seconds from a peer's start until its log says nobody can dial it, and until it says it merges alone
     because nobody in reach can lead; its rounds in a group and alone."""
-    rows = read_lines(peer_dir / "metrics.jsonl") if (peer_dir / "metrics.jsonl").exists() else []
+    rows = read_jsonl(peer_dir / "metrics.jsonl") if (peer_dir / "metrics.jsonl").exists() else []
     start = process_start(rows)
     log = peer_dir / f"{name}.log"
     merges = [r for r in rows if r.get("kind") == "merge"]
@@ -153,7 +153,7 @@ def joiner_figures(metrics: Path, state_bytes: int, down_mbit: float | None) -> 
         by its first merge; a fetch may download from more than one donor), "arrived_after_end" (the swarm had
         finished when it looked: the run was too short for it), "bound_s", "within_bound"}.
     """
-    rows = read_lines(metrics) if metrics.exists() else []
+    rows = read_jsonl(metrics) if metrics.exists() else []
     start = process_start(rows)
     join = next((r for r in rows if r.get("kind") == "join"), None)
     merge = next((r for r in rows if r.get("kind") == "merge" and r.get("group_size", 1) >= 2), None)
