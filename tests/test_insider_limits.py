@@ -111,7 +111,7 @@ def test_a_joiner_comes_back_to_a_busy_donor_when_it_says_after_trying_the_other
     digest = state_digest(state.global_params, state.momentum)
     calls: list[str] = []
 
-    async def fetch_from(peer: str, timeout: float) -> GlobalState:
+    async def fetch_from(peer: str, timeout: float, want: str | None = None) -> GlobalState:
         calls.append(peer)
         if peer == "slow":
             raise StateBusy("backed off", 1e9)  # beyond what a pass waits: not asked again

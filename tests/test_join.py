@@ -19,6 +19,7 @@ from p2pdiloco.network.state_sync import (
     donor_order,
     pack_state,
     unpack_state,
+    wanted_digest,
 )
 from p2pdiloco.network.wire import ByteCounter
 from tests.conftest import interrupt_and_reap, start_local_dht, wait_for
@@ -149,6 +150,47 @@ def test_joiner_reads_the_records_again_when_rounds_outpace_heartbeats(bootstrap
         reads.clear()
         refused = net_loop.run(joiner.fetch(lagging, ids[2], timeout=10, refresh=lambda: refresh("other"), passes=3), 30)
         assert refused is None and reads == ["other", "other"]  # no other peer ever held it: refused after every pass
+    finally:
+        for d in dhts:
+            d.shutdown()
+
+
+def test_a_joiner_asks_for_the_digest_most_records_name_and_the_most_tokens_among_equals():
+    records = {"a": {"global_digest": "x", "global_tokens": 100.0}, "b": {"global_digest": "x", "global_tokens": 100.0},
+               "c": {"global_digest": "y", "global_tokens": 200.0}, "d": {"global_digest": "y", "global_tokens": 200.0},
+               "e": {"global_digest": "y", "global_tokens": 200.0}, "me": {"global_digest": "z"}}
+    assert wanted_digest(records, "me") == "y"  # three records name y
+    records["f"] = records["g"] = {"global_digest": "x", "global_tokens": 100.0}
+    assert wanted_digest(records, "me") == "x"  # a claim of more tokens buys nothing against more records
+    records = {"a": {"global_digest": "x", "global_tokens": 100.0}, "b": {"global_digest": "x", "global_tokens": float("nan")},
+               "c": {"global_digest": "y", "global_tokens": 1e30}, "d": {"global_digest": "y", "global_tokens": 1.0}}
+    assert wanted_digest(records, "me") == "y"  # a tie in records: the most tokens claimed (a NaN claims none)
+    # no digest named by two live peers: nothing to ask for; one live peer with a model: its own digest
+    assert wanted_digest({"a": {"global_digest": "x"}, "b": {"global_digest": "y"}}, "me") is None
+    assert wanted_digest({"a": {"global_digest": "x"}, "b": {"global_digest": ""}}, "me") == "x"
+
+
+def test_donors_serve_the_state_their_records_name_after_moving_on(bootstrap_dht, net_loop):
+    """Rounds shorter than a heartbeat: both donors moved on to states of their own that no record names, but they
+    still hold the one their records name, and serve it when asked: the joiner takes it in its first pass, without
+    reading the records again. A donor that holds it no longer serves its current state (refused as before)."""
+    maddrs = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
+    dhts = [start_local_dht(maddrs) for _ in range(3)]
+    try:
+        named, now_a, now_b = _state(3, 7), _state(4, 8), _state(5, 8)
+        digest = state_digest(named.global_params, named.momentum)
+        held = {digest: named}
+        syncs = [StateSync(d, "j", 1000, (lambda st=st: st), ByteCounter(), held=h)
+                 for d, st, h in zip(dhts, [now_a, now_b, None], [held.get, held.get, None], strict=True)]
+        for s in syncs:
+            net_loop.run(s.start(), 10)
+        ids = [d.peer_id.to_base58() for d in dhts]
+        records = {ids[0]: {"round": 7, "global_digest": digest}, ids[1]: {"round": 7, "global_digest": digest}}
+        state, source = net_loop.run(syncs[2].fetch(records, ids[2], timeout=10, passes=1), 30)
+        assert source in ids[:2] and torch.equal(state.global_params, named.global_params)
+        assert torch.equal(state.momentum, named.momentum) and state.round == 7
+        held.clear()  # the donors no longer hold it: each serves its own current state, which no record names
+        assert net_loop.run(syncs[2].fetch(records, ids[2], timeout=10, passes=1), 30) is None
     finally:
         for d in dhts:
             d.shutdown()

@@ -13,7 +13,8 @@ from p2pdiloco.algorithm.outer import state_digest, weighted_average
 from p2pdiloco.config import GuardConfig, OuterOptConfig
 from p2pdiloco.network.group import Group, own_claims_kept
 from p2pdiloco.network.merger import Contribution, Merged
-from p2pdiloco.training.global_model import GlobalModel
+from p2pdiloco.network.state_sync import GlobalState
+from p2pdiloco.training.global_model import GlobalModel, HeldStates
 from tests.conftest import flat, merge_config, running_mergers
 
 N = 40_001
@@ -32,6 +33,21 @@ def test_a_global_model_keeps_its_recent_states_by_digest_newest_first():
     g.adopt(torch.ones(N), torch.zeros(N))  # a donor's state is an anchor too
     assert list(g.anchors())[0] == g.digest() and len(g.anchors()) == 2
     assert GlobalModel(torch.zeros(N), OuterOptConfig(), anchors=0).anchors() == {}
+
+
+def test_a_peer_serves_its_recent_states_by_digest_with_the_counters_it_had_then():
+    g = GlobalModel(torch.zeros(N), OuterOptConfig(), anchors=2)
+    held = HeldStates(g)
+    held.note(GlobalState(g.params, g.momentum, 0, 0, 0.0))
+    first = g.digest()
+    for r in (1, 2):
+        g.merge(Merged(torch.full((N,), 1e-3), 1.0), alone=True)
+        held.note(GlobalState(g.params, g.momentum, r, 10 * r, 100.0 * r))
+    now, before = held.get(g.digest()), held.get(list(g.anchors())[1])
+    assert (now.round, now.step, now.global_tokens) == (2, 20, 200.0) and now.global_params is g.params
+    assert (before.round, before.step, before.global_tokens) == (1, 10, 100.0)
+    assert state_digest(before.global_params, before.momentum) == list(g.anchors())[1]
+    assert held.get(first) is None and held.get("unknown") is None  # fell out of the 2 anchors; never held
 
 
 def test_a_global_models_digest_is_hashed_once_a_state_and_follows_every_change(monkeypatch):

@@ -312,7 +312,8 @@ def start_services(peer: Peer, announce, closing: contextlib.ExitStack) -> None:
     publish the peer record (withdrawn by `closing`)."""
     cfg, dht, loop, merger, learner = peer.cfg, peer.dht, peer.loop, peer.merger, peer.learner
     state_sync = StateSync(dht, cfg.swarm.run_id, peer.n_params, peer.hooks.wrap_state(lambda: learner.shared),
-                           learner.report.traffic.state, auth=peer.auth, gate=merger.gate)
+                           learner.report.traffic.state, auth=peer.auth, gate=merger.gate,
+                           held=peer.hooks.wrap_held(learner.held.get))
     loop.run(state_sync.start(), timeout=30)
     # its bytes count with the state downloads' (both are start-up traffic), not in any merge's
     merger.expect_dialable_verdict()

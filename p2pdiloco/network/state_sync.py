@@ -48,6 +48,7 @@ from p2pdiloco.network.wire import (
     send_deadline,
     send_msg,
 )
+from p2pdiloco.util.numbers import number_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,21 @@ def state_support(records: dict[str, dict], me: str, digest: str) -> tuple[int, 
     return sum(d == digest for d in holders), min(2, len(holders))
 
 
+def wanted_digest(records: dict[str, dict], me: str) -> str | None:
+    """The global model a joiner asks its donors for: of the digests that enough live records name to be taken
+    at once (`state_support`), the one most records name, and among those the one whose records claim the most
+    tokens. Records lag their peers' merges by up to a heartbeat, so where rounds are shorter each donor's current
+    state may be one no record names yet; a donor that still holds the named one serves it (`StateSync.held`).
+    None where no digest is named often enough."""
+    tokens: dict[str, float] = {}
+    for p, r in records.items():
+        if p != me and isinstance(d := r.get("global_digest"), str) and d:
+            tokens[d] = max(tokens.get(d, 0.0), number_or_none(r.get("global_tokens")) or 0.0)
+    support = {d: state_support(records, me, d) for d in tokens}
+    enough = [d for d, (holders, need) in support.items() if holders >= need]
+    return max(enough, key=lambda d: (support[d][0], tokens[d], d)) if enough else None
+
+
 def bounded_counters(state: GlobalState, records: dict[str, dict], me: str) -> GlobalState:
     """The donor's counters capped by the (lower) median of the live peers' records: a donor's claim alone
     cannot put a joiner at the end of the schedule or make its θg count for more than the swarm's."""
@@ -164,6 +180,8 @@ class StateSync:
         run_id: the swarm's name (protocol prefix).
         n_params: length of the flat parameter vector.
         provider: returns this peer's current state, or None while it has none worth serving.
+        held: returns the state with a digest if this peer still holds it (a joiner asks for the one its donors'
+            records name, `wanted_digest`), else None; None: only the current state is served.
         counter: where bytes sent and received are added.
         auth: the swarm key's authenticator: requests and replies without a valid tag are refused (None: public).
         gate: bounds on the incoming streams this peer serves; pass the merger's (`P2PMerger.rpc.gate`) so that
@@ -172,10 +190,11 @@ class StateSync:
 
     def __init__(self, dht: hivemind.DHT, run_id: str, n_params: int,
                  provider: Callable[[], GlobalState | None], counter: ByteCounter, auth: SwarmAuth | None = None,
-                 gate: StreamGate | None = None):
+                 gate: StreamGate | None = None, held: Callable[[str], GlobalState | None] | None = None):
         self.dht, self.proto, self.n_params, self.provider, self.counter = dht, f"p2pdiloco.{run_id}.state", n_params, provider, counter
         self.auth = auth or SwarmAuth(None, run_id)
         self.gate = gate or StreamGate()
+        self.held = held
         self.me = dht.peer_id.to_base58()
         self.log = PeerLog(logger, self.me)
         self.slots = StateSlots()
@@ -202,7 +221,8 @@ class StateSync:
             await recv_payload(reader, 0, self.counter, exact=True)  # a request carries none
         joiner = request.sender
         tag = self.auth.tag("state:reply", self.me, joiner)
-        state = self.provider()
+        want = request.header.get("want")
+        state = (self.held(want) if self.held is not None and isinstance(want, str) and want else None) or self.provider()
         if state is None:
             await send_msg(writer, {"ok": False, "error": "no state yet", "auth": tag}, counter=self.counter,
                            deadline_s=send_deadline(0))
@@ -226,11 +246,13 @@ class StateSync:
             self.log.info("served state of round %d to %s", state.round, short_id(joiner))
         await await_requester_close(reader)  # closing at once could lose the reply (see wire.py)
 
-    async def fetch_from(self, peer: str, timeout: float) -> GlobalState:
-        """Download `peer`'s state: its reply's tag is checked before its payload is read."""
+    async def fetch_from(self, peer: str, timeout: float, want: str | None = None) -> GlobalState:
+        """Download `peer`'s state (the one with digest `want` if it still holds it, else its current one): its
+        reply's tag is checked before its payload is read."""
         _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.proto)
         try:
-            await send_msg(writer, {"auth": self.auth.tag("state", self.me, peer)}, counter=self.counter)
+            request = {"auth": self.auth.tag("state", self.me, peer), **({"want": want} if want else {})}
+            await send_msg(writer, request, counter=self.counter)
             async with asyncio.timeout(timeout):
                 header = await recv_header(reader, self.counter)
                 if not self.auth.verify("state:reply", peer, self.me, header.get("auth")):
@@ -292,7 +314,8 @@ class StateSync:
 
         note(records)
         for attempt in range(1, passes + 1):
-            if (found := await self._download_pass(donor_order(records, me), timeout, take)) is not None:
+            want = wanted_digest(records, me)
+            if (found := await self._download_pass(donor_order(records, me), timeout, take, want)) is not None:
                 return found
             if refresh is None or attempt == passes:
                 break
@@ -306,11 +329,11 @@ class StateSync:
         return None
 
     async def _download_pass(self, donors: list[str], timeout: float,
-                             take: Callable[[GlobalState, str], tuple[GlobalState, str] | None]
-                             ) -> tuple[GlobalState, str] | None:
+                             take: Callable[[GlobalState, str], tuple[GlobalState, str] | None],
+                             want: str | None = None) -> tuple[GlobalState, str] | None:
         """Ask each of `donors` in order; a donor that says "busy" again when it says to come back (other donors
-        first), for at most `BUSY_WAIT_S` from the pass's start. `take(state, donor)` returns what `fetch` returns
-        once a state qualifies, which ends the pass."""
+        first), for at most `BUSY_WAIT_S` from the pass's start, asking for the state with digest `want`.
+        `take(state, donor)` returns what `fetch` returns once a state qualifies, which ends the pass."""
         due = [(0.0, donor) for donor in donors]  # (monotonic time to ask, donor)
         give_up = time.monotonic() + BUSY_WAIT_S
         while due:
@@ -322,7 +345,7 @@ class StateSync:
             if (pause := at - time.monotonic()) > 0:
                 await asyncio.sleep(pause)
             try:
-                state = await asyncio.wait_for(self.fetch_from(donor, timeout), timeout)
+                state = await asyncio.wait_for(self.fetch_from(donor, timeout, want), timeout)
             except StateBusy as e:
                 logger.info("state download from %s: %s", short_id(donor), e)
                 due.append((time.monotonic() + e.retry_after_s, donor))

@@ -39,6 +39,11 @@ class PeerHooks:
         """The state this peer serves to joiners: its own, or a poisoned one (hostile kind `donor`)."""
         return poisoned_state(provider) if self.hostile == "donor" else provider
 
+    def wrap_held(self, held):
+        """The past states this peer serves to joiners that ask for one: its own, or none (hostile kind `donor`
+        serves its poisoned state to every request)."""
+        return None if self.hostile == "donor" else held
+
 
 def peer_hooks(cfg: Config) -> PeerHooks:
     """The hooks of the peer configured by `cfg` (named `cfg.run.name` in P2PDILOCO_FAULTS)."""

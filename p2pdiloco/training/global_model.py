@@ -13,6 +13,7 @@ import torch
 from p2pdiloco.algorithm.outer import STATE_REACH, OuterRound, alone_lr, outer_round, state_digest
 from p2pdiloco.config import OuterOptConfig
 from p2pdiloco.network.merger import Merged
+from p2pdiloco.network.state_sync import GlobalState
 
 
 class GlobalModel:
@@ -51,6 +52,10 @@ class GlobalModel:
         """The outer lr of steps on this peer's own Δ alone (a merge alone, an eager update): `outer.alone_lr`,
         or `outer.lr` where that is 0."""
         return alone_lr(self.outer)
+
+    def anchor(self, digest: str) -> torch.Tensor | None:
+        """The state with `digest`, (θg, momentum) concatenated, if it is one of the last `anchors` this peer held."""
+        return self._anchors.get(digest)
 
     def anchors(self) -> dict[str, torch.Tensor]:
         """The states this peer can rebuild exactly, by digest, newest first (see `Contribution.anchors`)."""
@@ -104,3 +109,39 @@ class GlobalModel:
                 or cached[3] != m._version:
             cached = self._digest = (p, p._version, m, m._version, state_digest(p, m))
         return cached[4]
+
+
+class HeldStates:
+    """The last global states a peer held, by digest, as a joiner may ask for them: a donor's record names the
+    state it held at its last heartbeat, which it may have left a round or two ago; it serves that state from its
+    anchors (`GlobalModel.anchor`) with the counters it had then. The joiner checks what it gets against the
+    digest, so a state served here under the wrong digest only fails that download.
+
+    Args:
+        g: the peer's global model (its anchors hold the tensors; only counters are kept here).
+    """
+
+    def __init__(self, g: GlobalModel):
+        self.g = g
+        self._counters: dict[str, tuple[int, int, float]] = {}
+        self._last: tuple[str, GlobalState] | None = None
+
+    def note(self, state: GlobalState) -> GlobalState:
+        """`state` is this peer's state now (θg and momentum are `g`'s); returns it."""
+        digest = self.g.digest()
+        self._counters[digest] = (state.round, state.step, state.global_tokens)
+        while len(self._counters) > max(1, self.g.keep_anchors):
+            del self._counters[next(iter(self._counters))]
+        self._last = (digest, state)
+        return state
+
+    def get(self, digest: str) -> GlobalState | None:
+        """The state with `digest`, or None if this peer holds it no longer (called from the network thread)."""
+        last = self._last
+        if last is not None and last[0] == digest:
+            return last[1]
+        counters, anchor = self._counters.get(digest), self.g.anchor(digest)
+        if counters is None or anchor is None:
+            return None
+        n = anchor.numel() // 2
+        return GlobalState(anchor[:n], anchor[n:], *counters)

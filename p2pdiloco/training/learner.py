@@ -34,7 +34,7 @@ from p2pdiloco.training.checkpoint import (
 )
 from p2pdiloco.training.evaluation import evaluate_flat
 from p2pdiloco.training.flat import flat_params, load_flat_
-from p2pdiloco.training.global_model import GlobalModel
+from p2pdiloco.training.global_model import GlobalModel, HeldStates
 from p2pdiloco.training.in_flight import InFlight, LandWait
 from p2pdiloco.training.optim import InnerSchedule, build_inner_optimizer
 from p2pdiloco.training.reporting import Counters, Landed, MetricsLog, Reporter
@@ -85,6 +85,7 @@ class Learner:
         self.checkpoint_dir, self.faults = checkpoint_dir, faults or {}
         self.checkpoint_meta: Callable[[], dict] = dict  # more for its checkpoints (peer.py: its guards' trust)
         self.checkpoints = CheckpointWriter()  # written in the background; `checkpoint(wait=True)` waits
+        self.held = HeldStates(self.g)  # the last states this peer held, by digest, for joiners asking for one
         self.shared = self.snapshot()
         self.tag = short_id(merger.peer_id)
         self.log = PeerLog(logger, self.tag)
@@ -325,7 +326,8 @@ class Learner:
     def snapshot(self) -> GlobalState:
         """This peer's global state as of its last merge (tensors are replaced, never mutated, so the
         network thread may read the returned object while training goes on)."""
-        return GlobalState(self.g.params, self.g.momentum, self.c.round, self.c.step, self.c.global_tokens)
+        return self.held.note(GlobalState(self.g.params, self.g.momentum, self.c.round, self.c.step,
+                                          self.c.global_tokens))
 
     def adopt_state(self, state: GlobalState) -> None:
         """Continue from the swarm's state (a joiner, or a resumed peer that finds the swarm ahead)."""
