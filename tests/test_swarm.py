@@ -18,6 +18,7 @@ from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.peer_tag import PeerLog
 from p2pdiloco.network.reachability import tcp_endpoint
+from p2pdiloco.network.search import Window
 from p2pdiloco.network.swarm import (
     SwarmError,
     check_fingerprint,
@@ -226,18 +227,31 @@ def test_a_search_that_outlasts_its_epoch_is_dealt_again_in_the_next(bootstrap_d
 
 
 def test_window_grows_after_merges_alone_and_resets_after_a_group():
-    m = Matchmaker.__new__(Matchmaker)  # only the window logic, no network
-    m.cfg = merge_config(merge_window_s=10.0, min_window_s=1.0, window_fraction=0.25)
-    m._last_submit, m._round_ema, m._alone_streak = 0.0, None, 0
-    assert m._window(8.0) == 2.0  # a quarter of the round
-    m._alone_streak = 1
-    assert m._window(8.0) == 4.0  # peers drifted apart: wait longer until they meet again
-    m._alone_streak = 5
-    assert m._window(8.0) == 10.0  # never beyond merge_window_s
-    m._alone_streak = 0
-    assert m._window(8.0) == 2.0
-    m.cfg.rounds.sync = True
-    assert m._window(8.0) == 10.0
+    w = Window(merge_config(merge_window_s=10.0, min_window_s=1.0, window_fraction=0.25))
+    assert w.length(8.0) == 2.0  # a quarter of the round
+    w.record(alone=True, marks={})
+    assert w.length(8.0) == 4.0  # peers drifted apart: wait longer until they meet again
+    for _ in range(4):
+        w.record(alone=True, marks={})
+    assert w.length(8.0) == 10.0  # never beyond merge_window_s
+    w.record(alone=False, marks={})
+    assert w.length(8.0) == 2.0
+    w.cfg.rounds.sync = True
+    assert w.length(8.0) == 10.0
+
+
+def test_window_is_at_least_a_few_group_formation_times_where_round_trips_are_long_against_rounds():
+    w = Window(merge_config(merge_window_s=15.0, min_window_s=1.0, window_fraction=0.25))
+    assert w.length(3.0) == 1.0  # a quarter of a 3 s round is under the floor
+    w.record(alone=False, marks={"census": 10.0, "ready": 10.5, "grouped": 11.3})  # 0.8 s: 400 ms round trips
+    assert w.length(3.0) == pytest.approx(4 * 0.8)
+    w.record(alone=False, marks={"ready": 20.0, "grouped": 20.4})
+    assert w.length(3.0) == pytest.approx(4 * 0.6)  # an EMA of the formation times
+    w.record(alone=False, marks={"census": 30.0})  # no formation time (it never became ready): kept as it was
+    assert w.length(3.0) == pytest.approx(4 * 0.6)
+    w.record(alone=False, marks={"ready": 40.0, "grouped": 40.01})  # loopback: back toward the round's quarter
+    w.record(alone=False, marks={"ready": 41.0, "grouped": 41.01})
+    assert w.length(3.0) == 1.0
 
 
 def test_epochs_of_a_few_rounds_are_warned_of_once_where_groups_do_not_span_the_census(caplog):
@@ -247,7 +261,7 @@ def test_epochs_of_a_few_rounds_are_warned_of_once_where_groups_do_not_span_the_
     m.cfg, m.peer_id, m._warned_epochs = merge_config(group_size=8, epoch_s=30.0), "peerA", False
     m.log = PeerLog(logging.getLogger("p2pdiloco.network.matchmaking"), m.peer_id)
     for size, round_s, warned in [(8, 10.0, False), (9, 2.0, False), (9, 10.0, True)]:
-        m.census, m._round_ema = types.SimpleNamespace(size=size), round_s
+        m.census, m.window = types.SimpleNamespace(size=size), types.SimpleNamespace(round_ema=round_s)
         caplog.clear()
         m._warn_short_epochs()
         assert ("set merge.epoch_s to 10 rounds or more" in caplog.text) is warned, (size, round_s)
@@ -285,7 +299,7 @@ def test_an_invite_accepted_while_the_census_is_read_is_a_group_not_a_merge_alon
             return True
 
     m.census = Census()
-    m._window = lambda round_s: 0.0  # this search's deadline is already past when the census comes back
+    m.window = types.SimpleNamespace(length=lambda round_s: 0.0, round_ema=None)  # its deadline is past when the census comes back
 
     async def search():
         m._group_future("g1").set_result("the group x leads")

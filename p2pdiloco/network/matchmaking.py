@@ -13,7 +13,7 @@
 
 Nothing a peer claims is taken as is: weights are capped by the group's median (`bounded_weights`), a member
 checks that the notice carries its own claims unchanged (and an anchor it holds), and a deadline further off
-than any honest window is not believed. How long a peer looks is its *window* (see `Matchmaker._window`).
+than any honest window is not believed. How long a peer looks is its *window* (see `search.Window`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import asyncio
 import logging
 import math
 import secrets
-import time
 
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
@@ -36,7 +35,7 @@ from p2pdiloco.network.group import Group, group_of_notice, own_claims_kept, val
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.peer_tag import PeerLog, short_id
 from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed, Rpc
-from p2pdiloco.network.search import Search
+from p2pdiloco.network.search import Search, Window
 from p2pdiloco.util.numbers import finite_number
 
 logger = logging.getLogger(__name__)
@@ -71,8 +70,9 @@ class Matchmaker:
         self.log = PeerLog(logger, self.peer_id)
         self._search: Search | None = None
         self._groups: dict[str, asyncio.Future] = {}
-        self._last_submit, self._closed, self._alone_streak = time.monotonic(), False, 0
-        self._round_ema: float | None = None
+        self._closed = False
+        self.window = Window(cfg)
+        """How long this peer's searches wait for mates, from what its last rounds and merges took."""
         self._warned_epochs = False
         self._other_protocol: set[str] = set()  # leaders of another protocol version, declined and said so once
         self._tasks: set[asyncio.Task] = set()
@@ -104,8 +104,8 @@ class Matchmaker:
         return self._closed
 
     def record(self, alone: bool) -> None:
-        """The outcome of this peer's last merge: merges alone in a row widen the window (see `_window`)."""
-        self._alone_streak = self._alone_streak + 1 if alone else 0
+        """The outcome of this peer's last merge, for the window of its next searches (`Window.record`)."""
+        self.window.record(alone, self.marks)
 
     def forget(self, group_id: str) -> None:
         """The merge of `group_id` is over: parts for it are refused from now on."""
@@ -127,7 +127,7 @@ class Matchmaker:
     async def find_group(self, c: Contribution, part: str = "") -> Group | None:
         """A group to merge `c` with, or None: merge alone. `part`: the digest of its encoded sparse part, which the
         group's notice lists for every member (a gathered codec's parts may be relayed, sparse_exchange.py)."""
-        window = self._window(c.round_s)
+        window = self.window.length(c.round_s)
         self._warn_short_epochs()
         if closing := c.last_merges():  # about its last merge (own counters): worth the whole window
             window = max(window, self.cfg.merge.merge_window_s)
@@ -232,32 +232,12 @@ class Matchmaker:
         """Say once if groups are redrawn within a few of this peer's rounds while they do not span the census: each
         redrawing puts members whose global models differ together, and their next merge also agrees on
         (θg, momentum), about 7× the bytes of an int4 Δ exchange (docs/architecture.md, Mates)."""
-        if (not self._warned_epochs and self._round_ema and self.census.size > self.cfg.merge.group_size
-                and self.cfg.merge.epoch_s < EPOCH_ROUNDS * self._round_ema):
+        if (not self._warned_epochs and self.window.round_ema and self.census.size > self.cfg.merge.group_size
+                and self.cfg.merge.epoch_s < EPOCH_ROUNDS * self.window.round_ema):
             self._warned_epochs = True
             self.log.warning("groups are redrawn every %.0f s, %.1f of this peer's rounds: most merges will agree "
                              "on global models too; set merge.epoch_s to %d rounds or more",
-                             self.cfg.merge.epoch_s, self.cfg.merge.epoch_s / self._round_ema, EPOCH_ROUNDS)
-
-    def _window(self, round_s: float) -> float:
-        """How long to wait for others to become ready.
-
-        Sync mode waits up to merge_window_s, for everyone. Decoupled mode waits a fraction of this peer's
-        recent round time (an EMA of the rounds' wall times as the learner reports them, else of the time
-        between submits), in the spirit of Decoupled DiLoCo's grace window: long enough that peers finishing
-        their round at about the same time meet, short enough that nobody's merges are held up by a slow or
-        vanished peer. No constant to retune per model or link.
-        """
-        now = time.monotonic()
-        interval = round_s if round_s > 0 else now - self._last_submit
-        self._last_submit = now
-        self._round_ema = interval if self._round_ema is None else 0.5 * self._round_ema + 0.5 * interval
-        if self.cfg.rounds.sync:
-            return self.cfg.merge.merge_window_s
-        # Peers whose rounds drifted apart by more than the window would never meet again: after each
-        # merge alone the window doubles (up to merge_window_s) until a group forms, then it resets.
-        base = max(self.cfg.merge.min_window_s, self.cfg.merge.window_fraction * self._round_ema)
-        return min(self.cfg.merge.merge_window_s, base * 2 ** min(self._alone_streak, 8))
+                             self.cfg.merge.epoch_s, self.cfg.merge.epoch_s / self.window.round_ema, EPOCH_ROUNDS)
 
     async def _lead(self, search: Search, candidates: list[str]) -> Group | None:
         search.leading = True  # from here on, invites from others are declined

@@ -2,7 +2,7 @@
 
 With rounds of `rounds.round_steps` inner steps, a peer's rounds end wherever its own steps take them. Peers of
 equal speed keep whatever phase they have, and a decoupled search waits only a fraction of a round
-(`Matchmaker._window`): two halves of a swarm whose round ends drifted half a round apart never meet again. Each
+(`search.Window`): two halves of a swarm whose round ends drifted half a round apart never meet again. Each
 half merges within itself, no merge is alone (so no window widens), and their global models drift apart until
 the run's last merge. Without the shift the README's run did this in about one run of ten (docs/benchmarks.md,
 "The README's run").

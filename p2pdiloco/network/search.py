@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
+from p2pdiloco.config import Config
 from p2pdiloco.network.merger import Contribution
+
+FORM_WINDOWS = 4
+"""A decoupled window is at least this many of this peer's recent group formation times (see `Window.length`)."""
 
 
 @dataclass
@@ -32,3 +37,47 @@ class Search:
     def mark(self, step: str) -> None:
         """Note that this search passed `step` now (the first time only)."""
         self.marks.setdefault(step, time.monotonic())
+
+
+class Window:
+    """How long this peer's searches wait for others to become ready (`length`).
+
+    Sync mode waits up to merge_window_s, for everyone. Decoupled mode waits a fraction of this peer's recent
+    round time (an EMA of the rounds' wall times as the learner reports them, else of the time between submits), in
+    the spirit of Decoupled DiLoCo's grace window: long enough that peers finishing their round at about the same
+    time meet, short enough that nobody's merges are held up by a slow or vanished peer. No constant to retune per
+    model or link: where round trips are long against rounds (400 ms against 3 s), the window is at least
+    `FORM_WINDOWS` of this peer's recent group formation times, for a group forms in about three round trips
+    (ready, invite, notice) after its last member is ready.
+    """
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.round_ema: float | None = None
+        """EMA of this peer's round time (s)."""
+        self.form_ema: float | None = None
+        """EMA of its group merges' formation time: from its `ready` to its `grouped` mark, about a round trip to
+        the slowest mate (the leader awaits every invite's answer; a member awaits the notice sent after them)."""
+        self.alone_streak = 0
+        self._last_submit = time.monotonic()
+
+    def record(self, alone: bool, marks: dict[str, float]) -> None:
+        """The outcome of this peer's last merge and its search's marks: merges alone in a row widen the window
+        until a group forms."""
+        self.alone_streak = self.alone_streak + 1 if alone else 0
+        if not alone and (form := marks.get("grouped", 0.0) - marks.get("ready", math.inf)) >= 0:
+            self.form_ema = form if self.form_ema is None else 0.5 * self.form_ema + 0.5 * form
+
+    def length(self, round_s: float) -> float:
+        """The window of a search starting now, for a round of `round_s` (0: time it from the last submit)."""
+        now = time.monotonic()
+        interval = round_s if round_s > 0 else now - self._last_submit
+        self._last_submit = now
+        self.round_ema = interval if self.round_ema is None else 0.5 * self.round_ema + 0.5 * interval
+        merge = self.cfg.merge
+        if self.cfg.rounds.sync:
+            return merge.merge_window_s
+        # Peers whose rounds drifted apart by more than the window would never meet again: after each
+        # merge alone the window doubles (up to merge_window_s) until a group forms, then it resets.
+        base = max(merge.min_window_s, merge.window_fraction * self.round_ema, FORM_WINDOWS * (self.form_ema or 0.0))
+        return min(merge.merge_window_s, base * 2 ** min(self.alone_streak, 8))
