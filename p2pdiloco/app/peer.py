@@ -323,7 +323,7 @@ def start_services(peer: Peer, announce, closing: contextlib.ExitStack) -> None:
     closing.callback(OutputCap(int(cfg.run.max_log_mb * 1e6)).close)  # the log file `local` sends our output to
     if cfg.run.resume:
         resume_from_checkpoint(learner, peer.sampler, merger.remember_trust, Path(cfg.run.run_dir) / "checkpoints", announce)
-    join_swarm_state(learner, state_sync, loop, dht, cfg, peer.peer_id, peer.metrics, peer.every)
+    join_swarm_state(learner, state_sync, loop, dht, cfg, peer.peer_id, peer.metrics, peer.every, peer.sampler)
     # public: anyone who knows the run id reads it, so no host name or user (the name is opt-in)
     static = {
         "name": cfg.run.name, "version": __version__, "maddrs": peer.maddrs,

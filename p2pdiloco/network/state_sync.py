@@ -12,8 +12,11 @@ anything else.
 
 Nothing a donor says about its state is taken on its word (a donor may lie): the joiner takes a state only if its
 digest is the global model of at least two live peers (their heartbeat records carry `global_digest`; with a
-single live peer, that peer's), and the counters it adopts are capped by the median of the live peers' records,
-so one donor claiming step 10⁹ cannot end a joiner's run.
+single live peer, that peer's), and only if the joiner's own check passes (`fetch(judge=…)`: the app checks that
+the state predicts the joiner's own data better than its own model, training/evaluation.state_check), since ids
+are free and two of them can name any digest. The counters it adopts are capped by the lower median of the live
+peers' records and by the lowest claim among the records naming the state, so that neither one donor claiming step
+10⁹ nor peers that hold the honest state and lie about its counters can end a joiner's run.
 """
 
 from __future__ import annotations
@@ -145,12 +148,17 @@ def state_support(records: dict[str, dict], me: str, digest: str) -> tuple[int, 
     return sum(d == digest for d in holders), min(2, len(holders))
 
 
-def bounded_counters(state: GlobalState, records: dict[str, dict], me: str) -> GlobalState:
-    """The donor's counters capped by the (lower) median of the live peers' records: a donor's claim alone
-    cannot put a joiner at the end of the schedule or make its θg count for more than the swarm's."""
+def bounded_counters(state: GlobalState, records: dict[str, dict], me: str, digest: str | None = None) -> GlobalState:
+    """The donor's counters capped by the (lower) median of the live peers' records, and by the lowest claim among
+    the records naming `digest` (the state's): a donor's claim alone cannot put a joiner at the end of the schedule
+    or make its θg count for more than the swarm's, and an honest holder of the state bounds what others holding
+    the same bits claim for it."""
     def cap(value: float, field: str) -> float:
         claims = sorted(x for p, r in records.items() if p != me and (x := _number(r.get(field))) is not None)
-        return min(value, claims[(len(claims) - 1) // 2]) if claims else value
+        holders = [x for p, r in records.items()
+                   if p != me and digest and r.get("global_digest") == digest and (x := _number(r.get(field))) is not None]
+        value = min(value, claims[(len(claims) - 1) // 2]) if claims else value
+        return min(value, *holders) if holders else value
 
     return GlobalState(state.global_params, state.momentum, int(cap(state.round, "round")), int(cap(state.step, "step")),
                        cap(state.global_tokens, "global_tokens"))
@@ -182,6 +190,8 @@ class StateSync:
         """Who is served now, who waits, who is backed off (state_slots.py)."""
         self.aborted = 0
         """Downloads cut off because the joiner did not read them in time."""
+        self.refused: dict[str, str] = {}
+        """States the joiner's own check refused in its last `fetch`: {digest: why}."""
         self._p2p = None
 
     async def start(self) -> None:
@@ -245,8 +255,8 @@ class StateSync:
         return unpack_state(header, payload, self.n_params)
 
     async def fetch(self, records: dict[str, dict], me: str, timeout: float,
-                    refresh: Callable[[], Awaitable[dict[str, dict]]] | None = None,
-                    passes: int = 3) -> tuple[GlobalState, str] | None:
+                    refresh: Callable[[], Awaitable[dict[str, dict]]] | None = None, passes: int = 3,
+                    judge: Callable[[torch.Tensor], str | None] | None = None) -> tuple[GlobalState, str] | None:
         """Try donors in `donor_order` until a state is held by enough live peers: those that served it to us
         (bit for bit, as its digest shows) and those whose record named its digest in any read of the records
         during this fetch, together at least two (one if only one live peer has a model).
@@ -261,6 +271,9 @@ class StateSync:
                 read again, and what every read named is kept.
             passes: passes over the donors, at most (each but the first after a refresh). In a pass, a donor that
                 says "busy" is asked again when it says to come back (`_download_pass`).
+            judge: the joiner's own check of a downloaded state's θg (run in a worker thread, once a digest):
+                returns why it is refused, or None. A refused state is not taken however many peers hold it, and
+                its donors' records do not count towards another; refusals are kept in `refused`.
 
         Returns:
             (the state, with counters bounded by the latest records; the donor), or None if no state qualified.
@@ -268,6 +281,7 @@ class StateSync:
         got: dict[str, tuple[GlobalState, str]] = {}
         served: dict[str, set[str]] = {}
         named: dict[str, set[str]] = {}
+        self.refused = {}
 
         def note(records: dict[str, dict]) -> dict[str, dict]:
             for p, r in records.items():
@@ -278,11 +292,17 @@ class StateSync:
         def agreed(records: dict[str, dict]) -> tuple[GlobalState, str] | None:
             for digest, (state, donor) in got.items():
                 if len(served[digest] | named.get(digest, set())) >= state_support(records, me, digest)[1]:
-                    return bounded_counters(state, records, me), donor
+                    return bounded_counters(state, records, me, digest), donor
             return None
 
-        def take(state: GlobalState, donor: str) -> tuple[GlobalState, str] | None:
+        async def take(state: GlobalState, donor: str) -> tuple[GlobalState, str] | None:
             digest = state_digest(state.global_params, state.momentum)
+            if digest not in got and digest not in self.refused and judge is not None:
+                if (why := await asyncio.to_thread(judge, state.global_params)) is not None:
+                    self.refused[digest] = why
+            if digest in self.refused:
+                logger.warning("refused the state from %s: %s", short_id(donor), self.refused[digest])
+                return None
             got.setdefault(digest, (state, donor))
             served.setdefault(digest, set()).add(donor)
             if (found := agreed(records)) is None:
@@ -301,12 +321,13 @@ class StateSync:
                 return found
             logger.info("no state held by enough live peers after pass %d of %d; reading the records again",
                         attempt, passes)
-        if got:
-            logger.warning("no state offered by %d donor(s) was held by enough live peers: not taken", len(got))
+        if got or self.refused:
+            logger.warning("no state offered by %d donor(s) was held by enough live peers and passed this peer's "
+                           "check (%d refused by it): not taken", len(got) + len(self.refused), len(self.refused))
         return None
 
     async def _download_pass(self, donors: list[str], timeout: float,
-                             take: Callable[[GlobalState, str], tuple[GlobalState, str] | None]
+                             take: Callable[[GlobalState, str], Awaitable[tuple[GlobalState, str] | None]]
                              ) -> tuple[GlobalState, str] | None:
         """Ask each of `donors` in order; a donor that says "busy" again when it says to come back (other donors
         first), for at most `BUSY_WAIT_S` from the pass's start. `take(state, donor)` returns what `fetch` returns
@@ -330,6 +351,6 @@ class StateSync:
             except (StateError, WireError, TimeoutError, ConnectionError, OSError, Exception) as e:
                 logger.warning("state download from %s failed (%s); trying the next donor", short_id(donor), e)
                 continue
-            if (found := take(state, donor)) is not None:
+            if (found := await take(state, donor)) is not None:
                 return found
         return None
