@@ -7,11 +7,15 @@ their signed heartbeat records, and a joiner that reads those records from the D
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hivemind.utils.timed_storage import get_dht_time
+from rich.console import Console
 
 from p2pdiloco.algorithm.outer import state_digest
+from p2pdiloco.bench import byzantine
 from p2pdiloco.config import SwarmConfig, load_config, parse_set
 from p2pdiloco.network.state_sync import GlobalState, StateSync, bounded_counters
 from p2pdiloco.network.swarm import live_records, peer_shard, peers_key, read_peers, start_dht, write_subkey
@@ -28,15 +32,15 @@ CLAIM = 10**9
 
 @pytest.fixture(scope="module")
 def swarm_model():
-    """(a tiny model at its initial weights, a joiner's sampler of a learnable text, θg after 40 AdamW steps on
+    """(a tiny model at its initial weights, a joiner's sampler of a learnable text, θg after 20 AdamW steps on
     it: the swarm's state)."""
     cfg = load_config(None, [parse_set(["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16"])])
     model = build_model(cfg.model)
     init = flat_params(model).clone()
     text = (torch.arange(40_000) * 7 % 251).to(torch.uint8)  # a byte and the next: learnable
     trainer = BatchSampler(text, 16, 4, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(40):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(20):
         _, loss = model(*trainer.next_batch())
         opt.zero_grad()
         loss.backward()
@@ -133,3 +137,28 @@ def test_two_colluding_donors_naming_the_same_forged_state_cannot_make_a_joiner_
     finally:
         for d in reversed(dhts):
             d.shutdown()
+
+
+def test_bench_byzantine_runs_sybil_donor_against_a_clean_run_with_the_same_joiner(tmp_path, monkeypatch):
+    calls = []
+
+    def run_local(n, cfg, out, _join, sets, console=None, reraise_interrupt=False, peer_sets=None, chaos=None):
+        calls.append((out.name, sorted(peer_sets or {}), type(chaos).__name__))
+        hostile = "sybil" in out.name
+        joiner = out / "peers" / f"peer{n - 1}"
+        joiner.mkdir(parents=True)
+        line = {"kind": "join", "donor": "id0" if hostile else "id2", "step": 10**9 if hostile else 40}
+        (joiner / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+        peers = [{"name": f"peer{i}", "peer_id": f"id{i}", "step": 100, "merges": 20,
+                  "eval_loss_final": 3.0 if hostile else 2.0, "guard": {"rejected": 0, "banned": []}} for i in range(n)]
+        return {"peers": peers, "peers_finished": n}
+
+    monkeypatch.setattr(byzantine, "run_local", run_local)
+    results = byzantine.bench_byzantine(tmp_path, sizes=(5,), modes=("decoupled",), kinds=("sybil_donor",),
+                                        console=Console(file=None, quiet=True))
+    assert calls == [("clean_decoupled_5", [], "NoneType"), ("clean_join_decoupled_5", [], "JoinerRestart"),
+                     ("sybil_donor_decoupled_5", [0, 1], "JoinerRestart")]
+    run = results["runs"]["sybil_donor_decoupled_5"]
+    assert run["ratio"] == pytest.approx(1.5)  # ÷ the clean run with the same joiner
+    assert run["joiner"] == {"joined": "hostile", "join_step": 10**9, "refused_states": 0}
+    assert results["runs"]["clean_join_decoupled_5"]["joiner"]["joined"] == "honest"

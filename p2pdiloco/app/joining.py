@@ -100,12 +100,13 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
                    timeout=((cfg.merge.merge_timeout_s + cfg.swarm.heartbeat_s + 5) * (len(records) + 1) + BUSY_WAIT_S)
                    * passes + 10)
     if got is None:
+        metrics.write(kind="join_refused", refused_states=len(sync.refused))
         logger.warning("[%s] no live peer could give its state; the first merge will bring this peer in line",
                        short_id(peer_id))
         return
     state, donor = got
     learner.adopt_state(state)
-    metrics.write(kind="join", donor=donor, round=state.round, step=state.step,
+    metrics.write(kind="join", donor=donor, round=state.round, step=state.step, refused_states=len(sync.refused),
                   download_s=time.monotonic() - t0, global_digest=learner.g.digest())
     logger.info("[%s] downloaded the swarm's state (round %d, step %d) from %s in %.2f s", short_id(peer_id),
                 state.round, state.step, short_id(donor), time.monotonic() - t0)
