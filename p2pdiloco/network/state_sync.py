@@ -273,7 +273,7 @@ class StateSync:
                 says "busy" is asked again when it says to come back (`_download_pass`).
             judge: the joiner's own check of a downloaded state's θg (run in a worker thread, once a digest):
                 returns why it is refused, or None. A refused state is not taken however many peers hold it, and
-                its donors' records do not count towards another; refusals are kept in `refused`.
+                donors whose record names it are not asked again in this fetch; refusals are kept in `refused`.
 
         Returns:
             (the state, with counters bounded by the latest records; the donor), or None if no state qualified.
@@ -310,9 +310,12 @@ class StateSync:
                             short_id(donor))
             return found
 
+        def refused_by_record(donor: str) -> bool:  # by the latest read of the records
+            return records.get(donor, {}).get("global_digest") in self.refused
+
         note(records)
         for attempt in range(1, passes + 1):
-            if (found := await self._download_pass(donor_order(records, me), timeout, take)) is not None:
+            if (found := await self._download_pass(donor_order(records, me), timeout, take, refused_by_record)) is not None:
                 return found
             if refresh is None or attempt == passes:
                 break
@@ -327,11 +330,12 @@ class StateSync:
         return None
 
     async def _download_pass(self, donors: list[str], timeout: float,
-                             take: Callable[[GlobalState, str], Awaitable[tuple[GlobalState, str] | None]]
-                             ) -> tuple[GlobalState, str] | None:
+                             take: Callable[[GlobalState, str], Awaitable[tuple[GlobalState, str] | None]],
+                             skip: Callable[[str], bool] = lambda _donor: False) -> tuple[GlobalState, str] | None:
         """Ask each of `donors` in order; a donor that says "busy" again when it says to come back (other donors
         first), for at most `BUSY_WAIT_S` from the pass's start. `take(state, donor)` returns what `fetch` returns
-        once a state qualifies, which ends the pass."""
+        once a state qualifies, which ends the pass; a donor for which `skip(donor)` holds when its turn comes is
+        not asked."""
         due = [(0.0, donor) for donor in donors]  # (monotonic time to ask, donor)
         give_up = time.monotonic() + BUSY_WAIT_S
         while due:
@@ -339,6 +343,9 @@ class StateSync:
             at, donor = due.pop(0)
             if at > give_up:
                 logger.info("donor %s still busy; not waiting longer", short_id(donor))
+                continue
+            if skip(donor):
+                logger.info("not asking %s: its record names a state this peer refused", short_id(donor))
                 continue
             if (pause := at - time.monotonic()) > 0:
                 await asyncio.sleep(pause)
