@@ -151,7 +151,7 @@ def _run(out: Path, results: dict, kind: str, mode: str, peers: int, seed: int, 
         *results["sets"]]
     cfg = load_config(None, [parse_set(sets)])
     console.print(f"[bold]{name}[/bold]: {peers - hostile_count if kind == HONEST_ONLY else peers} peers, "
-                  f"{hostile_count if kind not in ('clean', HONEST_ONLY) else 0} hostile, {run_steps} steps, "
+                  f"{hostile_count if kind not in ('clean', HONEST_ONLY, CLEAN_JOIN) else 0} hostile, {run_steps} steps, "
                   f"{mode} ...")
     t0 = time.monotonic()
     clean = kind in ("clean", HONEST_ONLY, CLEAN_JOIN)
