@@ -60,7 +60,7 @@ def state_check(model: torch.nn.Module, own: torch.Tensor, probe: list[tuple[tor
     """What a joiner checks itself of a state before it takes it: the state's θg must predict the joiner's own
     probe batches (windows of its own data that it drew at random, so that no donor can fit them in advance)
     better than the joiner's own model, by `gain`. A fresh joiner's own model is the initial one, so a state must
-    have learned something of the data: a negated, scaled, noisy or freshly initialised model is refused, however
+    have learned something of the data: a scaled, noisy or freshly initialised model is refused, however
     many peers name it. A resumed peer keeps its own model unless the swarm's is better on its data.
 
     Args:
