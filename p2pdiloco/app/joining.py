@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from p2pdiloco.app.heartbeat import swarm_finished
 from p2pdiloco.app.startup import say
@@ -17,6 +20,7 @@ from p2pdiloco.network.state_sync import BUSY_WAIT_S, StateSync
 from p2pdiloco.network.swarm import BackgroundLoop, live_records, read_peers
 from p2pdiloco.training.batches import BatchSampler
 from p2pdiloco.training.checkpoint import load_latest
+from p2pdiloco.training.evaluation import state_check
 from p2pdiloco.training.learner import Learner
 from p2pdiloco.training.reporting import MetricsLog
 
@@ -39,16 +43,31 @@ def resume_from_checkpoint(learner: Learner, sampler: BatchSampler, remember_tru
     announce(f"resumed from {path.name}: round {meta['round']}, step {meta['step']}")
 
 
+def own_check(learner: Learner, sampler: BatchSampler | None, n_batches: int) -> Callable[[torch.Tensor], str | None]:
+    """The joiner's own check of a downloaded θg (`state_check`): against its own global model, on `n_batches`
+    random windows of its own shard, drawn with a seed from the OS (None `sampler`: no check)."""
+    if sampler is None:
+        return lambda _params: None
+    probe = sampler.probe(n_batches, torch.Generator().manual_seed(secrets.randbits(63)))
+    return state_check(learner.model, learner.g.params, probe, learner.device, learner.cfg.run.precision)
+
+
 def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dht, cfg: Config, peer_id: str,
-                     metrics: MetricsLog, every: dict[str, dict] | None = None) -> None:
+                     metrics: MetricsLog, every: dict[str, dict] | None = None,
+                     sampler: BatchSampler | None = None) -> None:
     """If live peers' global models have absorbed more tokens than ours, download the freshest one first,
     so that a joiner (or a resumed peer that fell behind) continues the swarm's run instead of pulling it back.
 
     If no peer is live and one left having finished the run, the run is over: this peer ends at once
     (`Learner.ended_with_swarm`) instead of training on alone.
 
+    A state is taken only if enough live peers hold it (`StateSync.fetch`) and it predicts this peer's own data
+    better than this peer's own model does (`own_check`): ids are free, so no count of peers naming a state can
+    vouch for it alone.
+
     Args:
-        every: the swarm's peer records as read at this peer's start (`read_peers`), or None to read them here."""
+        every: the swarm's peer records as read at this peer's start (`read_peers`), or None to read them here.
+        sampler: this peer's batches, from which the check's windows are drawn (None: no check)."""
     say("joining the swarm %s: %s its peer records", cfg.swarm.run_id, "reading" if every is None else "checking",
         tag=short_id(peer_id))
     if every is None:
@@ -75,16 +94,19 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
     # every live record counts in checking a donor's state, not only those claiming to be ahead
     passes = 3
     # each pass may also wait up to BUSY_WAIT_S for donors that said "busy" and when to come back
-    got = loop.run(sync.fetch(records, peer_id, timeout=cfg.merge.merge_timeout_s, refresh=refresh, passes=passes),
+    judge = own_check(learner, sampler, cfg.run.eval_batches)
+    got = loop.run(sync.fetch(records, peer_id, timeout=cfg.merge.merge_timeout_s, refresh=refresh, passes=passes,
+                              judge=judge),
                    timeout=((cfg.merge.merge_timeout_s + cfg.swarm.heartbeat_s + 5) * (len(records) + 1) + BUSY_WAIT_S)
                    * passes + 10)
     if got is None:
+        metrics.write(kind="join_refused", refused_states=len(sync.refused))
         logger.warning("[%s] no live peer could give its state; the first merge will bring this peer in line",
                        short_id(peer_id))
         return
     state, donor = got
     learner.adopt_state(state)
-    metrics.write(kind="join", donor=donor, round=state.round, step=state.step,
+    metrics.write(kind="join", donor=donor, round=state.round, step=state.step, refused_states=len(sync.refused),
                   download_s=time.monotonic() - t0, global_digest=learner.g.digest())
     logger.info("[%s] downloaded the swarm's state (round %d, step %d) from %s in %.2f s", short_id(peer_id),
                 state.round, state.step, short_id(donor), time.monotonic() - t0)

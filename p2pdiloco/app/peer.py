@@ -311,7 +311,7 @@ def start_services(peer: Peer, announce, closing: contextlib.ExitStack) -> None:
     """Serve the state and the dial-back check, resume or download the swarm's state, then serve /metrics and
     publish the peer record (withdrawn by `closing`)."""
     cfg, dht, loop, merger, learner = peer.cfg, peer.dht, peer.loop, peer.merger, peer.learner
-    state_sync = StateSync(dht, cfg.swarm.run_id, peer.n_params, peer.hooks.wrap_state(lambda: learner.shared),
+    state_sync = StateSync(dht, cfg.swarm.run_id, peer.n_params, peer.hooks.wrap_state(lambda: learner.shared, peer.n_params),
                            learner.report.traffic.state, auth=peer.auth, gate=merger.gate,
                            held=peer.hooks.wrap_held(learner.held.get))
     loop.run(state_sync.start(), timeout=30)
@@ -324,7 +324,7 @@ def start_services(peer: Peer, announce, closing: contextlib.ExitStack) -> None:
     closing.callback(OutputCap(int(cfg.run.max_log_mb * 1e6)).close)  # the log file `local` sends our output to
     if cfg.run.resume:
         resume_from_checkpoint(learner, peer.sampler, merger.remember_trust, Path(cfg.run.run_dir) / "checkpoints", announce)
-    join_swarm_state(learner, state_sync, loop, dht, cfg, peer.peer_id, peer.metrics, peer.every)
+    join_swarm_state(learner, state_sync, loop, dht, cfg, peer.peer_id, peer.metrics, peer.every, peer.sampler)
     # public: anyone who knows the run id reads it, so no host name or user (the name is opt-in)
     static = {
         "name": cfg.run.name, "version": __version__, "maddrs": peer.maddrs,
@@ -340,8 +340,8 @@ def start_services(peer: Peer, announce, closing: contextlib.ExitStack) -> None:
                                        cfg.run.metrics_port)
         closing.callback(stop_metrics_server, loop, metrics_server)
         announce(f"Prometheus metrics at {loop.run(metrics_server.start(), timeout=10)}")
-    heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer.peer_id, lambda: {**static, **reach, **learner.report.record()},
-                          cfg.swarm.heartbeat_s)
+    record = peer.hooks.wrap_record(lambda: {**static, **reach, **learner.report.record()}, peer.n_params)
+    heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer.peer_id, record, cfg.swarm.heartbeat_s)
     closing.callback(leave_swarm, peer, heartbeat)
     loop.submit(heartbeat.run(peer.fingerprint))
 

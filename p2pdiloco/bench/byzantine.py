@@ -11,7 +11,9 @@ that adopted or refused a
 group's global model, and the rejections the guards counted.
 
 The `donor` kind is left out: it lies only to joiners, and these swarms have none (tests/test_join.py shows the
-refusal). Decoupled runs pad each inner step to `emulate.min_step_s` so that the shared cores decide less of who
+refusal). `sybil_donor` (every hostile peer serves joiners the same forged state and names it in its records) has a
+joiner: its runs restart the last peer as a fresh one mid-run, against `clean_join`, a clean run with the same
+restart (byzantine_join.py). Decoupled runs pad each inner step to `emulate.min_step_s` so that the shared cores decide less of who
 meets whom.
 """
 
@@ -25,6 +27,14 @@ from pathlib import Path
 from rich.console import Console
 
 from p2pdiloco.app.local import run_local
+from p2pdiloco.bench.byzantine_join import (
+    CLEAN_JOIN,
+    JOINER_KINDS,
+    JoinerRestart,
+    baseline_of,
+    baselines,
+    joiner_outcome,
+)
 from p2pdiloco.bench.common import BENCH_EVAL, BENCH_MODEL, machine, write_results
 from p2pdiloco.config import load_config, parse_set
 from p2pdiloco.util.logfiles import read_jsonl
@@ -32,7 +42,7 @@ from p2pdiloco.util.logfiles import read_jsonl
 HONEST_ONLY = "honest_only"
 """Not a hostile kind: a clean run of only the honest peers (size − hostile), the best any defence can do, since a
 hostile peer's compute is lost to the swarm however well it is stopped."""
-KINDS = (HONEST_ONLY, "nan", "scale", "noise", "signflip", "takeover", "final", "leader")
+KINDS = (HONEST_ONLY, "nan", "scale", "noise", "signflip", "takeover", "final", "leader", *JOINER_KINDS)
 MODES = ("sync", "decoupled")
 SIZES = (5, 9)
 
@@ -104,7 +114,7 @@ def bench_byzantine(out: Path, steps: int = 100, round_steps: int = 5, sizes: tu
     for peers in sizes:
         for mode in modes:
             for k in range(seeds):
-                for kind in ("clean", *kinds):
+                for kind in ("clean", *baselines(kinds), *kinds):
                     _run(out, results, kind, mode, peers, k, console, quiet)
     runs = results["runs"]
     for peers in sizes:
@@ -141,16 +151,22 @@ def _run(out: Path, results: dict, kind: str, mode: str, peers: int, seed: int, 
         *results["sets"]]
     cfg = load_config(None, [parse_set(sets)])
     console.print(f"[bold]{name}[/bold]: {peers - hostile_count if kind == HONEST_ONLY else peers} peers, "
-                  f"{hostile_count if kind not in ('clean', HONEST_ONLY) else 0} hostile, {run_steps} steps, "
+                  f"{hostile_count if kind not in ('clean', HONEST_ONLY, CLEAN_JOIN) else 0} hostile, {run_steps} steps, "
                   f"{mode} ...")
     t0 = time.monotonic()
-    clean = kind in ("clean", HONEST_ONLY)
+    clean = kind in ("clean", HONEST_ONLY, CLEAN_JOIN)
     hostile = {i: [f"emulate.hostile={kind}"] for i in range(hostile_count)} if not clean else {}
     n = peers - hostile_count if kind == HONEST_ONLY else peers
-    summary = run_local(n, cfg, out / name, None, sets, console=quiet, reraise_interrupt=True, peer_sets=hostile or None)
+    joins = kind in (CLEAN_JOIN, *JOINER_KINDS)
+    restart = {"chaos": JoinerRestart(n - 1)} if joins else {}  # the last peer joins again mid-run
+    summary = run_local(n, cfg, out / name, None, sets, console=quiet, reraise_interrupt=True, peer_sets=hostile or None,
+                        **restart)
     names = [f"peer{i}" for i in range(n)]
     hostile_names = {f"peer{i}" for i in hostile}
     outcome = _honest_outcome(summary, hostile_names)
+    if joins:
+        hostile_ids = {p.get("peer_id") for p in summary["peers"] if p.get("name") in hostile_names}
+        outcome["joiner"] = joiner_outcome(out / name, names[-1], hostile_ids)
     adopted, refused = _merge_lines(out / name, [n for n in names if n not in hostile_names])
     results["runs"][name] = {"peers_finished": summary["peers_finished"], **outcome, "adopted_state": adopted,
                              "state_refused": refused, "wall_s": time.monotonic() - t0}
@@ -160,7 +176,7 @@ def _run(out: Path, results: dict, kind: str, mode: str, peers: int, seed: int, 
 def _ratios(runs: dict, kind: str, mode: str, peers: int, seed: int, seeds: int) -> dict:
     """A kind's run of one seed ÷ that seed's clean run (and its honest-only run, if there is one)."""
     run = runs[_name(kind, mode, peers, seed, seeds)]
-    run["ratio"] = run["eval_loss"] / runs[_name("clean", mode, peers, seed, seeds)]["eval_loss"]
+    run["ratio"] = run["eval_loss"] / runs[_name(baseline_of(kind), mode, peers, seed, seeds)]["eval_loss"]
     honest_only = runs.get(_name(HONEST_ONLY, mode, peers, seed, seeds), {}).get("eval_loss")
     if honest_only is not None:
         run["ratio_honest_only"] = run["eval_loss"] / honest_only
@@ -179,6 +195,9 @@ def _print(results: dict, path: Path, console: Console) -> None:
             cleans = [runs[_name("clean", mode, peers, k, seeds)] for k in range(seeds)]
             console.print(f"  {peers} peers, {mode}: clean " + ", ".join(
                 f"{c['eval_loss']:.4f} ({c['merges']:.0f} merges)" for c in cleans))
+            for base in baselines(results["kinds"]):
+                console.print(f"    ({base}: " + ", ".join(_join_line(runs[_name(base, mode, peers, k, seeds)])
+                                                       for k in range(seeds)) + ")")
             for kind in results["kinds"]:
                 figure = results["figures"][f"{kind}_{mode}_{peers}"]
                 rs = [runs[_name(kind, mode, peers, k, seeds)] for k in range(seeds)]
@@ -192,5 +211,13 @@ def _print(results: dict, path: Path, console: Console) -> None:
                     f"bans {sum(r['hostile_banned_by_honest'] for r in rs)}, honest banned "
                     f"{sum(len(r['honest_banned_by_honest']) for r in rs)}, fewest steps "
                     f"{min(r['min_honest_step'] for r in rs)}, global models adopted {sum(r['adopted_state'] for r in rs)}"
-                    f" / refused {sum(r['state_refused'] for r in rs)}")
+                    f" / refused {sum(r['state_refused'] for r in rs)}"
+                    + ("; " + ", ".join(_join_line(r) for r in rs) if kind in JOINER_KINDS else ""))
     console.print(f"wrote {path}")
+
+
+def _join_line(run: dict) -> str:
+    """A joiner run's eval loss and what its joiner took."""
+    j = run["joiner"]
+    return (f"{run['eval_loss']:.4f}, joiner took {j['joined']} state (step {j['join_step']}, "
+            f"{j['refused_states']} refused by its check)")

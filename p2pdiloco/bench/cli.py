@@ -116,7 +116,7 @@ BENCHES: dict[str, tuple[str, str, dict[str, str | tuple[str, str]]]] = {
         {"--steps": "inner steps of each run, in sync rounds of 5 (default 100)",
          "--sizes": "swarm sizes (default 5,9)", "--hostile": "hostile peers in each swarm (default 2)",
          "--modes": ("M[,M]", "sync, decoupled or both (default both)"),
-         "--kinds": "hostile kinds (default honest_only, nan, scale, noise, signflip, takeover, final, leader; "
+         "--kinds": "hostile kinds (default honest_only, nan, scale, noise, signflip, takeover, final, leader, sybil_donor; "
                     "honest_only is a clean run of the honest peers alone)",
          "--seeds": SEEDS_HELP,
          "--set": "override one config value of every run, e.g. --set data.tokenizer=tokenizer.json (repeatable)"}),

@@ -12,8 +12,11 @@ anything else.
 
 Nothing a donor says about its state is taken on its word (a donor may lie): the joiner takes a state only if its
 digest is the global model of at least two live peers (their heartbeat records carry `global_digest`; with a
-single live peer, that peer's), and the counters it adopts are capped by the median of the live peers' records,
-so one donor claiming step 10⁹ cannot end a joiner's run.
+single live peer, that peer's), and only if the joiner's own check passes (`fetch(judge=…)`: the app checks that
+the state predicts the joiner's own data better than its own model, training/evaluation.state_check), since ids
+are free and two of them can name any digest. The counters it adopts are capped by the lower median of the live
+peers' records and by the lowest claim among the records naming the state, so that neither one donor claiming step
+10⁹ nor peers that hold the honest state and lie about its counters can end a joiner's run.
 """
 
 from __future__ import annotations
@@ -161,12 +164,17 @@ def wanted_digest(records: dict[str, dict], me: str) -> str | None:
     return max(enough, key=lambda d: (support[d][0], tokens[d], d)) if enough else None
 
 
-def bounded_counters(state: GlobalState, records: dict[str, dict], me: str) -> GlobalState:
-    """The donor's counters capped by the (lower) median of the live peers' records: a donor's claim alone
-    cannot put a joiner at the end of the schedule or make its θg count for more than the swarm's."""
+def bounded_counters(state: GlobalState, records: dict[str, dict], me: str, digest: str | None = None) -> GlobalState:
+    """The donor's counters capped by the (lower) median of the live peers' records, and by the lowest claim among
+    the records naming `digest` (the state's): a donor's claim alone cannot put a joiner at the end of the schedule
+    or make its θg count for more than the swarm's, and an honest holder of the state bounds what others holding
+    the same bits claim for it."""
     def cap(value: float, field: str) -> float:
         claims = sorted(x for p, r in records.items() if p != me and (x := _number(r.get(field))) is not None)
-        return min(value, claims[(len(claims) - 1) // 2]) if claims else value
+        holders = [x for p, r in records.items()
+                   if p != me and digest and r.get("global_digest") == digest and (x := _number(r.get(field))) is not None]
+        value = min(value, claims[(len(claims) - 1) // 2]) if claims else value
+        return min(value, *holders) if holders else value
 
     return GlobalState(state.global_params, state.momentum, int(cap(state.round, "round")), int(cap(state.step, "step")),
                        cap(state.global_tokens, "global_tokens"))
@@ -201,6 +209,8 @@ class StateSync:
         """Who is served now, who waits, who is backed off (state_slots.py)."""
         self.aborted = 0
         """Downloads cut off because the joiner did not read them in time."""
+        self.refused: dict[str, str] = {}
+        """States the joiner's own check refused in its last `fetch`: {digest: why}."""
         self._p2p = None
 
     async def start(self) -> None:
@@ -267,8 +277,8 @@ class StateSync:
         return unpack_state(header, payload, self.n_params)
 
     async def fetch(self, records: dict[str, dict], me: str, timeout: float,
-                    refresh: Callable[[], Awaitable[dict[str, dict]]] | None = None,
-                    passes: int = 3) -> tuple[GlobalState, str] | None:
+                    refresh: Callable[[], Awaitable[dict[str, dict]]] | None = None, passes: int = 3,
+                    judge: Callable[[torch.Tensor], str | None] | None = None) -> tuple[GlobalState, str] | None:
         """Try donors in `donor_order` until a state is held by enough live peers: those that served it to us
         (bit for bit, as its digest shows) and those whose record named its digest in any read of the records
         during this fetch, together at least two (one if only one live peer has a model).
@@ -283,6 +293,9 @@ class StateSync:
                 read again, and what every read named is kept.
             passes: passes over the donors, at most (each but the first after a refresh). In a pass, a donor that
                 says "busy" is asked again when it says to come back (`_download_pass`).
+            judge: the joiner's own check of a downloaded state's θg (run in a worker thread, once a digest):
+                returns why it is refused, or None. A refused state is not taken however many peers hold it, and
+                donors whose record names it are not asked again in this fetch; refusals are kept in `refused`.
 
         Returns:
             (the state, with counters bounded by the latest records; the donor), or None if no state qualified.
@@ -290,6 +303,7 @@ class StateSync:
         got: dict[str, tuple[GlobalState, str]] = {}
         served: dict[str, set[str]] = {}
         named: dict[str, set[str]] = {}
+        self.refused = {}
 
         def note(records: dict[str, dict]) -> dict[str, dict]:
             for p, r in records.items():
@@ -300,11 +314,17 @@ class StateSync:
         def agreed(records: dict[str, dict]) -> tuple[GlobalState, str] | None:
             for digest, (state, donor) in got.items():
                 if len(served[digest] | named.get(digest, set())) >= state_support(records, me, digest)[1]:
-                    return bounded_counters(state, records, me), donor
+                    return bounded_counters(state, records, me, digest), donor
             return None
 
-        def take(state: GlobalState, donor: str) -> tuple[GlobalState, str] | None:
+        async def take(state: GlobalState, donor: str) -> tuple[GlobalState, str] | None:
             digest = state_digest(state.global_params, state.momentum)
+            if digest not in got and digest not in self.refused and judge is not None:
+                if (why := await asyncio.to_thread(judge, state.global_params)) is not None:
+                    self.refused[digest] = why
+            if digest in self.refused:
+                logger.warning("refused the state from %s: %s", short_id(donor), self.refused[digest])
+                return None
             got.setdefault(digest, (state, donor))
             served.setdefault(digest, set()).add(donor)
             if (found := agreed(records)) is None:
@@ -312,10 +332,14 @@ class StateSync:
                             short_id(donor))
             return found
 
+        def refused_by_record(donor: str) -> bool:  # by the latest read of the records
+            return records.get(donor, {}).get("global_digest") in self.refused
+
         note(records)
         for attempt in range(1, passes + 1):
             want = wanted_digest(records, me)
-            if (found := await self._download_pass(donor_order(records, me), timeout, take, want)) is not None:
+            if (found := await self._download_pass(donor_order(records, me), timeout, take, want,
+                                                   refused_by_record)) is not None:
                 return found
             if refresh is None or attempt == passes:
                 break
@@ -324,16 +348,19 @@ class StateSync:
                 return found
             logger.info("no state held by enough live peers after pass %d of %d; reading the records again",
                         attempt, passes)
-        if got:
-            logger.warning("no state offered by %d donor(s) was held by enough live peers: not taken", len(got))
+        if got or self.refused:
+            logger.warning("no state offered by %d donor(s) was held by enough live peers and passed this peer's "
+                           "check (%d refused by it): not taken", len(got) + len(self.refused), len(self.refused))
         return None
 
     async def _download_pass(self, donors: list[str], timeout: float,
-                             take: Callable[[GlobalState, str], tuple[GlobalState, str] | None],
-                             want: str | None = None) -> tuple[GlobalState, str] | None:
+                             take: Callable[[GlobalState, str], Awaitable[tuple[GlobalState, str] | None]],
+                             want: str | None = None,
+                             skip: Callable[[str], bool] = lambda _donor: False) -> tuple[GlobalState, str] | None:
         """Ask each of `donors` in order; a donor that says "busy" again when it says to come back (other donors
         first), for at most `BUSY_WAIT_S` from the pass's start, asking for the state with digest `want`.
-        `take(state, donor)` returns what `fetch` returns once a state qualifies, which ends the pass."""
+        `take(state, donor)` returns what `fetch` returns once a state qualifies, which ends the pass; a donor for
+        which `skip(donor)` holds when its turn comes is not asked."""
         due = [(0.0, donor) for donor in donors]  # (monotonic time to ask, donor)
         give_up = time.monotonic() + BUSY_WAIT_S
         while due:
@@ -341,6 +368,9 @@ class StateSync:
             at, donor = due.pop(0)
             if at > give_up:
                 logger.info("donor %s still busy; not waiting longer", short_id(donor))
+                continue
+            if skip(donor):
+                logger.info("not asking %s: its record names a state this peer refused", short_id(donor))
                 continue
             if (pause := at - time.monotonic()) > 0:
                 await asyncio.sleep(pause)
@@ -353,6 +383,6 @@ class StateSync:
             except (StateError, WireError, TimeoutError, ConnectionError, OSError, Exception) as e:
                 logger.warning("state download from %s failed (%s); trying the next donor", short_id(donor), e)
                 continue
-            if (found := take(state, donor)) is not None:
+            if (found := await take(state, donor)) is not None:
                 return found
         return None

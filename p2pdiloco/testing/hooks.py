@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from p2pdiloco.config import Config
 from p2pdiloco.network.merger import Merger
 from p2pdiloco.testing.faults import Faults, faults_from_env
-from p2pdiloco.testing.hostile import HostileMerger, poisoned_state
+from p2pdiloco.testing.hostile import HostileMerger, poisoned_state, sybil_record, sybil_state
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +35,25 @@ class PeerHooks:
         still counts the bytes)."""
         return HostileMerger(merger, self.hostile, self.seed) if self.hostile else merger
 
-    def wrap_state(self, provider):
-        """The state this peer serves to joiners: its own, or a poisoned one (hostile kind `donor`)."""
+    def wrap_state(self, provider, n_params: int):
+        """The state this peer serves to joiners: its own, or a poisoned one (hostile kinds `donor`, `sybil_donor`).
+
+        Args:
+            provider: this peer's own state (see `StateSync`).
+            n_params: length of the flat parameter vector."""
+        if self.hostile == "sybil_donor":
+            return sybil_state(n_params)
         return poisoned_state(provider) if self.hostile == "donor" else provider
 
     def wrap_held(self, held):
-        """The past states this peer serves to joiners that ask for one: its own, or none (hostile kind `donor`
-        serves its poisoned state to every request)."""
-        return None if self.hostile == "donor" else held
+        """The past states this peer serves to joiners that ask for one: its own, or none (hostile kinds `donor`
+        and `sybil_donor` serve their forged state to every request)."""
+        return None if self.hostile in ("donor", "sybil_donor") else held
+
+    def wrap_record(self, record, n_params: int):
+        """The source of this peer's heartbeat records: `record` itself, or one naming the forged state it serves
+        (hostile kind `sybil_donor`)."""
+        return sybil_record(record, n_params) if self.hostile == "sybil_donor" else record
 
 
 def peer_hooks(cfg: Config) -> PeerHooks:

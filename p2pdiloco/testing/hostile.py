@@ -10,6 +10,9 @@ intent would. It changes nothing in other peers' processes: what they see is onl
 - leader: its ready records claim a deadline an hour away and it never invites anyone, meant to stop every
   group it would lead from forming.
 - donor: it serves joiners θg = −(its θg) with counters claiming step 10⁹.
+- sybil_donor: it serves joiners a forged state that every `sybil_donor` peer forges bit for bit alike (a model
+  of init-like noise, no training) with counters claiming step 10⁹, and its heartbeat names that state as its
+  global model with the same counters, so that its ids together pass any count of holders; it merges honestly.
 
 docs/security.md, "Insiders who lie about themselves", says how each is stopped.
 """
@@ -24,6 +27,7 @@ from concurrent.futures import Future
 import torch
 from hivemind.utils.timed_storage import get_dht_time
 
+from p2pdiloco.algorithm.outer import state_digest
 from p2pdiloco.config import HOSTILE_KINDS as KINDS
 from p2pdiloco.network.merger import Contribution, Merged, MergeOutcome, Merger
 from p2pdiloco.network.peer_tag import PeerLog
@@ -39,6 +43,11 @@ CORRUPTING = ("nan", "scale", "noise", "signflip")
 
 CLAIM = 1e30
 """What a lying peer claims: tokens, steps."""
+
+SYBIL_CLAIM = 10**9
+"""The round, step and tokens that `sybil_donor` peers claim for their forged state."""
+SYBIL_SEED = 4747
+"""Seed of the forged state that every `sybil_donor` peer serves (so that all serve the same bits)."""
 
 
 def corrupt(pseudo_grad: torch.Tensor, kind: str, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -151,3 +160,24 @@ def poisoned_state(provider):
             return None
         return GlobalState(-state.global_params, state.momentum, int(CLAIM), int(CLAIM), CLAIM)
     return serve
+
+
+def forged_state(n_params: int) -> GlobalState:
+    """The `sybil_donor` kind's state: the same bits on every peer of that kind (init-like noise, zero momentum,
+    counters claiming `SYBIL_CLAIM`)."""
+    params = torch.randn(n_params, generator=torch.Generator().manual_seed(SYBIL_SEED)) * 0.02
+    return GlobalState(params, torch.zeros(n_params), SYBIL_CLAIM, SYBIL_CLAIM, float(SYBIL_CLAIM))
+
+
+def sybil_state(n_params: int):
+    """A state provider serving `forged_state` (made once)."""
+    state = forged_state(n_params)
+    return lambda: state
+
+
+def sybil_record(record, n_params: int):
+    """A heartbeat record source whose record names `forged_state` as this peer's global model, with its claims."""
+    forged = forged_state(n_params)
+    claims = {"global_digest": state_digest(forged.global_params, forged.momentum), "round": forged.round,
+              "step": forged.step, "global_tokens": forged.global_tokens}
+    return lambda: {**record(), **claims}

@@ -115,6 +115,21 @@ class BatchSampler:
         for _ in self._take(batches * self.batch_size):
             pass
 
+    def probe(self, n_batches: int, generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`n_batches` batches of windows of this shard drawn by `generator`, without moving this sampler's order
+        (a joiner's check of a downloaded state: windows that no donor can know in advance).
+
+        Args:
+            n_batches: batches wanted.
+            generator: draws the windows (seed it from the OS so that they are unpredictable).
+
+        Returns:
+            ``(x, y)`` pairs as `next_batch` gives them.
+        """
+        ids = torch.randint(self.n_chunks, (n_batches, self.batch_size), generator=generator)
+        windows = self._chunks[ids.flatten()].long().view(n_batches, self.batch_size, -1)
+        return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next batch.
 

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 
 from p2pdiloco.training.accel import autocast_for
@@ -45,3 +48,41 @@ def evaluate_flat(model: torch.nn.Module, flat: torch.Tensor, val_batches: list[
         return evaluate_model(model, val_batches, device, precision)
     finally:
         load_flat_(model, own)
+
+
+JOIN_GAIN = 0.02
+"""A downloaded state is taken only if its loss on the joiner's probe batches is below (1 − this) × its own model's."""
+
+
+def state_check(model: torch.nn.Module, own: torch.Tensor, probe: list[tuple[torch.Tensor, torch.Tensor]],
+                device: torch.device, precision: str = "auto", gain: float = JOIN_GAIN
+                ) -> Callable[[torch.Tensor], str | None]:
+    """What a joiner checks itself of a state before it takes it: the state's θg must predict the joiner's own
+    probe batches (windows of its own data that it drew at random, so that no donor can fit them in advance)
+    better than the joiner's own model, by `gain`. A fresh joiner's own model is the initial one, so a state must
+    have learned something of the data: a scaled, noisy or freshly initialised model is refused, however
+    many peers name it. A resumed peer keeps its own model unless the swarm's is better on its data.
+
+    Args:
+        model: the joiner's model (its weights are restored after each evaluation).
+        own: the joiner's own θg, flat fp32.
+        probe: the probe batches (`BatchSampler.probe`); none: every state passes.
+        device, precision: where and how the forward passes run (`evaluate_flat`).
+        gain: the fraction by which a state's loss must be below the own model's.
+
+    Returns:
+        A function of a state's flat θg that returns why it is refused, or None to take it.
+    """
+    if not probe:
+        return lambda _params: None
+    own_loss = evaluate_flat(model, own, probe, device, precision)
+    bound = (1 - gain) * own_loss if math.isfinite(own_loss) else math.inf
+
+    def refusal(params: torch.Tensor) -> str | None:
+        loss = evaluate_flat(model, params, probe, device, precision)
+        if math.isfinite(loss) and loss < bound:
+            return None
+        return (f"its loss on this peer's probe batches is {loss:.4f}, not below {bound:.4f} "
+                f"({1 - gain:g} × this peer's own model's {own_loss:.4f})")
+
+    return refusal
