@@ -9,8 +9,8 @@ A round is not submitted while its merge is in flight (`Learner.round_done`). A 
 than `LATE_FRACTION` of a round before its merge landed ends at the next cadence point instead of at once
 (`merge_landed`): submitted at once, it would begin its search whenever that merge happened to land, and mates
 whose merges took other times would look for a group seconds apart, more than a decoupled search waits (a quarter
-of a round, `Matchmaker._window`). Merges that carry an agreement take longer than a round where agreements are
-slow to compute or to send (`bench scale` at 32 peers on 2 cores: a median of 3–6 s against 3 s rounds).
+of a round, `Matchmaker._window`). Merges take longer than a round where agreements or a busy CPU make them slow
+(`bench scale` at 32 peers on 2 cores: group merges' median 5.9 s against 3 s rounds).
 """
 
 from __future__ import annotations
