@@ -24,9 +24,14 @@ from tests.conftest import run_children, wait_for
 MB = 1_000_000
 
 
-def _peer(name, dht, merge, wall_s, rounds, compute_cpu_s, eval_loss):
+def _peer(name, dht, merge, wall_s, rounds, compute_cpu_s, eval_loss, phases=(0, 0, 0, 0), agreements=(0, 0, 0)):
+    """A peer's summary; `phases`: its (Δ sent, Δ received, agreement sent, agreement received) merge bytes;
+    `agreements`: its (state merges, of them caught up, anchored)."""
     return {"name": name, "wall_s": wall_s, "rounds": rounds, "compute_cpu_s": compute_cpu_s,
             "eval_loss_final": eval_loss, "merge_failures": 0,
+            "pseudo_grad_bytes_sent": phases[0], "pseudo_grad_bytes_received": phases[1],
+            "state_bytes_sent": phases[2], "state_bytes_received": phases[3], "state_merges": agreements[0],
+            "state_merges_caught_up": agreements[1], "state_merges_anchored": agreements[2],
             "traffic": {"dht": {"sent": dht[0], "received": dht[1]}, "merge": {"sent": merge[0], "received": merge[1]},
                         "state": {"sent": 0, "received": 0}},
             # most of the DHT's bytes: the rest were pings and keys of no kind here
@@ -46,8 +51,10 @@ def _rows(process_s, t_eval, merges, t_final, dht_per_s=0):
 
 
 SUMMARY = {"peers_finished": 2, "consensus_distance": 0.0, "global_models_identical": True, "peers": [
-    _peer("peer0", dht=(600, 400), merge=(3000, 1000), wall_s=10, rounds=4, compute_cpu_s=1.0, eval_loss=2.0),
-    _peer("peer1", dht=(1500, 1500), merge=(6000, 2000), wall_s=10, rounds=4, compute_cpu_s=2.0, eval_loss=3.0),
+    _peer("peer0", dht=(600, 400), merge=(3000, 1000), wall_s=10, rounds=4, compute_cpu_s=1.0, eval_loss=2.0,
+          phases=(1000, 1000, 1800, 0), agreements=(1, 0, 0)),
+    _peer("peer1", dht=(1500, 1500), merge=(6000, 2000), wall_s=10, rounds=4, compute_cpu_s=2.0, eval_loss=3.0,
+          phases=(1200, 1200, 4000, 1600), agreements=(3, 1, 1)),
 ]}
 ROWS = {
     "peer0": _rows(4.0, 101.0, [(2, 0.5, 0.25), (1, 0.1, 0.1), (2, 1.5, 0.5), (2, 1.0, 0.2)], 111.0, dht_per_s=40),
@@ -78,6 +85,10 @@ def test_run_figures_from_summary_and_metrics_rows():
     assert f["dht_merging_bytes_per_s"] == 60  # (40 + 80) / 2: the start-up's bytes before the first merge left out
     assert f["dht_census_bytes_per_s"] == 52.5 and f["dht_records_bytes_per_s"] == 47.5  # (30 + 75)/2, (20 + 75)/2
     assert f["merge_bytes_per_round"] == 1500  # (4000/4 + 8000/4) / 2
+    # its split: Δ (2000/4 + 2400/4) / 2, agreement (1800/4 + 5600/4) / 2, agreement ÷ all merge bytes 7400/12000
+    assert f["delta_bytes_per_round"] == 550 and f["agreement_bytes_per_round"] == 925
+    assert f["agreement_share"] == pytest.approx(7400 / 12000)
+    assert f["agreements"] == {"all": 4, "caught_up": 1, "anchored": 1, "averaged": 2}
     # group merges' times, sorted: 0.5 0.5 1.0 1.5 1.5 2.0
     assert f["merge_s_median"] == pytest.approx(1.25) and f["merge_s_p95"] == pytest.approx(1.875)
     # peer0's group merges split: matchmaking 0.2 0.25 0.5, exchange (the rest) 0.25 0.8 1.0
@@ -92,6 +103,14 @@ def test_run_figures_from_summary_and_metrics_rows():
     # CPU outside inner steps per round: (5 - 1) / 4 and (10 - 2) / 4
     assert f["cpu_per_round_mean"] == 1.5 and f["cpu_per_round_max"] == 2.0
     assert f["rounds_mean"] == 4 and f["peers_finished"] == 2
+
+
+def test_merge_bytes_are_not_split_where_a_summary_does_not_split_them():
+    older = {**SUMMARY, "peers": [SUMMARY["peers"][0], {k: v for k, v in SUMMARY["peers"][1].items()
+                                                         if k != "state_bytes_received"}]}
+    f = run_figures(older, ROWS, CPU, MEMORY)
+    assert f["merge_bytes_per_round"] == 1500
+    assert f["delta_bytes_per_round"] is None and f["agreement_share"] is None and f["agreements"] is None
 
 
 def test_memory_and_cpu_figures_are_none_without_readings_while_training():
@@ -163,6 +182,10 @@ def test_a_tiny_real_run_of_two_peers(tmp_path):
     assert run["peers_finished"] == 2 and run["rounds_mean"] >= 1 and run["group_share"] > 0
     assert run["dht_bytes_per_s_mean"] > 0 and run["merge_bytes_per_round"] > 0
     assert run["dht_census_bytes_per_s"] > 0 and run["dht_records_bytes_per_s"] > 0  # told apart by key
+    # the merge bytes split by phase, as the peers counted them: the Δ exchange is most of them; the rest is
+    # matchmaking and, where the two peers' global models differed, agreements
+    assert 0 < run["delta_bytes_per_round"] < run["merge_bytes_per_round"]
+    assert run["agreement_bytes_per_round"] is not None and 0 <= run["agreement_share"] < 1
     # a group merge's time splits into waiting for the group and the exchange, both measured by the peers
     assert 0 < run["match_s_median"] <= run["merge_s_median"] and run["exchange_s_median"] > 0
     # CPU outside inner steps: process CPU read once a second minus the thread's exact inner-step CPU, so a

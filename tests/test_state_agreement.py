@@ -237,6 +237,9 @@ def test_a_member_outside_a_majority_fetches_its_model_exactly_and_the_majority_
     served = [r.state_bytes_sent for r in holders]
     assert sorted(served)[:2] == [0, 0] and fp32_copy <= max(served) < fp32_copy + 1000, served  # one copy, one holder
     assert fetcher.state_bytes_sent < 1000  # its request
+    assert fp32_copy <= fetcher.state_bytes_received < fp32_copy + 1000  # the copy, counted where it arrived
+    assert sorted(r.state_bytes_received for r in holders)[-1] < 1000  # a holder receives only the request
+    assert all(r.pseudo_grad_bytes_received > 0 for r in results)  # the Δ exchange's, counted apart
     assert [r.state_share for r in results] == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])
 
 

@@ -11,6 +11,10 @@ timed rounds of `ROUND_S`, groups of at most `merge.group_size`. Figures, per ru
   32 peers on 2 cores take ~25 s to start. Beside it, the mean of the finds' and stores'
   bytes of the census keys and of the heartbeat shards (its summary's `dht_by_kind`), ÷ `wall_s` the same way.
 - merge bytes per peer per round: a peer's merge bytes sent + received (`traffic.merge`) ÷ its rounds; mean.
+  Beside it the same of its two phases, from the peer's summary: the Δ exchange (`pseudo_grad_bytes_sent` +
+  `_received`) and the (θg, momentum) agreement (`state_bytes_sent` + `_received`); the rest is matchmaking. And
+  the agreement's share of all peers' merge bytes, with the agreements by kind (the summaries' `state_merges`,
+  `state_merges_caught_up`, `state_merges_anchored`; the rest averaged the members' states without a common anchor).
 - group merge time: `merge_s` (submit to result: matchmaking, exchange, averaging) of the merge lines with
   `group_size` >= 2, all peers' pooled; median and p95 (linear interpolation between order statistics). Beside
   it the same of its two parts: `match_s` (submit until the group was formed: waiting for mates) and the rest
@@ -77,6 +81,9 @@ FIGURES = (
     Figure("dht_census_bytes_per_s", "DHT bytes/s per peer, by key", "census, mean", "B/s"),
     Figure("dht_records_bytes_per_s", "DHT bytes/s per peer, by key", "peer records, mean", "B/s"),
     Figure("merge_bytes_per_round", "merge bytes per peer per round", "mean", "B"),
+    Figure("delta_bytes_per_round", "merge bytes per peer per round", "of it Δ exchange, mean", "B"),
+    Figure("agreement_bytes_per_round", "merge bytes per peer per round", "of it agreement, mean", "B"),
+    Figure("agreement_share", "agreement share of merge bytes", "all peers", "share"),
     Figure("merge_s_median", "group merge time", "median", "s"),
     Figure("merge_s_p95", "group merge time", "p95", "s"),
     Figure("match_s_median", "group merge time", "of it matchmaking, median", "s"),
@@ -178,6 +185,7 @@ def run_figures(summary: dict, rows: dict[str, list[dict]], cpu: dict[str, list[
                for kind in ("census", "peer records")}
     merging = [rate for rs in rows.values() if (rate := _dht_rate_while_merging(rs)) is not None]
     merge_bytes = [both(p, "merge") / p["rounds"] for p in peers if p["rounds"] > 0]
+    phases = _phase_bytes(peers)
     merges = [r for rs in rows.values() for r in rs if r.get("kind") == "merge"]
     group_merge_s = [r["merge_s"] for r in merges if r["group_size"] >= 2]
     match_s = [r["match_s"] for r in merges if r["group_size"] >= 2 and "match_s" in r]
@@ -197,6 +205,7 @@ def run_figures(summary: dict, rows: dict[str, list[dict]], cpu: dict[str, list[
         "dht_census_bytes_per_s": statistics.mean(by_kind["census"]) if by_kind["census"] else None,
         "dht_records_bytes_per_s": statistics.mean(by_kind["peer records"]) if by_kind["peer records"] else None,
         "merge_bytes_per_round": statistics.mean(merge_bytes) if merge_bytes else None,
+        **phases,
         "merge_s_median": percentile(group_merge_s, 0.5), "merge_s_p95": percentile(group_merge_s, 0.95),
         "match_s_median": percentile(match_s, 0.5), "match_s_p95": percentile(match_s, 0.95),
         "exchange_s_median": percentile(exchange_s, 0.5), "exchange_s_p95": percentile(exchange_s, 0.95),
@@ -214,6 +223,26 @@ def run_figures(summary: dict, rows: dict[str, list[dict]], cpu: dict[str, list[
         "rounds_mean": statistics.mean(p["rounds"] for p in peers) if peers else None,
         "merge_failures": sum(p["merge_failures"] for p in peers),
     }
+
+
+def _phase_bytes(peers: list[dict]) -> dict:
+    """The merge bytes' split into the Δ exchange and the agreement (see the module docstring); Nones where a peer's
+    summary does not split them (a peer of an older version)."""
+    keys = ("pseudo_grad_bytes_sent", "pseudo_grad_bytes_received", "state_bytes_sent", "state_bytes_received")
+    counted = [p for p in peers if p["rounds"] > 0]
+    if not counted or not all(k in p for p in counted for k in keys):
+        return {"delta_bytes_per_round": None, "agreement_bytes_per_round": None, "agreement_share": None,
+                "agreements": None}
+    delta = [(p["pseudo_grad_bytes_sent"] + p["pseudo_grad_bytes_received"]) / p["rounds"] for p in counted]
+    agreement = [p["state_bytes_sent"] + p["state_bytes_received"] for p in counted]
+    merge = sum(p["traffic"]["merge"]["sent"] + p["traffic"]["merge"]["received"] for p in counted)
+    every, caught_up, anchored = (sum(p.get(k, 0) for p in counted)
+                                  for k in ("state_merges", "state_merges_caught_up", "state_merges_anchored"))
+    return {"delta_bytes_per_round": statistics.mean(delta),
+            "agreement_bytes_per_round": statistics.mean(a / p["rounds"] for a, p in zip(agreement, counted, strict=True)),
+            "agreement_share": sum(agreement) / merge if merge else None,
+            "agreements": {"all": every, "caught_up": caught_up, "anchored": anchored,
+                           "averaged": every - caught_up - anchored}}
 
 
 def _dht_rate_while_merging(rows: list[dict]) -> float | None:
@@ -283,6 +312,12 @@ def _fmt(value: float | None, unit: str) -> str:
     return f"{value:.3g}"
 
 
+def _kinds(agreements: dict | None) -> str:
+    if not agreements:
+        return "-"
+    return f"{agreements['all']}: {agreements['caught_up']} / {agreements['anchored']} / {agreements['averaged']}"
+
+
 def print_scale(results: dict, console: Console) -> None:
     """A table of every figure per N, each beside its ratio to the smallest N's."""
     runs, ns = results["runs"], [str(n) for n in results["peers"] if str(n) in results["runs"]]
@@ -300,6 +335,8 @@ def print_scale(results: dict, console: Console) -> None:
         table.add_row(f"{f.panel}, {f.stat}", *cells)
     table.add_row("group sizes (peer-rounds)", *(" ".join(f"{k}:{v}" for k, v in runs[n]["group_sizes"].items())
                                                 for n in ns))
+    table.add_row("agreements (peer-merges): caught up / anchored / averaged",
+                  *(_kinds(runs[n].get("agreements")) for n in ns))
     table.add_row("global models identical", *(str(runs[n]["global_models_identical"]) for n in ns))
     table.add_row("final models (1 % eval loss)", *(str(runs[n].get("final_models")) for n in ns))
     table.add_row("memory sampled at (of training)", *(_fmt(runs[n]["memory_at"], "share") for n in ns))

@@ -65,8 +65,12 @@ class MergeStats:
     """Bytes this peer received for this merge."""
     pseudo_grad_bytes_sent: int = 0
     """Of `bytes_sent`, those of the pseudo-gradient exchange (not matchmaking, not the (θg, momentum) average)."""
+    pseudo_grad_bytes_received: int = 0
+    """Of `bytes_received`, those of the pseudo-gradient exchange."""
     state_bytes_sent: int = 0
     """Of `bytes_sent`, those of the (θg, momentum) agreement (0 if there was none)."""
+    state_bytes_received: int = 0
+    """Of `bytes_received`, those of the (θg, momentum) agreement (0 if there was none)."""
     state_anchored: bool = False
     """The agreement travelled as int8 differences from an anchor all members held (else fp32, or none)."""
     state_caught_up: bool = False

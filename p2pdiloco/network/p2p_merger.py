@@ -218,7 +218,8 @@ class P2PMerger:
                 group=list(group.members), group_id=group.group_id,
                 own_kept=by_values([float(s > 0) for s in shares], group.lengths["d"]),
                 state_share=by_values(state_shares, group.lengths["s"]) if state is not None else 0.0,
-                pseudo_grad_bytes_sent=session.sent("d"), state_bytes_sent=session.sent("s", "a"),
+                pseudo_grad_bytes_sent=session.sent("d"), pseudo_grad_bytes_received=session.received("d"),
+                state_bytes_sent=session.sent("s", "a"), state_bytes_received=session.received("s", "a"),
                 state_anchored=state is not None and not group.majority and group.anchor in c.anchors,
                 state_caught_up=state is not None and bool(group.majority))
             # what error feedback counts as sent: only a merge that succeeded sent anything that counts. A failed

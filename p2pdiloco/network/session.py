@@ -61,6 +61,10 @@ class MergeSession:
         """Bytes this peer sent in the phases `tags` (0 for a phase this merge did not have)."""
         return sum(self.phase_bytes[t].sent for t in tags if t in self.phase_bytes)
 
+    def received(self, *tags: str) -> int:
+        """Bytes this peer received in the phases `tags` (0 for a phase this merge did not have)."""
+        return sum(self.phase_bytes[t].received for t in tags if t in self.phase_bytes)
+
 
 class Sessions:
     """This peer's open merge sessions, by group id: where the stream handlers find the merge a part belongs to.

@@ -82,6 +82,8 @@ class Counters:
     bytes_received: int = 0
     pseudo_grad_bytes_sent: int = 0
     """Of `bytes_sent`, those of pseudo-gradient exchanges (see `MergeStats.pseudo_grad_bytes_sent`)."""
+    pseudo_grad_bytes_received: int = 0
+    """Of `bytes_received`, those of pseudo-gradient exchanges."""
     state_merges: int = 0
     """Merges that averaged (θg, momentum) too, because the members' global models differed."""
     state_merges_anchored: int = 0
@@ -90,6 +92,8 @@ class Counters:
     """Of `state_merges`, those where a majority of the members held one model and the others fetched it."""
     state_bytes_sent: int = 0
     """Of `bytes_sent`, those of (θg, momentum) agreements."""
+    state_bytes_received: int = 0
+    """Of `bytes_received`, those of (θg, momentum) agreements."""
     compute_s: float = 0.0
     """Wall seconds in inner steps, the padding of `emulate.min_step_s` and `slow_factor` included."""
     compute_cpu_s: float = 0.0
@@ -144,10 +148,12 @@ class Counters:
         self.bytes_sent += stats.bytes_sent
         self.bytes_received += stats.bytes_received
         self.pseudo_grad_bytes_sent += stats.pseudo_grad_bytes_sent
+        self.pseudo_grad_bytes_received += stats.pseudo_grad_bytes_received
         self.state_merges += landed.adopted_state
         self.state_merges_anchored += landed.adopted_state and stats.state_anchored
         self.state_merges_caught_up += landed.adopted_state and stats.state_caught_up
         self.state_bytes_sent += stats.state_bytes_sent
+        self.state_bytes_received += stats.state_bytes_received
         self.last_group_size = len(stats.group)
         self.max_group_size = max(self.max_group_size, len(stats.group))
         self.last_merge_s = stats.duration_s
@@ -286,7 +292,9 @@ class Reporter:
             final=landed.merged.final,
             own_kept=result.own_kept, state_share=result.state_share, state_anchored=result.state_anchored,
             state_caught_up=result.state_caught_up,
-            state_bytes_sent=result.state_bytes_sent, phase_shift_s=landed.phase_shift_s,
+            state_bytes_sent=result.state_bytes_sent, state_bytes_received=result.state_bytes_received,
+            pseudo_grad_bytes_sent=result.pseudo_grad_bytes_sent,
+            pseudo_grad_bytes_received=result.pseudo_grad_bytes_received, phase_shift_s=landed.phase_shift_s,
             **({"traffic": self.traffic.snapshot()} if self.traffic else {}),
         )
         self.log.info(
@@ -328,9 +336,11 @@ class Reporter:
             "arrived_after_end": self.arrived_after_end,
             "rounds": self.c.round, "merges": self.c.merges, "merge_failures": self.c.merge_failures,
             "bytes_sent": self.bytes_io()[0], "bytes_received": self.bytes_io()[1],
-            "pseudo_grad_bytes_sent": self.c.pseudo_grad_bytes_sent, "state_merges": self.c.state_merges,
+            "pseudo_grad_bytes_sent": self.c.pseudo_grad_bytes_sent,
+            "pseudo_grad_bytes_received": self.c.pseudo_grad_bytes_received, "state_merges": self.c.state_merges,
             "state_merges_anchored": self.c.state_merges_anchored,
             "state_merges_caught_up": self.c.state_merges_caught_up, "state_bytes_sent": self.c.state_bytes_sent,
+            "state_bytes_received": self.c.state_bytes_received,
             "wall_s": self.elapsed(), "compute_s": self.c.compute_s,
             "compute_cpu_s": self.c.compute_cpu_s, "merge_wait_s": self.c.merge_wait_s,
             "land_waits": self.c.land_waits, "land_waits_landed": self.c.land_waits_landed,
