@@ -163,34 +163,6 @@ def test_timed_rounds_are_not_shifted():
     assert not c.round_over(10)  # still ends on the swarm-wide cadence, an hour of DHT time away
 
 
-def test_a_timed_round_whose_merge_landed_late_ends_at_the_next_cadence_point(monkeypatch):
-    """Rounds of 3 s of DHT time: a merge that lands within a quarter of a round past the round's end lets it be
-    submitted at once (mates on the cadence are still looking); one that lands later holds the round until the next
-    multiple of 3 s, where its mates' rounds end too, instead of starting a search off the cadence."""
-    import p2pdiloco.training.rounds as rounds
-
-    now = [100.5]
-    monkeypatch.setattr(rounds, "get_dht_time", lambda: now[0])
-    c = clock(round_seconds=3.0)  # started at 100.5: ends at 102
-    now[0] = 102.6  # its merge landed 0.6 s late: within a quarter of a round
-    c.merge_landed()
-    assert c.round_over(10)
-    c.start_round()  # submitted at 102.6: ends at 105
-    now[0] = 104.0
-    c.merge_landed()  # landed before the end: nothing moves
-    assert not c.round_over(10)
-    now[0] = 106.1  # landed 1.1 s after the end
-    c.merge_landed()
-    assert not c.round_over(10)  # held until 108, on the cadence
-    now[0] = 107.99
-    assert not c.round_over(10)
-    now[0] = 108.0
-    assert c.round_over(10)
-    steps = clock(round_steps=50)
-    steps.merge_landed()  # rounds of steps are moved by the shift only
-    assert not steps.round_over(49) and steps.round_over(50)
-
-
 def drive(merger, cfg: Config, start_after: float, rounds: int, step_s: float, log: list) -> None:
     """A learner's round schedule without a model: a step every `step_s`, a round over per `RoundClock`, never
     while a merge is in flight, the merge's shift applied when its result lands (as Learner does)."""
@@ -205,7 +177,6 @@ def drive(merger, cfg: Config, start_after: float, rounds: int, step_s: float, l
         if in_flight is not None and in_flight.done():
             result = in_flight.result()
             c.shift(merger.take_round_shift())
-            c.merge_landed()
             log.append(len(result.stats.group))
             in_flight = None
         if in_flight is None and submitted < rounds and c.round_over(steps):

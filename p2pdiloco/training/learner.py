@@ -273,7 +273,6 @@ class Learner:
         landed = self.apply_merge(outcome, flight.local_at_submit, flight.contribution)
         landed.phase_shift_s = self.merger.take_round_shift()
         self.clock.shift(landed.phase_shift_s)  # toward the mates' round ends (network/phase.py)
-        self.clock.merge_landed()  # a timed round that ended long ago waits for the next cadence point
         if landed.merged.final and not landed.alone and not flight.contribution.final:
             if self.near_end():
                 self.ended_with_swarm = True  # the steps taken since this contribution are not in any global model

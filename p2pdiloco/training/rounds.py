@@ -4,13 +4,6 @@ A round is `rounds.round_steps` inner steps, or, with `rounds.round_seconds = T`
 multiple of T in DHT time, so that peers of different speeds reach their merges together (each with as
 many steps as it managed: Async Local-SGD's dynamic local updates, arXiv 2401.09135). A round of steps can be
 lengthened or shortened by `shift` so that its end meets the round ends of this peer's mates (network/phase.py).
-
-A round is not submitted while its merge is in flight (`Learner.round_done`). A timed round whose end passed more
-than `LATE_FRACTION` of a round before its merge landed ends at the next cadence point instead of at once
-(`merge_landed`): submitted at once, it would begin its search whenever that merge happened to land, and mates
-whose merges took other times would look for a group seconds apart, more than a decoupled search waits (a quarter
-of a round, `Matchmaker._window`). Merges take longer than a round where agreements or a busy CPU make them slow
-(`bench scale` at 32 peers on 2 cores: group merges' median 5.9 s against 3 s rounds).
 """
 
 from __future__ import annotations
@@ -21,10 +14,6 @@ import time
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import RoundsConfig
-
-LATE_FRACTION = 0.25
-"""A timed round whose merge landed later than this fraction of a round past its end waits for the next cadence
-point (`RoundClock.merge_landed`); the default decoupled window (`merge.window_fraction`) is as long."""
 
 
 class RoundClock:
@@ -71,15 +60,6 @@ class RoundClock:
             return
         half = self.rounds.round_steps // 2
         self._extra_steps = max(-half, min(half, round(seconds / self._step_s)))
-
-    def merge_landed(self) -> None:
-        """The merge in flight landed. A timed round whose end passed more than `LATE_FRACTION` of a round ago ends
-        at the next multiple of `round_seconds` in DHT time instead of at once (see the module docstring); it goes
-        on training until then. Rounds of steps are moved by `shift` instead."""
-        T = self.rounds.round_seconds
-        now = get_dht_time()
-        if T > 0 and now - self._deadline > LATE_FRACTION * T:
-            self._deadline = (math.floor(now / T) + 1) * T
 
     def round_s(self) -> float:
         """Wall time since this round started."""
