@@ -195,3 +195,20 @@ def test_an_id_ground_to_lead_and_never_invite_costs_victims_at_most_a_merge_an_
             thread.join(timeout=10)
     assert last <= e0 + 2  # the id was ground for every epoch the rounds spanned
     assert all(n <= last - epoch + 1 for n in alone.values()), (alone, epoch, last)
+
+
+def test_the_bench_grinder_writes_a_key_that_ranks_first_against_the_other_peers_of_its_run(tmp_path, monkeypatch):
+    from p2pdiloco.testing import insiders
+
+    monkeypatch.setattr(insiders, "GRIND_EPOCHS", 3)
+    others = [PeerIdentity.generate() for _ in range(3)]
+    for i, key in enumerate(others, start=1):
+        (tmp_path / f"peer{i}").mkdir()
+        (tmp_path / f"peer{i}" / "identity.key").write_bytes(key.to_protobuf())
+    (tmp_path / "peer0").mkdir()
+    cfg = merge_config(run_id="bench")
+    insiders.ground_identity(cfg, tmp_path / "peer0" / "identity.key")
+    ground = PeerIdentity.from_protobuf((tmp_path / "peer0" / "identity.key").read_bytes()).peer_id
+    e0 = epoch_of(get_dht_time(), cfg.merge.epoch_s)
+    assert all(leader_rank("bench", ground, e) < min(leader_rank("bench", k.peer_id, e) for k in others)
+               for e in range(e0, e0 + 2))  # the epoch may have turned since it was ground, not two
