@@ -80,7 +80,7 @@ def test_old_emulation_keys_are_aliases_of_the_emulate_section(tmp_path):
     assert load_config(path, [parse_set(["emulate.slow_factor=3"])]).emulate.slow_factor == 3.0  # flags win
     with pytest.raises(ConfigError, match="emulate.slow_factor must be >= 1"):
         load_config(None, [parse_set(["run.slow_factor=0.5"])])
-    with pytest.raises(ConfigError, match="emulate.hostile must be nan, scale, noise, signflip, takeover, final, leader or donor"):
+    with pytest.raises(ConfigError, match="emulate.hostile must be nan, scale, noise, signflip, takeover, final, leader, donor, grinder, pinner or flood"):
         load_config(None, [parse_set(["run.hostile=evil"])])
 
 
