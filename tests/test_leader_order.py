@@ -212,3 +212,18 @@ def test_the_bench_grinder_writes_a_key_that_ranks_first_against_the_other_peers
     e0 = epoch_of(get_dht_time(), cfg.merge.epoch_s)
     assert all(leader_rank("bench", ground, e) < min(leader_rank("bench", k.peer_id, e) for k in others)
                for e in range(e0, e0 + 2))  # the epoch may have turned since it was ground, not two
+
+
+def test_a_mate_refused_streams_lately_is_left_out_of_groups_and_does_not_lead():
+    """A pinner or flooder fills its per-sender budget at a victim; were it in the victim's group, its parts would be
+    refused too and the merge would fail for every member (bench byzantine's pinner: 5 of 9 merges in groups)."""
+    from p2pdiloco.network.admission import REFUSING_S, StreamGate
+
+    now = [100.0]
+    gate = StreamGate(max_per_sender=1, clock=lambda: now[0])
+    assert gate.admit("pinner") and not gate.admit("pinner")  # its second stream passes its bound
+    assert gate.refusing("pinner") and not gate.refusing("honest")
+    leaders = Leaders("run", Census(None, "run", "me"), gate.refusing)
+    assert leaders.order(["pinner", "me", "honest"], {"pinner", "me", "honest"}, 5) == ["me", "honest"]
+    now[0] += REFUSING_S
+    assert not gate.refusing("pinner")  # forgiven once it stays within its budget

@@ -17,6 +17,8 @@ invites is passed over for the rest of the epoch (its place in the order stays t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from p2pdiloco.network.census import COMMIT_BYTES, Census, commitment, lead_rank
 
 SILENT_ROUNDS = 3
@@ -30,10 +32,11 @@ class Leaders:
     Args:
         run_id: the swarm's run id.
         census: this peer's census: its own nonces and the commitments it counts for others.
+        shunned: whether a mate may not lead here (this peer refuses its streams: `StreamGate.refusing`).
     """
 
-    def __init__(self, run_id: str, census: Census):
-        self.run_id, self.census = run_id, census
+    def __init__(self, run_id: str, census: Census, shunned: Callable[[str], bool] = lambda peer: False):
+        self.run_id, self.census, self.shunned = run_id, census, shunned
         self._nonces: dict[str, tuple[int, bytes]] = {}
         """Mates' last revealed nonces: peer id -> (epoch, nonce), not yet checked."""
         self._passed: dict[str, tuple[int, int]] = {}
@@ -63,13 +66,14 @@ class Leaders:
 
     def order(self, mates: list[str], ready: set[str], epoch: int) -> list[str]:
         """The ready `mates` (in dealt order) in the order they lead in `epoch`: those with a checked nonce by
-        `lead_rank` over the XOR of those nonces, then the others in dealt order."""
+        `lead_rank` over the XOR of those nonces, then the others in dealt order; shunned mates lead nowhere (their
+        nonces still count: every mate must draw the same order)."""
         nonces = {p: n for p in mates if p in ready and (n := self.nonce(p, epoch)) is not None}
         mix = bytes(COMMIT_BYTES)
         for n in nonces.values():
             mix = bytes(a ^ b for a, b in zip(mix, n, strict=True))
         first = sorted(nonces, key=lambda p: lead_rank(self.run_id, p, epoch, mix))
-        return first + [p for p in mates if p in ready and p not in nonces]
+        return [p for p in first + [p for p in mates if p in ready and p not in nonces] if not self.shunned(p)]
 
     def new_search(self, epoch: int) -> set[str]:
         """A search in `epoch` starts: the leaders it passes over for their count of searches (one of which it uses

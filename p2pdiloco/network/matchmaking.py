@@ -70,12 +70,11 @@ class Matchmaker:
         self._search: Search | None = None
         self._groups: dict[str, asyncio.Future] = {}
         self._last_submit, self._closed, self._alone_streak = time.monotonic(), False, 0
-        self._round_ema: float | None = None
-        self._warned_epochs = False
+        self._round_ema, self._warned_epochs = None, False
         self._other_protocol: set[str] = set()  # leaders of another protocol version, declined and said so once
         self._tasks: set[asyncio.Task] = set()
         self.census = Census(dht, cfg.swarm.run_id, self.peer_id, cfg.merge.epoch_s)
-        self.leaders = Leaders(cfg.swarm.run_id, self.census)
+        self.leaders = Leaders(cfg.swarm.run_id, self.census, rpc.gate.refusing)
         self._ready: dict[str, float] = {}
         """Mates that told us they are looking for a group: peer id -> until when (DHT time)."""
         self._closers: set[str] = set()
@@ -263,7 +262,7 @@ class Matchmaker:
         search.leading = True  # from here on, invites from others are declined
         gid = secrets.token_hex(8)
         c = search.contribution
-        candidates = [p for p in candidates if p not in self.book.banned]
+        candidates = [p for p in candidates if p not in self.book.banned and not self.rpc.gate.refusing(p)]
         invite = {"group_id": gid, "fp": self.fingerprint, "closing": c.last_merges(), **protocol_fields()}
         replies = await asyncio.gather(*(self.rpc.request(p, "invite", invite) for p in candidates))
         search.mark("invited")
@@ -336,8 +335,8 @@ class Matchmaker:
         header, leader = request.header, request.sender
         search, gid = self._search, header.get("group_id")
         reply = {"accept": False}
-        if leader in self.book.banned:
-            reply["error"] = "banned"
+        if leader in self.book.banned or self.rpc.gate.refusing(leader):  # its parts would be refused here too
+            reply["error"] = "banned" if leader in self.book.banned else "over its stream budget at this peer"
         elif (theirs := protocol_of(header)) != PROTOCOL_VERSION:
             reply["error"] = f"wire protocol {theirs} differs from this peer's {PROTOCOL_VERSION}"
             if leader not in self._other_protocol:  # once per leader: it invites every round
