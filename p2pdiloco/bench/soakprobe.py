@@ -141,7 +141,7 @@ def series(samples: list[dict], tree: str, role: str, key: str) -> list[tuple[fl
     out = []
     for s in samples:
         proc = s["trees"].get(tree, {}).get(role)
-        if proc is not None:
+        if proc is not None and key in proc:  # (samples of older runs have no "anon")
             out.append((s["elapsed_s"], proc["pid"], proc[key]))
     return out
 
@@ -167,10 +167,10 @@ def flatness(samples: list[dict], warmup_s: float) -> list[dict]:
             span = after[-1][0] - after[0][0]
             row = {"tree": tree, "role": role, "pid": last_pid, "samples": len(after), "span_s": span,
                    "judged": span >= (end - warmup_s) / 2 and len(after) >= 3}
-            for key in ("pss", "uss"):
+            for key in ("pss", "uss", "anon"):
                 pts = [(t, v / 1e6) for t, pid, v in series(samples, tree, role, key) if t >= warmup_s and pid == last_pid]
                 row[f"{key}_mb_per_h"] = slope_per_hour(pts)
-                row[f"{key}_mb_last"] = pts[-1][1]
+                row[f"{key}_mb_last"] = pts[-1][1] if pts else None
             for key in COUNTS:
                 vals = [v for t, pid, v in series(samples, tree, role, key) if t >= warmup_s and pid == last_pid]
                 row[f"{key}_first"], row[f"{key}_last"] = statistics.median_low(vals[:EDGE]), statistics.median_low(vals[-EDGE:])
