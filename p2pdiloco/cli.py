@@ -147,7 +147,10 @@ def add_watching_commands(sub: argparse._SubParsersAction) -> None:
                         "(round, steps, tokens, tokens/s, loss, bytes, last merge) and the swarm's totals. Exits 1 "
                         "if no live peer is found.")
     add_watch_args(st)
-    st.add_argument("--json", action="store_true", help="print JSON (peers and totals) for scripts")
+    st.add_argument("--json", action="store_true", help="print JSON (peers and totals) for scripts; with --watch, "
+                    "one object a line")
+    st.add_argument("--watch", type=float, default=None, metavar="S",
+                    help="keep watching: print the swarm every S seconds until Ctrl+C (one DHT client throughout)")
     st.add_argument("--timeout", type=float, default=15.0, metavar="S",
                     help="give up joining, or waiting for a first peer record, after this many seconds (default 15)")
     st.add_argument("-v", "--verbose", action="store_true", help="debug logging")

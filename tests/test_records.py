@@ -6,6 +6,7 @@ DHTs on loopback, with an attacker node that overwrites a victim's heartbeat by 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
 import stat
@@ -19,6 +20,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig
+from p2pdiloco.network import identity as identity_module
 from p2pdiloco.network.identity import (
     IdentityError,
     PeerIdentity,
@@ -70,6 +72,21 @@ def test_own_record_round_trips_and_every_tampering_is_refused(kind, rsa_identit
     other_key = dataclasses.replace(signed, key=b"other-key-id")
     for bad in (tampered_value, tampered_expiration, other_subkey, other_key):
         assert not validator.validate(bad)
+
+
+def test_the_signature_cache_keeps_digests_of_a_bounded_number_of_records(monkeypatch):
+    monkeypatch.setattr(identity_module, "_verified_cache", collections.OrderedDict())
+    monkeypatch.setattr(identity_module, "VERIFIED_CACHE", 8)
+    me = PeerIdentity.generate()
+    validator = PeerRecordValidator(me)
+    signed = [_signed(validator, _record(me.peer_id, {"pad": "x" * 1000}, 1000.0 + i)) for i in range(20)]
+    forged = dataclasses.replace(signed[0], value=MSGPackSerializer.dumps(FORGED) + signed[0].value[-80:])
+    for _ in range(2):  # the second time from the cache, where it still holds them
+        assert all(validator.validate(r) for r in signed[-8:]) and not validator.validate(forged)
+    assert all(validator.validate(r) for r in signed)
+    cache = identity_module._verified_cache
+    assert len(cache) == 8 and all(isinstance(k, bytes) and len(k) == 32 for k in cache)
+    assert not validator.validate(forged)  # evicted and checked again: still refused
 
 
 def test_a_record_under_someone_elses_id_is_refused(rsa_identity):

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import socket
+import subprocess
+import time
 
+import psutil
 import pytest
 
 from p2pdiloco.observe.status import format_status, human, swarm_status
-from tests.test_cli import UNREACHABLE, _one_line_error, run_cli
+from tests.test_cli import CLI, UNREACHABLE, _one_line_error, run_cli
 
 
 def _record(name, step, loss, tps, **extra):
@@ -90,3 +94,29 @@ def test_status_shows_mfu_where_the_peer_knows_its_device_peak():
     lines = format_status(status).splitlines()
     assert lines[0].split()[8:10] == ["tok/s", "MFU"]
     assert "41.2%" in lines[3] and "%" not in lines[1] + lines[2]
+
+
+@pytest.mark.integration
+def test_status_watch_keeps_reading_until_stopped_and_leaves_no_process(bootstrap_dht):
+    maddr = str(bootstrap_dht.get_visible_maddrs()[0])
+    proc = subprocess.Popen([*CLI, "status", "--watch", "0.5", "--json", "--initial-peers", maddr, "--run-id",
+                             "nobody-here", "--timeout", "10"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL, text=True)
+    try:
+        readings = []
+        deadline = time.monotonic() + 40
+        while len(readings) < 3 and time.monotonic() < deadline:
+            line = proc.stdout.readline()  # the watcher prints a line every 0.5 s; the test's timeout bounds it
+            if not line:
+                break
+            readings.append(json.loads(line))
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert [r["run_id"] for r in readings] == ["nobody-here"] * 3 and all(r["peers"] == [] for r in readings)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert children and not alive
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -208,8 +208,15 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from p2pdiloco.observe.status import fetch_status, format_status, to_json
+    from p2pdiloco.observe.status import fetch_status, format_status, to_json, watch_status
 
+    if args.watch is not None:
+        def emit(status: dict) -> None:
+            print(json.dumps(status) if args.json else f"{format_status(status)}\n", flush=True)
+
+        watch_status(args.initial_peers, args.run_id, args.watch, emit, _stop_on_signals(), args.timeout,
+                     swarm_key=args.swarm_key or "")
+        return 0
     status = fetch_status(args.initial_peers, args.run_id, args.timeout, swarm_key=args.swarm_key or "")
     if args.json:
         print(to_json(status), flush=True)
@@ -222,9 +229,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_dashboard(args: argparse.Namespace) -> int:
-    from p2pdiloco.observe.dashboard import run_dashboard
-
+def _stop_on_signals() -> threading.Event:
+    """An event that SIGINT and SIGTERM set, for a watcher that runs until stopped (dashboard, status --watch)."""
     stop = threading.Event()
     owner = os.getpid()
 
@@ -239,7 +245,13 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    run_dashboard(args.initial_peers, args.run_id, args.host, args.port, args.refresh, stop,
+    return stop
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from p2pdiloco.observe.dashboard import run_dashboard
+
+    run_dashboard(args.initial_peers, args.run_id, args.host, args.port, args.refresh, _stop_on_signals(),
                   announce=lambda line: print(line, flush=True), swarm_key=args.swarm_key or "")
     return 0
 

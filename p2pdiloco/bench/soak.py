@@ -6,8 +6,8 @@ The swarm is `local`'s: a bootstrap node and peers of the benchmark model with p
 loopback, started with the public command line. `peer0` (and every original peer past `peer2`) runs the whole time
 untouched; on a fixed schedule `peer1` is SIGKILLed with everything it started (as a machine losing power) and
 restarted 5 s later with --resume, `peer2` is stopped with SIGTERM and resumed, and a fresh peer joins (and a later
-event stops it). An observer DHT node and a `p2pdiloco dashboard` watch the swarm the whole time and are sampled
-too. After each kill or stop, the peer's counts are read again once it has merged in a group after its restart:
+event stops it). An observer DHT node, a `p2pdiloco dashboard` and a `p2pdiloco status --watch 30` watch the swarm
+the whole time and are sampled too. After each kill or stop, the peer's counts are read again once it has merged in a group after its restart:
 they should be back at the level they had before.
 """
 
@@ -53,6 +53,8 @@ EVENTS = ("kill", "join", "kill", "term", "kill", "leave")
 """What happens at each event time, in turn: kill and restart peer1, a fresh peer joins, SIGTERM and resume peer2,
 the newest joiner leaves (SIGTERM, for good)."""
 RESTART_DELAY_S = 5.0
+STATUS_EVERY_S = 30
+"""Seconds between the readings of the `status --watch` left running beside the swarm."""
 SOAK_SETS = ["rounds.round_seconds=5.0", "merge.merge_window_s=10", "run.checkpoint_every=5", "swarm.heartbeat_s=5"]
 """The swarm's settings on top of the benchmark model: timed rounds of 5 s, a checkpoint every 5 rounds."""
 
@@ -115,8 +117,10 @@ class Soak:
             self.observer = start_dht(SwarmConfig(host="127.0.0.1", initial_peers=[self.maddr],
                                                   run_id=self.cfg.swarm.run_id))
             closing.callback(self.observer.shutdown)
-            self.dashboard = self._start_dashboard()
+            self.dashboard = self._start_watcher("dashboard", "--port", "0", "--refresh", "2")
             closing.callback(_stop_process, self.dashboard)
+            self.status = self._start_watcher("status", "--watch", str(STATUS_EVERY_S), "--json", "--timeout", "60")
+            closing.callback(_stop_process, self.status)
             self._loop()
             pids = {proc["pid"] for s in self.samples for tree in s["trees"].values() for proc in tree.values()}
         summary = report_run(self.peers, self.cfg, self.run_dir, started, quiet, None, False)
@@ -125,11 +129,13 @@ class Soak:
         return {"samples": self.samples, "events": self.events, "levels": self.levels, "summary": summary,
                 "before": before, "after": left, "start_unix": self.t0_unix}
 
-    def _start_dashboard(self) -> subprocess.Popen:
-        log = (self.run_dir / "dashboard.log").open("w")
-        return subprocess.Popen([sys.executable, "-m", "p2pdiloco", "dashboard", "--initial-peers", self.maddr,
-                                 "--run-id", self.cfg.swarm.run_id, "--port", "0", "--refresh", "2"],
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    def _start_watcher(self, command: str, *flags: str) -> subprocess.Popen:
+        """`p2pdiloco dashboard` or `status --watch`, its output in the bench's folder (not the run's: its bytes
+        are not the peers')."""
+        with (self.out / f"{command}.log").open("w") as log:
+            return subprocess.Popen([sys.executable, "-m", "p2pdiloco", command, "--initial-peers", self.maddr,
+                                     "--run-id", self.cfg.swarm.run_id, *flags],
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def _loop(self) -> None:
         s = self.schedule
@@ -233,6 +239,7 @@ class Soak:
                  if p.proc.poll() is None and p.restart_at is None and p.name not in self.stopping}
         trees["observer"] = sample_tree(self.observer.pid)
         trees["dashboard"] = sample_tree(self.dashboard.pid)
+        trees["status"] = sample_tree(self.status.pid)
         for tree in trees.values():
             self.ours.update(daemon_ids(tree))
         records = None

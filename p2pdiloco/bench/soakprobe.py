@@ -40,6 +40,23 @@ def process_counts(pid: int) -> dict[str, int]:
     return out
 
 
+ANON_KEYS = {"Rss:": "rss", "Anonymous:": "anon"}
+"""smaps_rollup lines read besides PSS and USS: a forked process's USS grows when its parent writes to the pages
+they shared at the fork (copy on write gives the writer a fresh page and leaves the old one to the other alone),
+while its resident anonymous memory, what it allocated itself or inherited, stays the same."""
+
+
+def anon_memory(pid: int) -> dict[str, int]:
+    """{"rss": bytes, "anon": bytes} of one process (resident, and of that the anonymous part); zeros if gone."""
+    out = {"rss": 0, "anon": 0}
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(" ")
+            if key in ANON_KEYS:
+                out[ANON_KEYS[key]] += int(rest.split()[0]) * 1024
+    return out
+
+
 def tree_roles(pid: int) -> dict[str, int]:
     """{role: pid} of a peer's (or a watcher's) process tree: `main` is `pid`; `p2pd` the daemon under it,
     `dht` the daemon's parent, `reaper` the watchdog; processes of no role are left out."""
@@ -57,8 +74,10 @@ def tree_roles(pid: int) -> dict[str, int]:
 
 
 def sample_tree(pid: int) -> dict[str, dict]:
-    """{role: {"pid", "pss", "uss", "fds", "threads", "children"}} of the tree under `pid` (bytes, counts)."""
-    return {role: {"pid": p, **process_memory(p), **process_counts(p)} for role, p in tree_roles(pid).items()}
+    """{role: {"pid", "pss", "uss", "rss", "anon", "fds", "threads", "children"}} of the tree under `pid` (bytes,
+    counts)."""
+    return {role: {"pid": p, **process_memory(p), **anon_memory(p), **process_counts(p)}
+            for role, p in tree_roles(pid).items()}
 
 
 def daemon_ids(tree: dict[str, dict]) -> list[str]:
@@ -122,7 +141,7 @@ def series(samples: list[dict], tree: str, role: str, key: str) -> list[tuple[fl
     out = []
     for s in samples:
         proc = s["trees"].get(tree, {}).get(role)
-        if proc is not None:
+        if proc is not None and key in proc:  # (samples of older runs have no "anon")
             out.append((s["elapsed_s"], proc["pid"], proc[key]))
     return out
 
@@ -148,10 +167,10 @@ def flatness(samples: list[dict], warmup_s: float) -> list[dict]:
             span = after[-1][0] - after[0][0]
             row = {"tree": tree, "role": role, "pid": last_pid, "samples": len(after), "span_s": span,
                    "judged": span >= (end - warmup_s) / 2 and len(after) >= 3}
-            for key in ("pss", "uss"):
+            for key in ("pss", "uss", "anon"):
                 pts = [(t, v / 1e6) for t, pid, v in series(samples, tree, role, key) if t >= warmup_s and pid == last_pid]
                 row[f"{key}_mb_per_h"] = slope_per_hour(pts)
-                row[f"{key}_mb_last"] = pts[-1][1]
+                row[f"{key}_mb_last"] = pts[-1][1] if pts else None
             for key in COUNTS:
                 vals = [v for t, pid, v in series(samples, tree, role, key) if t >= warmup_s and pid == last_pid]
                 row[f"{key}_first"], row[f"{key}_last"] = statistics.median_low(vals[:EDGE]), statistics.median_low(vals[-EDGE:])

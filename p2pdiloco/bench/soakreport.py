@@ -78,11 +78,11 @@ def print_soak(r: dict, console: Console) -> None:
     console.print(f"machine: {r['machine']}")
     table = Table(title=f"after the {r['schedule']['warmup_s']:.0f} s warm-up: PSS slope <= {PSS_LIMIT_MB_PER_H} "
                   f"MB/h, fds/threads/children: median of the last {EDGE} samples - of the first {EDGE} <= {COUNT_LIMIT}")
-    for col in ("tree", "role", "pid", "span min", "PSS MB", "PSS MB/h", "USS MB/h", *COUNTS, "ok"):
+    for col in ("tree", "role", "pid", "span min", "PSS MB", "PSS MB/h", "USS MB/h", "anon MB/h", *COUNTS, "ok"):
         table.add_column(col, justify="left" if col in ("tree", "role") else "right", no_wrap=True)
     for f in r["flatness"]:
         table.add_row(f["tree"], f["role"], str(f["pid"]), f"{f['span_s'] / 60:.0f}", _fmt(f["pss_mb_last"], ".0f"),
-                      _fmt(f["pss_mb_per_h"]), _fmt(f["uss_mb_per_h"]),
+                      _fmt(f["pss_mb_per_h"]), _fmt(f["uss_mb_per_h"]), _fmt(f.get("anon_mb_per_h")),
                       *(f"{f[k + '_first']}→{f[k + '_last']}" for k in COUNTS),
                       {True: "yes", False: "[red]NO[/red]", None: "(restarted)"}[f["ok"]])
     console.print(table)
@@ -108,7 +108,8 @@ def print_soak(r: dict, console: Console) -> None:
 
 
 FIGURES = {
-    "pss": ("PSS (MB)", 1e6), "uss": ("USS (MB)", 1e6), "fds": ("open file descriptors", 1),
+    "pss": ("PSS (MB)", 1e6), "uss": ("USS (MB)", 1e6), "anon": ("anonymous memory (MB)", 1e6),
+    "fds": ("open file descriptors", 1),
     "threads": ("threads", 1), "children": ("child processes", 1),
 }
 
@@ -146,7 +147,7 @@ def plot_soak(r: dict, out: Path) -> list[Path]:
     trees = sorted({t for s in samples for t in s["trees"]})
     for key, (ylabel, scale) in FIGURES.items():
         lines = {f"{tree}.{role}": [(m, s["trees"][tree][role][key] / scale) for m, s in timed
-                                    if role in s["trees"].get(tree, {})] for tree in trees for role in ROLES}
+                                    if key in s["trees"].get(tree, {}).get(role, {})] for tree in trees for role in ROLES}
         figure(key, f"{ylabel} per process", ylabel, {k: v for k, v in lines.items() if v})
     figure("sockets", "hivemind socket files in /tmp", "files",
            {k: [(m, s["sockets"][k]) for m, s in timed] for k in ("ours", "ours_stale", "machine_stale")})

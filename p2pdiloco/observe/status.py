@@ -8,13 +8,15 @@ dashboard shows the same rows (`swarm_status` is shared).
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections.abc import Callable
 
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig
-from p2pdiloco.network.swarm import BackgroundLoop, live_records, read_peers, start_dht
+from p2pdiloco.network.swarm import BackgroundLoop, SwarmError, live_records, read_peers, start_dht
 from p2pdiloco.util.numbers import finite_number, number_or_none
 
 NUMBER_FIELDS = ("step", "round", "tokens", "tokens_per_s", "merges", "bytes_sent", "bytes_received",
@@ -161,6 +163,30 @@ def fetch_status(initial_peers: list[str], run_id: str, wait_s: float, swarm_key
     loop = BackgroundLoop("p2pdiloco-status")
     try:
         return read_status(loop, dht, run_id, wait_s)
+    finally:
+        loop.close()
+        dht.shutdown()
+
+
+def watch_status(initial_peers: list[str], run_id: str, every_s: float, emit: Callable[[dict], None],
+                 stop: threading.Event, wait_s: float = 15.0, swarm_key: str = "") -> None:
+    """`status --watch`: one DHT client for as long as `stop` is not set, a reading every `every_s` seconds handed
+    to `emit` (an empty swarm too: a watcher keeps watching).
+
+    Raises:
+        SwarmError: the initial peers cannot be reached, or the DHT process dies.
+    """
+    cfg = SwarmConfig(run_id=run_id, initial_peers=initial_peers, join_timeout_s=wait_s, swarm_key=swarm_key)
+    dht = start_dht(cfg, client_mode=True)
+    loop = BackgroundLoop("p2pdiloco-status")
+    try:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            emit(swarm_status(loop.run(read_peers(dht, run_id, timeout=max(1.0, min(5.0, every_s))), timeout=30),
+                              run_id))
+            if not dht.is_alive():
+                raise SwarmError("the DHT process died; restart the status watcher")
+            stop.wait(max(0.1, every_s - (time.monotonic() - t0)))
     finally:
         loop.close()
         dht.shutdown()
