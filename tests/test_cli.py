@@ -14,6 +14,7 @@ import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig, fingerprint_digest
+from p2pdiloco.config.fingerprint import protocol_fields
 from p2pdiloco.network.swarm import config_key, peer_shard, peers_key, start_dht, write_subkey
 from tests.conftest import free_port, wait_for
 
@@ -63,7 +64,7 @@ def test_unreachable_initial_peer(tmp_path):
 
 def test_peer_with_different_model_is_refused(tmp_path, bootstrap_dht, net_loop):
     maddr = str(bootstrap_dht.get_visible_maddrs()[0])
-    theirs = {"model": {"n_layer": 4}, "tokenizer": "bytes"}
+    theirs = {"model": {"n_layer": 4}, "tokenizer": "bytes", **protocol_fields()}  # same protocol, other model
     record = {"fingerprint": theirs}
     other = start_dht(SwarmConfig(host="127.0.0.1", initial_peers=[maddr]))  # records are signed by their peer
     try:

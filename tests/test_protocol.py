@@ -18,7 +18,7 @@ from p2pdiloco.config import (
     protocol_of,
 )
 from p2pdiloco.config import fingerprint as fingerprint_module
-from p2pdiloco.network.admission import Request
+from p2pdiloco.network.admission import Request, StreamGate
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.swarm import SwarmError, check_fingerprint
 from tests.conftest import merge_config
@@ -61,6 +61,7 @@ def test_an_invite_from_a_leader_of_another_version_is_declined_and_said_once(ca
 
     class Rpc:
         peer_id = "12D3KooWmyself"
+        gate = StreamGate()  # whom this peer refused streams lately: nobody
 
         async def receive_payload(self, reader, size):
             return b""

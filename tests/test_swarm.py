@@ -13,6 +13,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2pdiloco.algorithm.outer import weighted_average
 from p2pdiloco.config import GuardConfig, SwarmConfig, fingerprint_digest
 from p2pdiloco.network import census
+from p2pdiloco.network.admission import StreamGate
 from p2pdiloco.network.allreduce import by_values, slice_bounds
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.merger import Contribution
@@ -280,6 +281,7 @@ def test_an_invite_accepted_while_the_census_is_read_is_a_group_not_a_merge_alon
 
     class Rpc:
         peer_id = "me"
+        gate = StreamGate()  # whom this peer refused streams lately: nobody
 
         async def request(self, peer, tag, header):
             return {"ok": True}

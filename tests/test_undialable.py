@@ -123,12 +123,16 @@ def test_where_nobody_can_be_dialed_nobody_leads_and_each_merges_alone_saying_wh
           caplog.at_level(logging.WARNING, logger="p2pdiloco.network.matchmaking")):
         for m in mergers:
             m.set_dialable(False)
-        futures = [m.submit(_contribution(torch.full((1001,), float(i)), 1.0)) for i, m in enumerate(mergers)]
-        for f in futures:
-            r = flat(f.result(timeout=30))
-            assert r.alone and r.pseudo_grad is None  # the learner steps on its own Δ
-    for m in mergers:
-        assert f"[{m.peer_id[-6:]}] merging alone: nobody can dial this peer nor any of its" in caplog.text
+        said = [f"[{m.peer_id[-6:]}] merging alone: nobody can dial this peer nor any of its" for m in mergers]
+        for _ in range(3):  # a search that ended before its mate's word came says nothing (its mate was not ready):
+            futures = [m.submit(_contribution(torch.full((1001,), float(i)), 1.0)) for i, m in enumerate(mergers)]
+            for f in futures:  # on a loaded machine that can happen in a round, so each gets up to 3 rounds
+                r = flat(f.result(timeout=30))
+                assert r.alone and r.pseudo_grad is None  # the learner steps on its own Δ
+            if all(s in caplog.text for s in said):
+                break
+    for s in said:
+        assert s in caplog.text
 
 
 def test_until_its_verdict_comes_a_peer_takes_part_as_one_nobody_can_dial_and_does_not_wait(caplog):
