@@ -13,9 +13,10 @@ from rich.console import Console
 from p2pdiloco.bench.soak import bench_soak
 from p2pdiloco.bench.soakprobe import COUNT_LIMIT
 
-P2PD_THREADS_SLACK = 4
-"""p2pd is a Go program: the Go runtime starts an OS thread for each goroutine blocked in a system call and keeps
-idle ones a while, so its thread count moves with its traffic by a few either way."""
+P2PD_SLACK = {"p2pd.threads": 4, "p2pd.fds": 4}
+"""p2pd's counts move with its traffic. It is a Go program: the runtime starts an OS thread for each goroutine blocked
+in a system call and keeps idle ones a while. Each open stream to a client is a socket of its own, so a sample taken
+during a merge holds a few more descriptors than one taken between merges (30 against 22 in 60-minute soaks)."""
 
 
 @pytest.mark.soak
@@ -27,8 +28,9 @@ def test_counts_return_to_their_level_after_each_kill_and_stop(tmp_path):
     assert {lv["event"] for lv in cycles} == {"kill", "term"}, r["levels"]  # each kind came back at least once
     for lv in cycles:
         for key, growth in lv["growth"].items():
-            limit = P2PD_THREADS_SLACK if key == "p2pd.threads" else COUNT_LIMIT
-            assert abs(growth) <= limit, (lv["event"], key, lv["before"], lv["after"])
+            # A leak is growth: a count lower after the restart than in the sample before it (taken, say, while a
+            # merge held streams open) has returned to its level.
+            assert growth <= P2PD_SLACK.get(key, COUNT_LIMIT), (lv["event"], key, lv["before"], lv["after"])
         assert lv["after"]["sockets_ours_stale"] == 0, lv  # the restart removed what the killed daemon left
     assert r["after"]["processes"] == []
     assert (r["after"]["ours"], r["after"]["ours_stale"]) == (0, 0)
