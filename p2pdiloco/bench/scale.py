@@ -211,6 +211,7 @@ def run_figures(summary: dict, rows: dict[str, list[dict]], cpu: dict[str, list[
         "exchange_s_median": percentile(exchange_s, 0.5), "exchange_s_p95": percentile(exchange_s, 0.95),
         "group_share": len(group_merge_s) / len(merges) if merges else None,
         "group_sizes": {str(k): v for k, v in sorted(Counter(r["group_size"] for r in merges).items())},
+        "alone_causes": alone_causes(merges),
         "consensus_distance": summary["consensus_distance"],
         "global_models_identical": summary["global_models_identical"],
         "final_models": summary.get("final_models"), "eval_loss_final_spread": summary.get("eval_loss_final_spread"),
@@ -223,6 +224,14 @@ def run_figures(summary: dict, rows: dict[str, list[dict]], cpu: dict[str, list[
         "rounds_mean": statistics.mean(p["rounds"] for p in peers) if peers else None,
         "merge_failures": sum(p["merge_failures"] for p in peers),
     }
+
+
+def alone_causes(merges: list[dict]) -> dict[str, int]:
+    """Merges alone by cause, most first: the search's (`search.ALONE_CAUSES`, a decline with its invitees'
+    words), `failed` for a group merge abandoned, `unknown` for a line without a cause (a peer of an older version)."""
+    causes = Counter("failed" if r.get("failure") else r.get("alone_cause") or "unknown"
+                     for r in merges if r["group_size"] < 2)
+    return dict(causes.most_common())
 
 
 def _phase_bytes(peers: list[dict]) -> dict:
@@ -335,6 +344,8 @@ def print_scale(results: dict, console: Console) -> None:
         table.add_row(f"{f.panel}, {f.stat}", *cells)
     table.add_row("group sizes (peer-rounds)", *(" ".join(f"{k}:{v}" for k, v in runs[n]["group_sizes"].items())
                                                 for n in ns))
+    table.add_row("merges alone by cause", *(" ".join(f"{k}:{v}" for k, v in runs[n].get("alone_causes", {}).items())
+                                            or "-" for n in ns))
     table.add_row("agreements (peer-merges): caught up / anchored / averaged",
                   *(_kinds(runs[n].get("agreements")) for n in ns))
     table.add_row("global models identical", *(str(runs[n]["global_models_identical"]) for n in ns))

@@ -35,7 +35,7 @@ from p2pdiloco.network.group import Group, group_of_notice, own_claims_kept, val
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.peer_tag import PeerLog, short_id
 from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed, Rpc
-from p2pdiloco.network.search import Search, Window
+from p2pdiloco.network.search import DECLINES, Search, Window, decline_reason
 from p2pdiloco.util.numbers import finite_number
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,8 @@ class Matchmaker:
         """Set when a mate's readiness changed or an invite came: the search looks again at once."""
         self.dial = Dialability(self.peer_id)
         """Who can be dialed: only a peer others can dial leads or owns a slice (dialable.py)."""
+        self.alone_cause = ""
+        """Why the last search ended without a group, one word of `ALONE_CAUSES` ('' when it found one)."""
         self.marks: dict[str, float] = {}
         """When (monotonic) the last search passed each of its steps, for a merge's timeline (`MergeStats.marks`):
         `census` (its epoch's census read), `ready` (a leader: its mates ready or its deadline; a member: the
@@ -133,7 +135,7 @@ class Matchmaker:
             window = max(window, self.cfg.merge.merge_window_s)
         now = get_dht_time()
         search = Search(contribution=c, deadline=now + window, epoch=epoch_of(now, self.cfg.merge.epoch_s), part=part)
-        self._search, self.marks = search, search.marks
+        self._search, self.marks, self.alone_cause = search, search.marks, ""
         me = self.peer_id
         passed_over = set(self._passed_over)  # never invited us in a recent search: not followed, still invited
         self._passed_over = {p: n - 1 for p, n in self._passed_over.items() if n > 1}
@@ -169,18 +171,18 @@ class Matchmaker:
                 if leader is None:  # nobody ready can lead (this peer cannot be dialed): wait for one who can
                     if now >= search.deadline:
                         self.dial.nobody_leads(len(ready) - 1, len(search.unreachable & set(mates)))
-                        return None
+                        return self._alone("no_leader")
                 elif leader == me:
                     if len(ready) > 1 and (len(ready) >= live or now >= search.deadline):
                         search.mark("ready")
                         return await self._lead(search, sorted(p for p in ready if p != me))
                     if now >= search.deadline or (live <= 1 and self.census.settled(search.epoch)):
-                        return None
+                        return self._alone("no_mate_ready" if live > 1 else "no_mate")
                 else:
                     if now >= search.deadline + window:
                         # it never invited us; whatever deadline it claims, follow others in the next searches
                         self._passed_over[leader] = SILENT_ROUNDS
-                        return None
+                        return self._alone("not_invited")
                     if now >= max(search.deadline, self._ready.get(leader, now)) + RPC_TIMEOUT_S:
                         silent.add(leader)  # it never invited us: look past it (the next one may lead)
                         self._passed_over[leader] = SILENT_ROUNDS  # and in the next searches too
@@ -190,10 +192,14 @@ class Matchmaker:
                     await asyncio.wait_for(self._changed.wait(), POLL_S)
                 except TimeoutError:
                     pass
-            return None
+            return self._alone("closed")
         finally:
             self._search = None
             self._announce(search, sorted(search.told), False)  # in the background: the exchange must not wait
+
+    def _alone(self, cause: str) -> None:
+        """End a search without a group, for `cause` (one of `ALONE_CAUSES`)."""
+        self.alone_cause = cause
 
     def _announce(self, search: Search, peers: list[str], looking: bool) -> None:
         """Tell `peers` (group mates) that this peer is looking for a group until its deadline, or no longer is.
@@ -249,8 +255,13 @@ class Matchmaker:
         search.mark("invited")
         members, weights, state_weights, digests = [self.peer_id], [c.weight], [c.state_weight], [c.state_digest]
         rounds, finals, anchors, dialable, parts = [c.round], [c.final], [list(c.anchors)], [True], [search.part]
+        declines: list[str] = []
         for peer, reply in zip(candidates, replies, strict=True):
-            if reply and reply.get("accept") is True:
+            if not reply:
+                declines.append("unreachable")
+            elif reply.get("accept") is not True:
+                declines.append(why if (why := reply.get("why")) in DECLINES else "other")
+            else:
                 try:
                     w, sw, d = float(reply["weight"]), float(reply["state_weight"]), str(reply["digest"])
                     r = int(reply.get("round", c.round))
@@ -273,8 +284,9 @@ class Matchmaker:
                     self.book.reject(members[i], STALE, gid, f"round {rounds[i]}", strike=False)
                     for column in (members, weights, state_weights, digests, finals, anchors, dialable, parts):
                         del column[i]
-        if len(members) == 1:
-            return None
+                    declines.append("stale")
+        if len(members) == 1:  # every invite declined: why, for `bench scale`'s account of merges alone
+            return self._alone("declined:" + "+".join(sorted(set(declines))))
         final = any(finals)
         need_state = len(set(digests)) > 1  # the newest state all hold, if any, is what they send differences from
         anchor = next((a for a in anchors[0] if need_state and all(a in held for held in anchors[1:])), "")
@@ -301,7 +313,7 @@ class Matchmaker:
         except TimeoutError:
             self.log.info("leader %s never sent the group; merging alone", short_id(search.leader))
             self._groups.pop(search.accepted_gid, None)
-            return None
+            return self._alone("no_notice")
 
     def _group_future(self, gid: str) -> asyncio.Future:
         if gid not in self._groups:
@@ -315,19 +327,19 @@ class Matchmaker:
         await self.rpc.receive_payload(reader, 0)  # an invite carries none
         header, leader = request.header, request.sender
         search, gid = self._search, header.get("group_id")
-        reply = {"accept": False}
+        reply = {"accept": False, "why": decline_reason(search)}
         if leader in self.book.banned:
-            reply["error"] = "banned"
+            reply["error"], reply["why"] = "banned", "banned"
         elif (theirs := protocol_of(header)) != PROTOCOL_VERSION:
-            reply["error"] = f"wire protocol {theirs} differs from this peer's {PROTOCOL_VERSION}"
+            reply["error"], reply["why"] = f"wire protocol {theirs} differs from this peer's {PROTOCOL_VERSION}", "protocol"
             if leader not in self._other_protocol:  # once per leader: it invites every round
                 self._other_protocol.add(leader)
                 self.log.warning("declined the invites of %s: it speaks wire protocol %s, this peer %d",
                                  short_id(leader), theirs, PROTOCOL_VERSION)
         elif header.get("fp", "") != self.fingerprint:
-            reply["error"] = "config fingerprint differs"
+            reply["error"], reply["why"] = "config fingerprint differs", "config"
         elif search is not None and self._follows_only_closers(search.contribution) and header.get("closing") is not True:
-            reply["error"] = "about its last merges, it follows only a leader that is too"
+            reply["error"], reply["why"] = "about its last merges, it follows only a leader that is too", "closing"
         elif search is not None and not search.leading and not search.accepted_gid and isinstance(gid, str) and gid:
             search.accepted_gid, search.leader = gid, leader
             search.mark("ready")

@@ -85,6 +85,8 @@ class MergeStats:
     (`Matchmaker.marks`: census, ready, invited, grouped), then `exchanged` (the Δ average held) and `agreed` (the
     (θg, momentum) agreement done, where there was one). Divided by a link's round trip, the differences are
     what each step costs in round trips (docs/architecture.md, Round trips)."""
+    alone_cause: str = ""
+    """Why its search found no group, one word of `search.ALONE_CAUSES` ('' for a group merge or a failed one)."""
     rejected: int = 0
     """Contributions this peer's guards rejected during this merge (see guards.py)."""
     own_kept: float = 1.0

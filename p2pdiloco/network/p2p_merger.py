@@ -254,6 +254,7 @@ class P2PMerger:
         stats = outcome.stats
         if alone:
             stats.group = [self.peer_id]
+            stats.alone_cause = "" if outcome.reason else self.matchmaker.alone_cause
         stats.rejected = sum(self.book.rejected.values()) - start.rejected
         stats.bytes_sent = self.counter.sent - start.sent
         stats.bytes_received = self.counter.received - start.received

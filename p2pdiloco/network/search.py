@@ -13,6 +13,27 @@ FORM_WINDOWS = 4
 """A decoupled window is at least this many of this peer's recent group formation times (see `Window.length`)."""
 
 
+DECLINES = ("not_looking", "leading", "taken", "banned", "protocol", "config", "closing")
+"""Why an invite is declined, the word its reply gives (`why`): the invitee was not searching, led a group of its
+own, had accepted another leader's invite; the leader is banned, speaks another wire protocol or config; or the
+invitee, about its last merges, follows only a leader that is too. A leader whose invites were all declined merges
+alone with the cause `declined:` and the words (plus `unreachable` for an invite unanswered, `stale` for a member
+left out as too far behind)."""
+
+ALONE_CAUSES = ("declined", "not_invited", "no_notice", "no_mate_ready", "no_mate", "no_leader", "closed")
+"""Why a search ended without a group (`Matchmaker.alone_cause`): its invites were all declined (see `DECLINES`); the
+mate it followed as leader never invited it; the leader whose invite it accepted never sent the group's notice; it
+led, and no mate was ready by its deadline; it had no live mate in its epoch's group; nobody ready could lead (this
+peer cannot be dialed); or the merger closed."""
+
+
+def decline_reason(search: Search | None) -> str:
+    """The word of `DECLINES` an invite gets from a peer whose search is `search`, if nothing else declines it."""
+    if search is None:
+        return "not_looking"
+    return "leading" if search.leading else "taken"
+
+
 @dataclass
 class Search:
     """This peer's current search for a group (matchmaking.py)."""
@@ -48,7 +69,9 @@ class Window:
     time meet, short enough that nobody's merges are held up by a slow or vanished peer. No constant to retune per
     model or link: where round trips are long against rounds (400 ms against 3 s), the window is at least
     `FORM_WINDOWS` of this peer's recent group formation times, for a group forms in about three round trips
-    (ready, invite, notice) after its last member is ready.
+    (ready, invite, notice) after its last member is ready. With timed rounds, until this peer's first group merge a
+    window also spans one more cadence point (`rounds.round_seconds` on top): peers that started apart end their
+    first rounds on adjacent cadence points, which a quarter of a round never bridges.
     """
 
     def __init__(self, cfg: Config):
@@ -59,12 +82,15 @@ class Window:
         """EMA of its group merges' formation time: from its `ready` to its `grouped` mark, about a round trip to
         the slowest mate (the leader awaits every invite's answer; a member awaits the notice sent after them)."""
         self.alone_streak = 0
+        self.grouped = False
+        """Whether one of this peer's merges was in a group yet."""
         self._last_submit = time.monotonic()
 
     def record(self, alone: bool, marks: dict[str, float]) -> None:
         """The outcome of this peer's last merge and its search's marks: merges alone in a row widen the window
         until a group forms."""
         self.alone_streak = self.alone_streak + 1 if alone else 0
+        self.grouped = self.grouped or not alone
         if not alone and (form := marks.get("grouped", 0.0) - marks.get("ready", math.inf)) >= 0:
             self.form_ema = form if self.form_ema is None else 0.5 * self.form_ema + 0.5 * form
 
@@ -80,4 +106,6 @@ class Window:
         # Peers whose rounds drifted apart by more than the window would never meet again: after each
         # merge alone the window doubles (up to merge_window_s) until a group forms, then it resets.
         base = max(merge.min_window_s, merge.window_fraction * self.round_ema, FORM_WINDOWS * (self.form_ema or 0.0))
+        if not self.grouped:  # a first round may end a cadence point after its mates' (see the class docstring)
+            base += self.cfg.rounds.round_seconds
         return min(merge.merge_window_s, base * 2 ** min(self.alone_streak, 8))

@@ -283,7 +283,7 @@ class Reporter:
         self.metrics.write(
             kind="merge", elapsed_s=self.elapsed(), step=self.c.step, round=self.c.round, tokens=self.c.tokens,
             group_size=len(result.group), group_id=result.group_id, merges=self.c.merges, failure=landed.failure,
-            merge_s=result.duration_s, match_s=result.match_s, marks=result.marks,
+            merge_s=result.duration_s, match_s=result.match_s, marks=result.marks, alone_cause=result.alone_cause,
             bytes_sent=self.bytes_io()[0], bytes_received=self.bytes_io()[1],
             global_digest=global_digest, adopted_state=landed.adopted_state, state_refused=landed.state_refused,
             eval_loss=eval_loss,
