@@ -1,5 +1,6 @@
 """util/memory: freed memory handed back to the operating system; the report of what grows."""
 
+import asyncio
 import ctypes.util
 import os
 import subprocess
@@ -8,7 +9,16 @@ import tracemalloc
 
 import pytest
 
-from p2pdiloco.util.memory import TRACE_ENV, TRACE_EVERY_ENV, GrowthReports, release_free_memory
+from p2pdiloco.config import SwarmConfig
+from p2pdiloco.network.swarm import start_dht
+from p2pdiloco.util import memory
+from p2pdiloco.util.memory import (
+    TRACE_ENV,
+    TRACE_EVERY_ENV,
+    GrowthReports,
+    keep_releasing_memory,
+    release_free_memory,
+)
 
 
 def _anon_kb() -> int:
@@ -61,3 +71,32 @@ def test_without_the_variable_nothing_is_traced():
            "assert not t() and not tracemalloc.is_tracing()"
     env = {k: v for k, v in os.environ.items() if k != TRACE_ENV}
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=60).returncode == 0
+
+
+def test_keep_releasing_memory_releases_again_and_again_from_a_task_of_the_loop(monkeypatch):
+    calls = []
+    monkeypatch.setattr(memory, "release_free_memory", lambda: calls.append(1) or True)
+
+    async def run() -> None:
+        await keep_releasing_memory(0.01, "the DHT", "its node")  # returns at once; the task goes on
+        for _ in range(500):
+            if len(calls) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        for task in list(memory._releasing):
+            task.cancel()
+
+    asyncio.run(run())
+    assert len(calls) >= 3 and not memory._releasing
+
+
+async def _releasing_tasks(_dht, _node) -> int:
+    return sum(not task.done() for task in memory._releasing)
+
+
+def test_a_started_dht_process_releases_its_memory_from_then_on():
+    dht = start_dht(SwarmConfig(host="127.0.0.1"))
+    try:
+        assert dht.run_coroutine(_releasing_tasks) == 1
+    finally:
+        dht.shutdown()

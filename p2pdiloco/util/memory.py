@@ -5,7 +5,8 @@ arena up to a threshold that grows with the largest block freed (up to 64 MB), a
 arena. A peer frees tens of MB at the end of each round (the round's pseudo-gradient, the merge's buffers), so its
 resident memory swings by that much from round to round with where the freed blocks happen to lie, and creeps up
 over its first tens of minutes as its arenas reach their high-water marks. `release_free_memory` hands it all back
-(`malloc_trim(0)`), so that what a process holds between rounds is what it uses.
+(`malloc_trim(0)`), so that what a process holds between rounds is what it uses; `keep_releasing_memory` does it
+every minute in a process that has no rounds (a DHT process).
 
 `trace_growth_from_env` is a debugging aid: with ``P2PDILOCO_TRACE_MEMORY=DIR`` in its environment, a process (and
 every process it forks) records its Python allocations with `tracemalloc` and writes, every
@@ -15,6 +16,7 @@ first report to ``DIR/<pid>.txt``. Tracing costs CPU time and memory: it is for 
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import functools
@@ -57,6 +59,24 @@ def release_free_memory() -> bool:
         return False
     trim(0)
     return True
+
+
+_releasing: set[asyncio.Task] = set()
+
+
+async def keep_releasing_memory(every_s: float, *_ignored: object) -> None:
+    """Release the process's freed memory (`release_free_memory`) every `every_s` seconds from now on, in a task
+    of the running event loop. Arguments after `every_s` are ignored, so that a hivemind DHT's `run_coroutine`
+    (which passes the DHT and its node) can start it in the DHT process."""
+
+    async def release() -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            release_free_memory()
+
+    task = asyncio.create_task(release())
+    _releasing.add(task)  # a reference, so that the task is not collected
+    task.add_done_callback(_releasing.discard)
 
 
 class GrowthReports:
