@@ -56,8 +56,11 @@ def test_the_growth_report_names_the_line_that_holds_more():
 
 def test_a_process_with_the_variable_set_writes_its_report(tmp_path):
     env = {**os.environ, TRACE_ENV: str(tmp_path), TRACE_EVERY_ENV: "0.2"}
-    code = ("import time; from p2pdiloco.util.memory import trace_growth_from_env as t; assert t(); "
-            "x = []\nfor _ in range(40): x.append(bytes(100_000)); time.sleep(0.05)")
+    code = ("import os, time; from p2pdiloco.util.memory import trace_growth_from_env as t; assert t(); "
+            "x, deadline = [], time.monotonic() + 40\n"
+            "while not os.path.exists(f'{os.environ[\"P2PDILOCO_TRACE_MEMORY\"]}/{os.getpid()}.txt') "
+            "and time.monotonic() < deadline:\n"
+            "    x.append(bytes(1000)); time.sleep(0.05)  # until the reporting thread has written a report")
     proc = subprocess.run([sys.executable, "-c", code], env=env, timeout=60, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     reports = list(tmp_path.glob("*.txt"))

@@ -107,7 +107,9 @@ class GrowthReports:
             snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
             if first is None:
                 first, first_at = snap, time.monotonic()
-            path.write_text(self.report(first, snap, time.monotonic() - first_at))
+            partial = path.with_suffix(".partial")
+            partial.write_text(self.report(first, snap, time.monotonic() - first_at))
+            os.replace(partial, path)  # a reader sees a whole report, even one cut short by the process's exit
 
     @staticmethod
     def report(first: tracemalloc.Snapshot, now: tracemalloc.Snapshot, span_s: float) -> str:
