@@ -23,6 +23,7 @@ from p2pdiloco.app.commands import (
 from p2pdiloco.app.flags import add_config_flags
 from p2pdiloco.bench.cli import add_bench_parser
 from p2pdiloco.config import ConfigError, DataConfig, SwarmConfig
+from p2pdiloco.util.memory import trace_growth_from_env
 
 EPILOG = "Docs: README.md, docs/architecture.md, docs/operations.md."
 
@@ -270,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `peer --nproc` starts its ranks with these
     setup_logging(args.verbose)
+    trace_growth_from_env()  # a debugging aid, off unless P2PDILOCO_TRACE_MEMORY names a folder (util/memory)
     try:
         return args.func(args)
     except Exception as e:

@@ -6,11 +6,12 @@ run nothing of it is left.
 A few minutes long: marked `soak`, skipped in the default run and run by .ci/run in a step of its own."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
-from p2pdiloco.bench.soak import bench_soak
+from p2pdiloco.bench.soak import Soak, bench_soak
 from p2pdiloco.bench.soakprobe import COUNT_LIMIT
 
 P2PD_SLACK = {"p2pd.threads": 4, "p2pd.fds": 4}
@@ -35,5 +36,18 @@ def test_counts_return_to_their_level_after_each_kill_and_stop(tmp_path):
     assert r["after"]["processes"] == []
     assert (r["after"]["ours"], r["after"]["ours_stale"]) == (0, 0)
     assert r["after"]["shm"] <= r["before"]["shm"]
-    assert r["final_models_identical_at_end"]
+    assert r["final_models_identical_at_end"] and r["unscheduled_exits"] == {}, r["unscheduled_exits"]
     assert (tmp_path / "soak.json").exists() and (tmp_path / "soak-pss.png").exists()
+
+
+def test_a_peer_that_ends_outside_the_schedule_is_noted_once_and_counted_as_gone():
+    def peer(name, returncode, restart_at=None):
+        return SimpleNamespace(name=name, proc=SimpleNamespace(poll=lambda: returncode), restart_at=restart_at)
+
+    soak = Soak.__new__(Soak)  # only the bookkeeping: no swarm
+    soak.t0, soak.stopping, soak.events = 0.0, {"peer3": 1.0}, [{"event": "leave", "peer": "peer4", "at_s": 1.0}]
+    soak.peers = [peer("peer0", None), peer("peer1", -9, restart_at=5.0), peer("peer2", -9), peer("peer3", 0),
+                  peer("peer4", 0)]  # running, killed by the schedule, killed from outside, stopping, left
+    soak._unscheduled_exits()
+    soak._unscheduled_exits()
+    assert [(e["event"], e["peer"], e.get("returncode")) for e in soak.events[1:]] == [("exit", "peer2", -9)]

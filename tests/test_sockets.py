@@ -3,10 +3,16 @@
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 
-from p2pdiloco.network.sockets import daemon_sockets, remove_stale_sockets, stale_socket_files
+from p2pdiloco.network.sockets import (
+    daemon_sockets,
+    remove_stale_sockets,
+    stale_listener_folders,
+    stale_socket_files,
+)
 
 
 def test_stale_socket_files_are_those_nobody_has_bound(tmp_path):
@@ -26,6 +32,35 @@ def test_stale_socket_files_are_those_nobody_has_bound(tmp_path):
         assert live_path.exists() and other.exists() and not dead_path.exists()
     finally:
         live.close()
+
+
+def test_multiprocessing_listener_folders_of_dead_processes_are_removed_and_live_or_other_ones_kept(tmp_path):
+    def folder(name: str, *sockets: str, bound: bool = False) -> tuple[Path, list[socket.socket]]:
+        path, held = tmp_path / name, []
+        path.mkdir()
+        for sock_name in sockets:
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(str(path / sock_name))
+            if bound:
+                held.append(s)
+            else:
+                s.close()  # the file stays, as a SIGKILLed process's does
+        return path, held
+
+    dead, _ = folder("pymp-dead", "listener-a", "listener-b")
+    live, held = folder("pymp-live", "listener-c", bound=True)
+    empty, _ = folder("pymp-empty")  # made by a live process that has not bound its listener yet
+    (other, _), (mixed, _) = folder("pymp-other"), folder("pymp-mixed", "listener-d")
+    (other / "data").write_text("not a socket")
+    (mixed / "notes").write_text("not a socket")
+    try:
+        assert stale_listener_folders(tmp_path, grace_s=0) == [dead]
+        assert stale_listener_folders(tmp_path, grace_s=3600) == []  # too young to judge
+        assert remove_stale_sockets(tmp_path, grace_s=0) == 2
+        assert not dead.exists() and all(p.exists() for p in (live, empty, other, mixed))
+    finally:
+        for s in held:
+            s.close()
 
 
 def test_a_daemons_sockets_come_from_its_command_line():

@@ -150,6 +150,7 @@ class Soak:
                 if p.proc.poll() is None:
                     p.remember_descendants()
                 p.poll_metrics()
+            self._unscheduled_exits()
             self._levels_after()
             if now >= next_sample:
                 self._sample()
@@ -213,6 +214,17 @@ class Soak:
                 self._note("restart", p)
             elif p.name in self.stopping and now - self.stopping[p.name] > STOP_GRACE_S:
                 p.proc.kill()
+
+    def _unscheduled_exits(self) -> None:
+        """Note, once, every peer that ended without the schedule stopping it (it crashed, or something outside the
+        bench killed it): it is not restarted, and its model is not one of those that should agree at the end."""
+        gone = {e["peer"] for e in self.events if e["event"] in ("leave", "exit")}
+        for p in self.peers:
+            if (p.name not in gone and p.name not in self.stopping and p.restart_at is None
+                    and p.proc.poll() is not None):
+                logger.warning("soak: %s exited outside the schedule (exit status %s)", p.name, p.proc.poll())
+                self._note("exit", p)
+                self.events[-1]["returncode"] = p.proc.poll()
 
     def _levels_after(self) -> None:
         """Read the counts of restarted peers once they have merged in a group again."""

@@ -50,7 +50,7 @@ def analyse(raw: dict, warmup_s: float, run_dir: Path) -> dict:
     worst = {k: max((abs(lv["growth"].get(k, 0)) for lv in levels), default=0)
              for k in sorted({k for lv in levels for k in lv["growth"]})}
     summary = raw["summary"]
-    left = {e["peer"] for e in raw["events"] if e["event"] == "leave"}
+    left = {e["peer"] for e in raw["events"] if e["event"] in ("leave", "exit")}
     digests = {p["name"]: p.get("global_digest") for p in summary.get("peers", [])}
     at_end = {name: d for name, d in digests.items() if name not in left}
     return {
@@ -66,6 +66,7 @@ def analyse(raw: dict, warmup_s: float, run_dir: Path) -> dict:
         "final_models": summary.get("final_models"), "final_digests": digests,
         "final_models_identical_at_end": len(set(at_end.values())) == 1 if at_end else None,
         "left_before_end": sorted(left),
+        "unscheduled_exits": {e["peer"]: e.get("returncode") for e in raw["events"] if e["event"] == "exit"},
     }
 
 
@@ -105,6 +106,9 @@ def print_soak(r: dict, console: Console) -> None:
     console.print(f"final models of the peers there at the end: "
                   f"{'identical' if r['final_models_identical_at_end'] else 'NOT identical'} (digests "
                   f"{r['final_digests']}; left before the end, with the model they had then: {r['left_before_end']})")
+    if r.get("unscheduled_exits"):
+        console.print(f"[red]peers that exited outside the schedule (not restarted; exit status):[/red] "
+                      f"{r['unscheduled_exits']}")
 
 
 FIGURES = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import hashlib
 import logging
@@ -42,6 +43,7 @@ from p2pdiloco.network.identity import (
 from p2pdiloco.network.sockets import daemon_sockets, remove_stale_sockets
 from p2pdiloco.network.swarm_key import KeyedRecordValidator, SwarmAuth, SwarmKeyError, load_key
 from p2pdiloco.network.traffic import install_dht_counter
+from p2pdiloco.util.memory import keep_releasing_memory
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +183,8 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
     if dht.peer_id.to_base58() != identity.peer_id:  # p2pd ignored the key: our records would all be refused
         dht.shutdown()
         raise SwarmError(f"the p2p daemon runs as {dht.peer_id} instead of its identity {identity.peer_id}")
+    # the DHT process reads and answers records all the time: what malloc keeps of their freed buffers would grow
+    dht.run_coroutine(functools.partial(keep_releasing_memory, 60.0))  # for hours (util/memory)
     return dht
 
 

@@ -27,9 +27,12 @@ from p2pdiloco.config import SwarmConfig
 from p2pdiloco.network.swarm import BackgroundLoop, SwarmError, read_peers, start_dht
 from p2pdiloco.observe.serve import HttpServer
 from p2pdiloco.observe.status import swarm_status
+from p2pdiloco.util.memory import release_free_memory
 
 logger = logging.getLogger(__name__)
 
+RELEASE_EVERY_S = 60.0
+"""Seconds between two hand-backs of the dashboard's freed memory to the operating system (util/memory)."""
 POINT_FIELDS = ("time", "step", "tokens", "loss", "eval_loss", "tokens_per_s", "bytes_sent", "bytes_received")
 """The columns of a peer's points in ``/api/state`` (time: Unix seconds, when the dashboard saw it)."""
 
@@ -180,6 +183,7 @@ class Dashboard:
         self.history.observe(records, time.time())
 
     async def _poll_forever(self) -> None:
+        released = time.monotonic()
         while True:
             t0 = time.monotonic()
             try:
@@ -188,6 +192,9 @@ class Dashboard:
                 raise
             except Exception as e:  # a failed reading is a gap in the charts, not the end of the dashboard
                 logger.warning("reading the swarm's records failed: %r", e)
+            if t0 - released >= RELEASE_EVERY_S:  # what malloc keeps of the readings' freed buffers grows for hours
+                released = t0
+                release_free_memory()
             await asyncio.sleep(max(0.1, self.refresh_s - (time.monotonic() - t0)))
 
     async def _page(self, _request: web.Request) -> web.Response:

@@ -17,6 +17,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig
 from p2pdiloco.network.swarm import BackgroundLoop, SwarmError, live_records, read_peers, start_dht
+from p2pdiloco.util.memory import release_free_memory
 from p2pdiloco.util.numbers import finite_number, number_or_none
 
 NUMBER_FIELDS = ("step", "round", "tokens", "tokens_per_s", "merges", "bytes_sent", "bytes_received",
@@ -186,6 +187,7 @@ def watch_status(initial_peers: list[str], run_id: str, every_s: float, emit: Ca
                               run_id))
             if not dht.is_alive():
                 raise SwarmError("the DHT process died; restart the status watcher")
+            release_free_memory()  # what malloc keeps of the reading's freed buffers would grow for hours
             stop.wait(max(0.1, every_s - (time.monotonic() - t0)))
     finally:
         loop.close()

@@ -39,6 +39,7 @@ from p2pdiloco.training.in_flight import InFlight, LandWait
 from p2pdiloco.training.optim import InnerSchedule, build_inner_optimizer
 from p2pdiloco.training.reporting import Counters, Landed, MetricsLog, Reporter
 from p2pdiloco.training.rounds import RoundClock
+from p2pdiloco.util.memory import release_free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +99,6 @@ class Learner:
         """A group merge included another peer's last contribution: the run is over (see `Merged.final`)."""
         self.last_eval: tuple[str, float] | None = None  # (digest of θg, its eval loss): see `evaluate_global`
         self.last_round_steps, self.last_round_s = 0, 0.0  # of the last round submitted (what `near_end` counts in)
-
-    # ---- the loop ----
 
     def run(self) -> dict:
         """Train until `run.total_steps`, the time limit, a stop request, or a group merge with a peer that
@@ -283,6 +282,7 @@ class Learner:
         self.report.merge(landed, flight.compute_s, self.c.global_digest, self.scheduled_eval())
         if self.checkpoint_due():
             self.checkpoint()
+        release_free_memory()  # the round's freed buffers: kept by malloc between rounds, they look like growth
 
     def apply_merge(self, outcome: MergeOutcome, local_at_submit: torch.Tensor | None = None,
                     contribution: Contribution | None = None) -> Landed:
