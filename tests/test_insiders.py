@@ -24,7 +24,7 @@ from p2pdiloco.network.merger import Contribution, Merged, MergeOutcome, MergeSt
 from p2pdiloco.network.slice_guard import SliceGuard
 from p2pdiloco.testing.hostile import CLAIM, silent_leader
 from p2pdiloco.training.global_model import GlobalModel
-from tests.conftest import flat, merge_config
+from tests.conftest import flat, force_leader_order, merge_config
 from tests.test_learner import _cfg, _learner
 
 N = 1001
@@ -256,7 +256,7 @@ def test_a_ready_peer_that_never_invites_does_not_stop_the_others_from_merging(g
     silent_leader(captor)  # it stays "looking" until its deadline and declines every invite, as a leader does
     if not far_deadline:
         captor.matchmaker.rpc.request = request  # its deadlines as an honest peer's
-    monkeypatch.setattr(census, "leader_rank", lambda run, p, epoch: b"" if p == captor.peer_id else p.encode())
+    force_leader_order(monkeypatch, lambda p, epoch: b"" if p == captor.peer_id else p.encode())
     gen = torch.Generator().manual_seed(2)
     theta = torch.randn(N, generator=gen)
     durations = []
@@ -282,7 +282,7 @@ def test_a_leader_that_tells_members_different_groups_fails_its_merge_for_all(gu
     weights) or the told member waited alone for an agreement the others never started. Now every part carries
     the terms its sender acts on, and the members refuse parts sent under other terms: the merge fails for all."""
     liar, told = guarded_mergers[0], guarded_mergers[1].peer_id
-    monkeypatch.setattr(census, "leader_rank", lambda run, p, epoch: b"" if p == liar.peer_id else p.encode())
+    force_leader_order(monkeypatch, lambda p, epoch: b"" if p == liar.peer_id else p.encode())
     request = liar.matchmaker.rpc.request
 
     async def equivocate(peer: str, op: str, header: dict) -> dict | None:

@@ -49,6 +49,10 @@ SENDER_BURST = 60.0
 MAX_BUCKETS = 4096
 """Requesters whose token buckets are kept; beyond, full (idle) buckets are dropped, as a new one starts full."""
 WARN_EVERY_S = 60.0
+REFUSING_S = 10.0
+"""A requester refused a stream within this many seconds is left out of this peer's merge groups (`refusing`): an
+honest mate stays far within its budgets (docs/security.md, "Per-sender limits"), a pinner or flooder is refused
+again every few tenths of a second."""
 
 
 @dataclass
@@ -124,6 +128,8 @@ class StreamGate:
         """The same by requester."""
         self.peak_open: Counter[str] = Counter()
         """The most streams each requester held at once (at most `max_per_sender`)."""
+        self.last_refused: dict[str, float] = {}
+        """When (by `clock`) each requester was last refused."""
         self.low_tokens: dict[str, float] = {}
         """The fewest tokens each requester's bucket held after an admitted request: how near it came to the rate."""
         self.unauthorized = 0
@@ -170,7 +176,7 @@ class StreamGate:
         """Drop what is kept of requesters that hold no stream and whose buckets are full again: a flood of
         made-up ids costs this peer bounded memory, and a forgotten requester's new bucket starts full anyway."""
         self.buckets = {p: b for p, b in self.buckets.items() if b.refill(now) < b.burst or p in self.by_sender}
-        for kept in (self.refused_from, self.peak_open, self.low_tokens, self.peak):
+        for kept in (self.refused_from, self.peak_open, self.low_tokens, self.peak, self.last_refused):
             for p in [p for p in kept if p not in self.buckets]:
                 del kept[p]
 
@@ -178,12 +184,20 @@ class StreamGate:
         self.refused += 1
         self.refused_by[bound] += 1
         self.refused_from[requester] += 1
+        self.last_refused[requester] = now
         if now - self._warned >= WARN_EVERY_S:  # a flood must not flood the log too
             self._warned = now
             logger.warning("closing incoming streams unread (%s bound): %d open, %d unauthenticated; %d held by "
                            "%s, which was refused %d so far; %d refused in all (%s)", bound, self.open,
                            self.unauthenticated.total(), self.by_sender[requester], requester[-8:],
                            self.refused_from[requester], self.refused, dict(self.refused_by))
+
+    def refusing(self, requester: str) -> bool:
+        """Whether `requester` was refused a stream within the last `REFUSING_S`: a mate whose merge parts this peer
+        may refuse too, so that a group with it would fail for every member (its leader and members leave it out,
+        matchmaking.py)."""
+        refused = self.last_refused.get(requester)
+        return refused is not None and self.clock() - refused < REFUSING_S
 
     def authenticated(self, requester: str) -> None:
         """The stream of `requester` holding a place passed the key check."""

@@ -26,6 +26,8 @@ class Search:
     """The epoch whose groups this search is dealt (`my_group`): the current one."""
     told: set[str] = field(default_factory=set)
     """Mates told that this peer is looking."""
+    earlier: set[str] = field(default_factory=set)
+    """Mates told in an earlier epoch of this search (told again, with the new epoch's nonce, if still mates)."""
     unreachable: set[str] = field(default_factory=set)
     """Mates that could not be told: not waited for."""
     part: str = ""

@@ -1,0 +1,92 @@
+"""Who leads a group of ready mates: an order nobody knows before the epoch's nonces are revealed, and leaders
+that never invite passed over.
+
+Groups are dealt by `census.leader_rank`, a public hash that an id can be ground to rank first in. Who leads is
+drawn instead from secrets the mates committed to in the census before the epoch (census.py, "Commitments"):
+a mate's ready word reveals its nonce for the epoch, checked against its commitment, and the ready mates that
+revealed one are ordered by `census.lead_rank` over the XOR of their nonces. An id committed to its nonce before
+it could see the others', so it cannot choose to rank first; its one choice left is to reveal nothing, and then
+it does not lead. Mates without a checked nonce (a peer in its first epoch, a commitment read too late) are
+invited, and lead only where no mate with one can.
+
+Mates that saw different sets of reveals (a ready word still on its way) may draw different leaders for a while:
+an invite from either is accepted, as at epoch edges, so that costs at most a smaller group. A leader that never
+invites is passed over for the rest of the epoch (its place in the order stays the same all epoch), and for
+`SILENT_ROUNDS` searches at least.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from p2pdiloco.network.census import COMMIT_BYTES, Census, commitment, lead_rank
+
+SILENT_ROUNDS = 3
+"""A leader that never invited is passed over for this many of this peer's searches, or to the end of the epoch
+it was silent in if that is longer."""
+
+
+class Leaders:
+    """The order in which ready mates lead, from their revealed nonces, and the leaders passed over.
+
+    Args:
+        run_id: the swarm's run id.
+        census: this peer's census: its own nonces and the commitments it counts for others.
+        shunned: whether a mate may not lead here (this peer refuses its streams: `StreamGate.refusing`).
+    """
+
+    def __init__(self, run_id: str, census: Census, shunned: Callable[[str], bool] = lambda peer: False):
+        self.run_id, self.census, self.shunned = run_id, census, shunned
+        self._nonces: dict[str, tuple[int, bytes]] = {}
+        """Mates' last revealed nonces: peer id -> (epoch, nonce), not yet checked."""
+        self._passed: dict[str, tuple[int, int]] = {}
+        """Leaders that never invited us: peer id -> (searches left in which they are not followed, epoch)."""
+
+    def reveal(self, epoch: int) -> dict[str, bytes]:
+        """The ready word's fields that reveal this peer's nonce for `epoch` (none in its first epoch)."""
+        nonce = self.census.reveal(epoch)
+        return {} if nonce is None else {"nonce": nonce}
+
+    def heard(self, peer: str, header: dict) -> None:
+        """A mate's ready word: keep the nonce it reveals for its epoch (checked when the order is drawn)."""
+        epoch, nonce = header.get("epoch"), header.get("nonce")
+        if isinstance(epoch, int) and isinstance(nonce, bytes) and len(nonce) == COMMIT_BYTES:
+            self._nonces[peer] = (epoch, nonce)
+            self._nonces = {p: v for p, v in self._nonces.items() if v[0] >= epoch - 1}
+
+    def nonce(self, peer: str, epoch: int) -> bytes | None:
+        """`peer`'s nonce for `epoch` if it revealed one that matches the commitment this peer counts for it."""
+        if peer == self.census.peer_id:
+            return self.census.nonce(epoch) if self.census.commit(peer, epoch) is not None else None
+        epoch_nonce = self._nonces.get(peer)
+        committed = self.census.commit(peer, epoch)
+        if epoch_nonce is None or epoch_nonce[0] != epoch or committed is None:
+            return None
+        return epoch_nonce[1] if commitment(epoch_nonce[1]) == committed else None
+
+    def order(self, mates: list[str], ready: set[str], epoch: int) -> list[str]:
+        """The ready `mates` (in dealt order) in the order they lead in `epoch`: those with a checked nonce by
+        `lead_rank` over the XOR of those nonces, then the others in dealt order; shunned mates lead nowhere (their
+        nonces still count: every mate must draw the same order)."""
+        nonces = {p: n for p in mates if p in ready and (n := self.nonce(p, epoch)) is not None}
+        mix = bytes(COMMIT_BYTES)
+        for n in nonces.values():
+            mix = bytes(a ^ b for a, b in zip(mix, n, strict=True))
+        first = sorted(nonces, key=lambda p: lead_rank(self.run_id, p, epoch, mix))
+        return [p for p in first + [p for p in mates if p in ready and p not in nonces] if not self.shunned(p)]
+
+    def new_search(self, epoch: int) -> set[str]:
+        """A search in `epoch` starts: the leaders it passes over for their count of searches (one of which it uses
+        up)."""
+        counted = {p for p, (n, _) in self._passed.items() if n > 0}
+        self._passed = {p: (n - 1, e) for p, (n, e) in self._passed.items() if n > 1 or e >= epoch}
+        return counted
+
+    def passed_over(self, peer: str, counted: set[str], epoch: int) -> bool:
+        """Whether a search in `epoch` that began with `counted` (`new_search`) does not follow `peer`."""
+        return peer in counted or self._passed.get(peer, (0, None))[1] == epoch
+
+    def pass_over(self, peer: str, epoch: int) -> None:
+        """`peer` was followed in `epoch` and never invited: not followed again this epoch, nor in the next
+        `SILENT_ROUNDS` searches."""
+        self._passed[peer] = (SILENT_ROUNDS, epoch)
