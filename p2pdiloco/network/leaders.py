@@ -4,7 +4,7 @@ that never invite passed over.
 Groups are dealt by `census.leader_rank`, a public hash that an id can be ground to rank first in. Who leads is
 drawn instead from secrets the mates committed to in the census before the epoch (census.py, "Commitments"):
 a mate's ready word reveals its nonce for the epoch, checked against its commitment, and the ready mates that
-revealed one are ordered by `census.lead_rank` over the XOR of their nonces. An id committed to its nonce before
+revealed one are ordered by `census.lead_rank` over the XOR of every nonce the mates revealed. An id committed to its nonce before
 it could see the others', so it cannot choose to rank first; its one choice left is to reveal nothing, and then
 it does not lead. Mates without a checked nonce (a peer in its first epoch, a commitment read too late) are
 invited, and lead only where no mate with one can.
@@ -37,8 +37,9 @@ class Leaders:
 
     def __init__(self, run_id: str, census: Census, shunned: Callable[[str], bool] = lambda peer: False):
         self.run_id, self.census, self.shunned = run_id, census, shunned
-        self._nonces: dict[str, tuple[int, bytes]] = {}
-        """Mates' last revealed nonces: peer id -> (epoch, nonce), not yet checked."""
+        self._nonces: dict[str, dict[int, bytes]] = {}
+        """Mates' revealed nonces, not yet checked: peer id -> epoch -> nonce, for the two latest epochs each
+        revealed for (a search still in an epoch hears the next one's nonce from a mate whose clock turned first)."""
         self._passed: dict[str, tuple[int, int]] = {}
         """Leaders that never invited us: peer id -> (searches left in which they are not followed, epoch)."""
 
@@ -51,28 +52,36 @@ class Leaders:
         """A mate's ready word: keep the nonce it reveals for its epoch (checked when the order is drawn)."""
         epoch, nonce = header.get("epoch"), header.get("nonce")
         if isinstance(epoch, int) and isinstance(nonce, bytes) and len(nonce) == COMMIT_BYTES:
-            self._nonces[peer] = (epoch, nonce)
-            self._nonces = {p: v for p, v in self._nonces.items() if v[0] >= epoch - 1}
+            kept = self._nonces.setdefault(peer, {})
+            kept[epoch] = nonce
+            for old in sorted(kept)[:-2]:
+                del kept[old]
 
     def nonce(self, peer: str, epoch: int) -> bytes | None:
         """`peer`'s nonce for `epoch` if it revealed one that matches the commitment this peer counts for it."""
         if peer == self.census.peer_id:
             return self.census.nonce(epoch) if self.census.commit(peer, epoch) is not None else None
-        epoch_nonce = self._nonces.get(peer)
-        committed = self.census.commit(peer, epoch)
-        if epoch_nonce is None or epoch_nonce[0] != epoch or committed is None:
+        revealed, committed = self._nonces.get(peer, {}).get(epoch), self.census.commit(peer, epoch)
+        if revealed is None or committed is None:
             return None
-        return epoch_nonce[1] if commitment(epoch_nonce[1]) == committed else None
+        return revealed if commitment(revealed) == committed else None
 
     def order(self, mates: list[str], ready: set[str], epoch: int) -> list[str]:
         """The ready `mates` (in dealt order) in the order they lead in `epoch`: those with a checked nonce by
-        `lead_rank` over the XOR of those nonces, then the others in dealt order; shunned mates lead nowhere (their
-        nonces still count: every mate must draw the same order)."""
-        nonces = {p: n for p in mates if p in ready and (n := self.nonce(p, epoch)) is not None}
+        `lead_rank` over the XOR of the checked nonces of all `mates`, ready now or not, then the others in dealt
+        order; shunned mates lead nowhere (their nonces still count).
+
+        The mix takes every mate's nonce heard this epoch, not only the ready ones': mates see each other start and
+        stop looking at different times, so a mix over the ready mates alone would draw a different leader in each
+        view and split a group whose members are all ready (a mate between two of its searches is enough). Over
+        every reveal, the mix changes only when a mate reveals for the first time in the epoch: mates that heard the
+        same reveals agree on the order all epoch, and a leader passed over keeps its place in it."""
+        self._nonces = {p: kept for p, kept in self._nonces.items() if max(kept) >= epoch - 1}
+        nonces = {p: n for p in mates if (n := self.nonce(p, epoch)) is not None}
         mix = bytes(COMMIT_BYTES)
         for n in nonces.values():
             mix = bytes(a ^ b for a, b in zip(mix, n, strict=True))
-        first = sorted(nonces, key=lambda p: lead_rank(self.run_id, p, epoch, mix))
+        first = sorted((p for p in nonces if p in ready), key=lambda p: lead_rank(self.run_id, p, epoch, mix))
         return [p for p in first + [p for p in mates if p in ready and p not in nonces] if not self.shunned(p)]
 
     def new_search(self, epoch: int) -> set[str]:
