@@ -19,10 +19,10 @@ from p2pdiloco.algorithm.robust import aggregate, far_from_majority
 from p2pdiloco.config import GuardConfig, OuterOptConfig
 from p2pdiloco.network import census
 from p2pdiloco.network.census import epoch_of, leader_rank
-from p2pdiloco.network.group import Group, valid_notice
+from p2pdiloco.network.group import OTHER_NOTICE, Group, valid_notice
 from p2pdiloco.network.merger import Contribution, Merged, MergeOutcome, MergeStats
 from p2pdiloco.network.slice_guard import SliceGuard
-from p2pdiloco.testing.hostile import CLAIM, silent_leader
+from p2pdiloco.testing.hostile import CLAIM, equivocating_leader, silent_leader
 from p2pdiloco.training.global_model import GlobalModel
 from tests.conftest import flat, force_leader_order, merge_config
 from tests.test_learner import _cfg, _learner
@@ -303,3 +303,23 @@ def test_a_leader_that_tells_members_different_groups_fails_its_merge_for_all(gu
     assert all(r.alone for r in results) and any("another notice" in f for f in failures), failures
     # parts are refused under the other notice, or as parts of a group their owner already gave up for that reason
     assert all("another notice" in f or "unknown group" in f for f in failures), failures
+
+
+def test_a_leader_that_tells_members_different_groups_costs_its_members_two_merges_at_most(guarded_mergers,
+                                                                                           monkeypatch):
+    """The same leader, first in every order: once its members saw a merge fail under different notices, they neither
+    follow it nor accept its invites for a while, and merge under another leader. A member whose merge failed first
+    on another answer (the liar's own "unknown group": its merge gave up first) learns it at the next lie."""
+    liar = guarded_mergers[0]
+    honest = {m.peer_id for m in guarded_mergers[1:]}
+    force_leader_order(monkeypatch, lambda p, epoch: b"" if p == liar.peer_id else p.encode())
+    equivocating_leader(liar)
+    theta = torch.randn(N, generator=torch.Generator().manual_seed(4))
+    outcomes = []
+    for _ in range(4):
+        futures = [m.submit(_honest(theta, 1e-3 * torch.randn(N))) for m in guarded_mergers]
+        outcomes.append([flat(f.result(timeout=60)) for f in futures])
+    assert all(r.alone for r in outcomes[0]) and any(OTHER_NOTICE in r.failure for r in outcomes[0])
+    for results in outcomes[2:]:  # another leads them (the liar may still join as a member), and they merge
+        assert all(not r.alone and set(r.group) >= honest and r.group[0] != liar.peer_id for r in results[1:]), \
+            [(r.group, r.failure) for r in results]

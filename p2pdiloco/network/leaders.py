@@ -17,10 +17,20 @@ invites is passed over for the rest of the epoch (its place in the order stays t
 
 from __future__ import annotations
 
+import logging
+import math
+from collections import deque
 from collections.abc import Callable
 
 from p2pdiloco.network.census import COMMIT_BYTES, Census, commitment, lead_rank
+from p2pdiloco.network.peer_tag import short_id
+from p2pdiloco.network.search import Search
 
+logger = logging.getLogger(__name__)
+
+INVITE_SLACK_S = 0.25
+"""A ready word that reached a leader this long before its deadline or earlier should have had an invite: a leader
+looks at its mates' words at least this often (matchmaking's `POLL_S`)."""
 SILENT_ROUNDS = 3
 """A leader that never invited is passed over for this many of this peer's searches, or to the end of the epoch
 it was silent in if that is longer."""
@@ -42,6 +52,13 @@ class Leaders:
         revealed for (a search still in an epoch hears the next one's nonce from a mate whose clock turned first)."""
         self._passed: dict[str, tuple[int, int]] = {}
         """Leaders that never invited us: peer id -> (searches left in which they are not followed, epoch)."""
+        self._distrusted: dict[str, tuple[int, int]] = {}
+        """Leaders that told this peer's group different groups: the same, and their invites are declined."""
+        self._joined: tuple[str, str, int] = ("", "", 0)
+        """(group id, leader, epoch) of the last group this peer joined as a member."""
+        self.told_apart: deque[str] = deque(maxlen=8)
+        """Groups of this peer whose members were told different groups: a part for one is refused saying so, and its
+        sender distrusts their leader too (the merge of this peer, told apart first, is over already)."""
 
     def reveal(self, epoch: int) -> dict[str, bytes]:
         """The ready word's fields that reveal this peer's nonce for `epoch` (none in its first epoch)."""
@@ -89,6 +106,7 @@ class Leaders:
         up)."""
         counted = {p for p, (n, _) in self._passed.items() if n > 0}
         self._passed = {p: (n - 1, e) for p, (n, e) in self._passed.items() if n > 1 or e >= epoch}
+        self._distrusted = {p: (n - 1, e) for p, (n, e) in self._distrusted.items() if n > 1 or e >= epoch}
         return counted
 
     def passed_over(self, peer: str, counted: set[str], epoch: int) -> bool:
@@ -99,3 +117,53 @@ class Leaders:
         """`peer` was followed in `epoch` and never invited: not followed again this epoch, nor in the next
         `SILENT_ROUNDS` searches."""
         self._passed[peer] = (SILENT_ROUNDS, epoch)
+
+    def distrust(self, peer: str, epoch: int) -> None:
+        """`peer` led a group of this peer in `epoch` whose members it told different groups (their merge failed):
+        passed over as a silent leader is, and its invites declined for as long, so that it costs its group one
+        merge, not one a search. A member that sent a part under forged terms makes its group distrust an honest
+        leader the same way: that leader's invites are declined a while, and another mate leads."""
+        self.pass_over(peer, epoch)
+        self._distrusted[peer] = (SILENT_ROUNDS, epoch)
+
+    def joined(self, group_id: str, leader: str, epoch: int) -> None:
+        """This peer joined `leader`'s group `group_id` in `epoch`, as a member."""
+        self._joined = (group_id, leader, epoch)
+
+    def distrust_leader_of(self, group_id: str) -> None:
+        """The merge of `group_id` failed because its members were told different groups: if another peer led it,
+        that leader is distrusted (`distrust`)."""
+        gid, leader, epoch = self._joined
+        if gid == group_id and leader and gid not in self.told_apart:
+            self.told_apart.append(gid)
+            self.distrust(leader, epoch)
+            logger.warning("[%s] leader %s told members of group %s different groups: not followed for a while",
+                           short_id(self.census.peer_id), short_id(leader), group_id)
+
+    def follow(self, search: Search, followed: str, leader: str | None, ready: set[str],
+               deadlines: dict[str, float]) -> str:
+        """The mate a search waits for an invite from now: `leader`, unless None (this peer leads, or nobody can).
+
+        Args:
+            search: the search.
+            followed: the mate it waited for at its last poll ('' if none). If that mate stopped looking without
+                inviting this peer although this peer's ready word reached it before its deadline, it is passed over
+                (`pass_over`): an honest leader invites every mate ready by then. One whose group formed before this
+                peer was ready is not at fault, and passing it over for the epoch would make this peer lead beside
+                it and split their mates' groups all epoch.
+            leader: the mate first in the order that this search may follow.
+            ready: the mates ready now.
+            deadlines: the deadlines the ready mates announced (DHT time).
+        """
+        if (followed and followed != leader and followed not in ready
+                and search.acked.get(followed, math.inf) < search.followed_deadline - INVITE_SLACK_S):
+            self.pass_over(followed, search.epoch)
+        if leader is None:
+            return ""
+        search.followed_deadline = deadlines.get(leader, 0.0)
+        return leader
+
+    def distrusted(self, peer: str, epoch: int) -> bool:
+        """Whether `peer`'s invites are declined in a search in `epoch` (`distrust`)."""
+        n, e = self._distrusted.get(peer, (0, None))
+        return n > 0 or e == epoch

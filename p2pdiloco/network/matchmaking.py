@@ -31,7 +31,7 @@ from p2pdiloco.config import PROTOCOL_VERSION, Config, GuardConfig, protocol_fie
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.census import Census, epoch_of, my_group
 from p2pdiloco.network.dialable import Dialability
-from p2pdiloco.network.group import Group, group_of_notice, own_claims_kept, valid_notice
+from p2pdiloco.network.group import OTHER_NOTICE, Group, group_of_notice, own_claims_kept, valid_notice
 from p2pdiloco.network.leaders import Leaders
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.peer_tag import PeerLog, short_id
@@ -116,6 +116,8 @@ class Matchmaker:
             TimeoutError: the leader's notice did not come in time.
         """
         search = self._search
+        if group_id in self.leaders.told_apart:
+            raise MergeFailed(f"a member {OTHER_NOTICE} (its leader told members different groups)")
         if group_id not in self._groups and (search is None or search.accepted_gid != group_id):
             raise MergeFailed("unknown group")  # checked first so that strangers cannot make us hold state
         self._group_future(group_id)  # our own group notice may still be on its way
@@ -162,9 +164,7 @@ class Matchmaker:
                 leader = next((p for p in order if self.dial.can_lead(p) and (p == me or (
                     not self.leaders.passed_over(p, passed_over, search.epoch)
                     and (not only_closers or p in self._closers)))), None)
-                if followed and followed != leader and followed not in ready:
-                    self.leaders.pass_over(followed, search.epoch)  # it stopped looking without inviting us
-                followed = leader if leader not in (me, None) else ""
+                followed = self.leaders.follow(search, followed, None if leader == me else leader, ready, self._ready)
                 if leader is None:  # nobody ready can lead (this peer cannot be dialed): wait for one who can
                     if now >= search.deadline:
                         self.dial.nobody_leads(len(ready) - 1, len(search.unreachable & set(mates)))
@@ -207,6 +207,8 @@ class Matchmaker:
                 search.unreachable.add(peer)
                 self._ready.pop(peer, None)  # what it said before it died (a killed peer never says it stopped)
                 self._changed.set()
+            elif looking:
+                search.acked.setdefault(peer, get_dht_time())
 
         for peer in peers:
             self._in_background(tell(peer))
@@ -297,7 +299,9 @@ class Matchmaker:
 
     async def _await_group(self, search: Search) -> Group | None:
         try:
-            return await asyncio.wait_for(asyncio.shield(self._group_future(search.accepted_gid)), RPC_TIMEOUT_S)
+            group = await asyncio.wait_for(asyncio.shield(self._group_future(search.accepted_gid)), RPC_TIMEOUT_S)
+            self.leaders.joined(group.group_id, search.leader, search.epoch)
+            return group
         except TimeoutError:
             self.log.info("leader %s never sent the group; merging alone", short_id(search.leader))
             self._groups.pop(search.accepted_gid, None)
@@ -318,6 +322,8 @@ class Matchmaker:
         reply = {"accept": False}
         if leader in self.book.banned or self.rpc.gate.refusing(leader):  # its parts would be refused here too
             reply["error"] = "banned" if leader in self.book.banned else "over its stream budget at this peer"
+        elif search is not None and self.leaders.distrusted(leader, search.epoch):
+            reply["error"] = "it told members of its last group here different groups"
         elif (theirs := protocol_of(header)) != PROTOCOL_VERSION:
             reply["error"] = f"wire protocol {theirs} differs from this peer's {PROTOCOL_VERSION}"
             if leader not in self._other_protocol:  # once per leader: it invites every round
@@ -377,4 +383,6 @@ class Matchmaker:
             if not fut.done():
                 fut.set_result(group_of_notice(header, self.lengths))
                 search.mark("grouped")
+        elif search is not None and gid == search.accepted_gid and request.sender == search.leader:
+            self.leaders.distrust(search.leader, search.epoch)  # its own notice, signed by its stream: no doubt
         await self.rpc.reply(reader, writer, "group", request.sender, {"ok": ok})

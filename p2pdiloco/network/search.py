@@ -30,6 +30,10 @@ class Search:
     """Mates told in an earlier epoch of this search (told again, with the new epoch's nonce, if still mates)."""
     unreachable: set[str] = field(default_factory=set)
     """Mates that could not be told: not waited for."""
+    acked: dict[str, float] = field(default_factory=dict)
+    """Mates that answered this search's word that it is looking: peer id -> when first (DHT time)."""
+    followed_deadline: float = 0.0
+    """The deadline the mate this search waits for an invite from announced (`Matchmaker._follow`)."""
     part: str = ""
     """The digest of this peer's encoded sparse part (`group.part_digest`), given in its invite reply; '' with a
     sliced codec."""

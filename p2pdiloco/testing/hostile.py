@@ -159,6 +159,22 @@ def silent_leader(merger, far: bool = True) -> None:
         mm.rpc.request = far_ready
 
 
+def equivocating_leader(merger) -> None:
+    """Make a P2PMerger's matchmaker, whenever it leads three members or more, send its first member a notice unlike
+    the others': the second member's weight doubled, within the cap, so that the notice passes every check the
+    first member can make alone."""
+    mm = merger.matchmaker
+    request = mm.rpc.request
+
+    async def equivocate(peer: str, op: str, header: dict) -> dict | None:
+        if op == "group" and len(header.get("members", ())) > 2 and peer == header["members"][1]:
+            w = header["weights"]
+            header = {**header, "weights": [*w[:2], 2 * w[2], *w[3:]]}
+        return await request(peer, op, header)
+
+    mm.rpc.request = equivocate
+
+
 def poisoned_state(provider):
     """A state provider serving −θg with counters claiming step 10⁹ (the `donor` kind)."""
     def serve() -> GlobalState | None:
