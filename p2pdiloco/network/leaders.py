@@ -1,18 +1,19 @@
 """Who leads a group of ready mates: an order nobody knows before the epoch's nonces are revealed, and leaders
-that never invite passed over.
+that never invite, or tell members different groups, passed over.
 
 Groups are dealt by `census.leader_rank`, a public hash that an id can be ground to rank first in. Who leads is
 drawn instead from secrets the mates committed to in the census before the epoch (census.py, "Commitments"):
 a mate's ready word reveals its nonce for the epoch, checked against its commitment, and the ready mates that
-revealed one are ordered by `census.lead_rank` over the XOR of every nonce the mates revealed. An id committed to its nonce before
-it could see the others', so it cannot choose to rank first; its one choice left is to reveal nothing, and then
-it does not lead. Mates without a checked nonce (a peer in its first epoch, a commitment read too late) are
-invited, and lead only where no mate with one can.
+revealed one are ordered by `census.lead_rank` over the XOR of every nonce the mates revealed. An id committed to
+its nonce before it could see the others', so it cannot choose to rank first; its one choice left is to reveal
+nothing, and then it does not lead. Mates without a checked nonce (a peer in its first epoch, a commitment read
+too late) are invited, and lead only where no mate with one can.
 
 Mates that saw different sets of reveals (a ready word still on its way) may draw different leaders for a while:
 an invite from either is accepted, as at epoch edges, so that costs at most a smaller group. A leader that never
 invites is passed over for the rest of the epoch (its place in the order stays the same all epoch), and for
-`SILENT_ROUNDS` searches at least.
+`SILENT_ROUNDS` searches at least; one that told its members different groups is too, and its invites are
+declined as long (`distrust`).
 """
 
 from __future__ import annotations
