@@ -142,23 +142,27 @@ class Leaders:
                            short_id(self.census.peer_id), short_id(leader), group_id)
 
     def follow(self, search: Search, followed: str, leader: str | None, ready: set[str],
-               deadlines: dict[str, float]) -> str:
+               deadlines: dict[str, float], silent: set[str]) -> str:
         """The mate a search waits for an invite from now: `leader`, unless None (this peer leads, or nobody can).
 
         Args:
             search: the search.
             followed: the mate it waited for at its last poll ('' if none). If that mate stopped looking without
-                inviting this peer although this peer's ready word reached it before its deadline, it is passed over
-                (`pass_over`): an honest leader invites every mate ready by then. One whose group formed before this
-                peer was ready is not at fault, and passing it over for the epoch would make this peer lead beside
-                it and split their mates' groups all epoch.
+                inviting this peer although this peer's ready word reached it before its deadline (an honest leader
+                invites every mate ready by then), it is not followed for the rest of this search (added to
+                `silent`) nor in the next `SILENT_ROUNDS` searches; not for the rest of the epoch, as a leader that
+                outlived its deadline without inviting is (`pass_over`): an invite lost on a loaded link must not
+                make this peer lead beside an honest leader, splitting their mates, all epoch. One whose group
+                formed before this peer was ready is not at fault, and is followed still.
             leader: the mate first in the order that this search may follow.
             ready: the mates ready now.
             deadlines: the deadlines the ready mates announced (DHT time).
+            silent: mates this search no longer follows.
         """
         if (followed and followed != leader and followed not in ready
                 and search.acked.get(followed, math.inf) < search.followed_deadline - INVITE_SLACK_S):
-            self.pass_over(followed, search.epoch)
+            silent.add(followed)
+            self._passed[followed] = (SILENT_ROUNDS, self._passed.get(followed, (0, -1))[1])
         if leader is None:
             return ""
         search.followed_deadline = deadlines.get(leader, 0.0)

@@ -164,7 +164,8 @@ class Matchmaker:
                 leader = next((p for p in order if self.dial.can_lead(p) and (p == me or (
                     not self.leaders.passed_over(p, passed_over, search.epoch)
                     and (not only_closers or p in self._closers)))), None)
-                followed = self.leaders.follow(search, followed, None if leader == me else leader, ready, self._ready)
+                followed = self.leaders.follow(search, followed, None if leader == me else leader, ready, self._ready,
+                                               silent)
                 if leader is None:  # nobody ready can lead (this peer cannot be dialed): wait for one who can
                     if now >= search.deadline:
                         self.dial.nobody_leads(len(ready) - 1, len(search.unreachable & set(mates)))
@@ -300,7 +301,7 @@ class Matchmaker:
     async def _await_group(self, search: Search) -> Group | None:
         try:
             group = await asyncio.wait_for(asyncio.shield(self._group_future(search.accepted_gid)), RPC_TIMEOUT_S)
-            self.leaders.joined(group.group_id, search.leader, search.epoch)
+            self.leaders.joined(search.accepted_gid, search.leader, search.epoch)
             return group
         except TimeoutError:
             self.log.info("leader %s never sent the group; merging alone", short_id(search.leader))
