@@ -27,7 +27,7 @@ from p2pdiloco.config import SwarmConfig
 from p2pdiloco.network.swarm import BackgroundLoop, SwarmError, read_peers, start_dht
 from p2pdiloco.observe.serve import HttpServer
 from p2pdiloco.observe.status import swarm_status
-from p2pdiloco.util.memory import release_free_memory
+from p2pdiloco.util.memory import keep_releasing_memory
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class Dashboard:
         self.history.observe(records, time.time())
 
     async def _poll_forever(self) -> None:
-        released = time.monotonic()
+        await keep_releasing_memory(RELEASE_EVERY_S)  # what malloc keeps of the readings' freed buffers grows for hours
         while True:
             t0 = time.monotonic()
             try:
@@ -192,9 +192,6 @@ class Dashboard:
                 raise
             except Exception as e:  # a failed reading is a gap in the charts, not the end of the dashboard
                 logger.warning("reading the swarm's records failed: %r", e)
-            if t0 - released >= RELEASE_EVERY_S:  # what malloc keeps of the readings' freed buffers grows for hours
-                released = t0
-                release_free_memory()
             await asyncio.sleep(max(0.1, self.refresh_s - (time.monotonic() - t0)))
 
     async def _page(self, _request: web.Request) -> web.Response:
