@@ -101,7 +101,8 @@ class P2PMerger:
         self.rpc = Rpc(dht, cfg.swarm.run_id, self.auth, self.counter)
         self.matchmaker = Matchmaker(dht, cfg, self.rpc, self.book, self.guard, fingerprint,
                                      {"d": n_params, "s": 2 * n_params, "a": 2 * n_params})
-        self.sessions = Sessions(self.matchmaker.expected_group, self.matchmaker.forget)
+        self.sessions = Sessions(self.matchmaker.expected_group, self.matchmaker.forget,
+                                 self.matchmaker.leaders.distrust_leader_of)
         """This peer's merges in progress, by group id: where the stream handlers find theirs (session.py)."""
         self.allreduce = AllReduce(
             self.rpc, self.sessions.find, {"d": self.codec, "s": STATE_CODEC, "a": STATE_DIFF_CODEC},
