@@ -322,3 +322,34 @@ def test_a_leader_that_tells_members_different_groups_costs_its_members_one_merg
     assert all(r.alone for r in outcomes[0]) and any(OTHER_NOTICE in r.failure for r in outcomes[0])
     for results in outcomes[1:]:  # they merge under another leader
         assert all(not r.alone and r.failure == "" for r in results[1:]), [(r.group, r.failure) for r in results]
+
+
+def test_a_members_late_part_under_other_terms_shows_the_lie_after_this_peers_merge_ended():
+    """A member's merge may end first on another answer (the liar's own "unknown group"); a part that arrives after it,
+    sent by a member told another group, still shows that their leader lied. A stranger's header proves nothing."""
+    import asyncio
+
+    from p2pdiloco.network.rpc import MergeFailed
+    from p2pdiloco.network.session import MergeSession, Sessions
+
+    group = Group("g", ["liar", "me", "told"], [1.0] * 3, [1.0] * 3, False, {"d": 4})
+    told_apart: list[str] = []
+
+    async def expected_group(gid: str) -> Group:
+        raise MergeFailed("unknown group")
+
+    async def main() -> list[str]:
+        sessions = Sessions(expected_group, lambda gid: None, told_apart.append)
+        sessions.open(MergeSession(group, 1, 0))
+        sessions.end("g")
+        failures = []
+        for sender, index, terms in [("told", 2, group.terms), ("stranger", 2, "other"), ("told", 2, "other")]:
+            try:
+                await sessions.find("g", sender, {"index": index, "terms": terms})
+            except MergeFailed as e:
+                failures.append(str(e))
+        return failures
+
+    failures = asyncio.run(main())
+    assert failures[:2] == ["unknown group", "unknown group"] and OTHER_NOTICE in failures[2], failures
+    assert told_apart == ["g"]
