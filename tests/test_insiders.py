@@ -260,13 +260,14 @@ def test_a_ready_peer_that_never_invites_does_not_stop_the_others_from_merging(g
     gen = torch.Generator().manual_seed(2)
     theta = torch.randn(N, generator=gen)
     durations = []
-    for _ in range(3):
+    for i in range(3):
         futures = [m.submit(_honest(theta, 1e-3 * torch.randn(N, generator=gen))) for m in guarded_mergers]
         results = [flat(f.result(timeout=60)) for f in futures]
         honest = results[1:]
         # the honest peers merged, together (the captor may join as a member when it accepts an invite)
         assert all(set(r.group) >= {m.peer_id for m in guarded_mergers[1:]} and r.group == honest[0].group
-                   and r.failure == "" for r in honest), [r.group for r in results]
+                   and r.failure == "" for r in honest), (i, [(r.group, r.alone_cause, r.failure, r.duration_s)
+                                                             for r in results])
         durations.append(max(r.duration_s for r in honest))
     if far_deadline:  # its ready record is ignored: nobody waits for it
         assert all(d < 8.0 for d in durations) and results[0].alone, durations
