@@ -124,7 +124,7 @@ def test_a_fetcher_refuses_what_is_not_the_majoritys_model_and_strikes_its_holde
     book = GuardBook(0, "f")
     with pytest.raises(MergeFailed, match="served"):
         _fetch(reply, payload, {"A": anchor}, majority, book)
-    if forged == "fp32 of another length":  # refused as a failed fetch, as before there were bases: no strike
+    if forged == "fp32 of another length":  # a short or long fp32 copy is a failed fetch, not a strike
         assert not book.strikes
     else:
         assert book.rejected[FORGED] == 1 and book.strikes == {"h0": 1}
