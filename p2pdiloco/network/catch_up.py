@@ -150,14 +150,16 @@ class CatchUp:
             self.merge_timeout_s)
         if not reply.get("ok"):
             raise MergeFailed(f"holder {holder} did not serve the majority's model: {reply.get('error')}")
-        state = self._decode(group, j, reply.get("base"), payload, anchors)
+        state = await self._decode(group, j, reply.get("base"), payload, anchors)
         if state_digest(state[: n // 2], state[n // 2:]) != group.majority:
             self.book.reject(group.members[j], FORGED, group.group_id, "(catch-up)")
             raise MergeFailed(f"holder {holder} served a model other than the majority's")
         return state
 
-    def _decode(self, group: Group, j: int, base: object, payload: bytes, anchors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The state holder `j` served: fp32 where it named no base, else its exact difference from that base."""
+    async def _decode(self, group: Group, j: int, base: object, payload: bytes,
+                      anchors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The state holder `j` served: fp32 where it named no base, else its exact difference from that base
+        (decoded off the network thread: at 100M parameters it inflates 800 MB)."""
         n = group.lengths["s"]
         if base is None:
             if len(payload) != 4 * n:
@@ -167,7 +169,7 @@ class CatchUp:
         try:
             if base != "" and (held is None or held.numel() != n):
                 raise CodecError(f"a base this peer did not offer: {str(base)[:40]}")
-            return decode_exact_delta(payload, torch.zeros(n) if held is None else held.float())
+            return await asyncio.to_thread(decode_exact_delta, payload, torch.zeros(n) if held is None else held.float())
         except CodecError as e:  # only a holder that lied sends what does not decode against a base offered
             self.book.reject(group.members[j], FORGED, group.group_id, "(catch-up)")
             raise MergeFailed(f"holder {short_id(group.members[j])} served a model other than the majority's: {e}") from None
@@ -202,7 +204,7 @@ class CatchUp:
                 raise MergeFailed("that member asked already")
             served.asked.add(index)
             state = await asyncio.wait_for(asyncio.shield(served.state), self.merge_timeout_s)
-            reply, data = _encoded(served, state, header.get("anchors"))
+            reply, data = await asyncio.to_thread(_encoded, served, state, header.get("anchors"))  # off the loop
         except (MergeFailed, TimeoutError) as e:
             reply, served = {"ok": False, "error": f"{type(e).__name__}: {e}"}, None
         await self.rpc.reply(reader, writer, "catchup", sender, reply, data, phase)
@@ -214,7 +216,8 @@ class CatchUp:
 def _encoded(served: _Served, state: torch.Tensor, offered: object) -> tuple[dict, bytes]:
     """The reply and payload that serve `state` to a fetcher that offered the anchors `offered` (digests, newest
     first): its exact difference from the first of them this holder holds too (else from zeros), where that is
-    smaller than fp32; fp32 where it is not, or where the fetcher offered none (it reads fp32 only)."""
+    smaller than fp32; fp32 where it is not, or where the fetcher offered none (it reads fp32 only). Two fetchers
+    asking at once for one base may both encode it: the same bytes, kept once."""
     if not isinstance(offered, list):
         return {"ok": True}, state.numpy().tobytes()
     base = next((a for a in offered[:MAX_ANCHORS] if isinstance(a, str) and a in served.anchors
