@@ -104,10 +104,17 @@ def _fetch(reply: dict, payload: bytes, anchors: dict[str, torch.Tensor], majori
     return asyncio.run(main()), holder.asked, book
 
 
-def test_a_fetcher_rebuilds_the_majoritys_model_from_an_anchor_it_offered():
+@pytest.mark.parametrize("served", ["from an anchor", "from zeros", "fp32"])
+def test_a_fetcher_rebuilds_the_majoritys_model_from_what_a_holder_serves(served):
+    """From its difference to an anchor the fetcher offered, from zeros (no anchor in common), or fp32 (what a holder
+    of the version before serves, whatever the fetcher offered)."""
     anchor, majority = _close_pair(3, 1e-3)
-    (state, shares), asked, book = _fetch({"ok": True, "base": "A"}, encode_exact_delta(majority, anchor),
-                                          {"A": anchor, "B": torch.ones(N)}, majority)
+    reply, payload = {
+        "from an anchor": ({"ok": True, "base": "A"}, encode_exact_delta(majority, anchor)),
+        "from zeros": ({"ok": True, "base": ""}, encode_exact_delta(majority, torch.zeros(N))),
+        "fp32": ({"ok": True}, majority.numpy().tobytes()),
+    }[served]
+    (state, shares), asked, book = _fetch(reply, payload, {"A": anchor, "B": torch.ones(N)}, majority)
     assert torch.equal(_bits(state), _bits(majority)) and shares == [0.0] * 3
     assert asked[0]["anchors"] == ["A", "B"] and not book.strikes  # newest first, as it holds them
 
