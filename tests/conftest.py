@@ -20,6 +20,7 @@ import pytest
 from p2pdiloco.config import Config, load_config
 from p2pdiloco.network.sockets import remove_stale_sockets
 from p2pdiloco.network.swarm import BackgroundLoop
+from p2pdiloco.util.processes import stop_process
 
 # What a marked test needs beyond `pip install -e ".[dev]"`, and how to get it. Such a test is skipped with that
 # reason where it is missing; .ci/run installs each and runs the marked tests in a step of their own (-m hf, -m browser).
@@ -100,12 +101,7 @@ def interrupt_and_reap(proc: subprocess.Popen, timeout: float = 40) -> None:
         descendants = psutil.Process(proc.pid).children(recursive=True)
     except psutil.Error:
         descendants = []
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_process(proc, timeout, signal.SIGINT)
     _, alive = psutil.wait_procs(descendants, timeout=10)
     kill_quietly(alive)
 

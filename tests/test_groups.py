@@ -193,6 +193,22 @@ def test_an_epochs_first_census_read_takes_one_nodes_copy_only_when_it_looks_who
     assert (census.reads, census.walks) == (5, 4)
 
 
+def test_a_census_forgets_the_epochs_it_no_longer_holds_a_view_of(monkeypatch):
+    """A peer runs for days, an epoch a minute: what the census keeps by epoch stays that of the last two."""
+    from p2pdiloco.network import census as census_module
+
+    async def read(dht, key, timeout=5.0):
+        return {"a": {"t": 0.0, "epoch": 0}}
+
+    monkeypatch.setattr(census_module, "read_near_subkeys", read)
+    monkeypatch.setattr(census_module, "read_subkeys", read)
+    census = census_module.Census(None, "run", "me")
+    for epoch in range(1_000):
+        asyncio.run(census.members(epoch))
+        assert not census.settled(epoch)  # a search that ended before its epoch's view was read again
+    assert len(census._stale) <= 2 and len(census._views) <= 2
+
+
 def test_a_census_record_counts_for_the_epoch_it_was_written_for_and_the_one_before():
     """One census key for every epoch: a peer's record names the epoch it registered for (the next one, written in
     the current one), and a reader of an epoch counts the records for it and the two after it (a clock a little

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import random
 import stat
 
@@ -30,7 +31,7 @@ from p2pdiloco.network.identity import (
 )
 from p2pdiloco.network.swarm import SwarmError, peers_key, read_subkeys, start_dht, write_subkey
 from p2pdiloco.network.swarm_key import KeyedRecordValidator, load_key, write_new_key
-from p2pdiloco.network.traffic import dht_bytes_by_kind
+from p2pdiloco.network.traffic import MAX_KEYS, OTHER_KEYS, Traffic, count_key, dht_bytes_by_kind
 from p2pdiloco.observe.status import read_status
 from tests.conftest import wait_for
 
@@ -400,3 +401,35 @@ def test_a_read_sends_no_copy_of_what_it_found_back_into_the_dht(swarm, net_loop
     got = wait_for(lambda: (r := net_loop.run(read_subkeys(victim, key), 10)).get(boot_id) and r, 10,
                    what="a record added since, read again by the same node")
     assert got[boot_id] == {"step": 1} and store_bytes() - before < 1_000
+
+
+async def _find_many(peer: PeerID, n: int, _dht, node):
+    """Run in a DHT process (`DHT.run_coroutine`): one find request to `peer` for `n` random keys."""
+    from hivemind.dht.routing import DHTID
+
+    return await node.protocol.call_find(peer, [DHTID.generate() for _ in range(n)])
+
+
+def test_bytes_by_key_keep_the_busy_keys_and_a_bounded_table_whatever_keys_requests_name():
+    by_key: dict[str, int] = {}
+    busy = [f"{i:040x}" for i in range(3)]
+    total = 0
+    for i in range(20 * MAX_KEYS):  # a stranger's random ids (or every joiner's own), between the run's requests
+        count_key(by_key, random.randbytes(20).hex(), 10)
+        count_key(by_key, busy[i % 3], 100)
+        total += 110
+    assert len(by_key) <= MAX_KEYS + 1 and sum(by_key.values()) == total
+    assert all(by_key[k] > 100 * MAX_KEYS for k in busy) and by_key[OTHER_KEYS] > 0
+    assert dht_bytes_by_kind(by_key, "run")["other"] == total  # none of them is the run's
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("swarm", ["public"], indirect=True)
+def test_a_find_for_thousands_of_random_keys_leaves_the_dht_process_s_key_table_bounded(swarm, net_loop):
+    """The byte counts by key live in the DHT process for as long as it runs: a stranger who names 2,000 new keys in
+    one request must not add 2,000 entries to them."""
+    victim, attacker = swarm["victim"], swarm["attacker"]
+    assert attacker.run_coroutine(functools.partial(_find_many, victim.peer_id, 2_000)) is not None  # it answered
+    counts = Traffic()
+    net_loop.run(counts.refresh_dht(victim), 10)
+    assert len(counts.dht_by_key) <= MAX_KEYS + 1 and counts.dht_by_key[OTHER_KEYS] > 0

@@ -213,31 +213,50 @@ def _majority_case(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return held, held + 1e-2 * torch.randn(2 * N, generator=gen)
 
 
-def _offer(state: torch.Tensor, digest: str | None = None, state_weight: float = 100.0) -> Contribution:
+def _offer(state: torch.Tensor, digest: str | None = None, state_weight: float = 100.0,
+           anchors: dict[str, torch.Tensor] | None = None) -> Contribution:
     return Contribution(pseudo_grad=torch.zeros(N), weight=1.0, global_params=state[:N], momentum=state[N:],
-                        state_digest=digest or state_digest(state[:N], state[N:]), state_weight=state_weight)
+                        state_digest=digest or state_digest(state[:N], state[N:]), state_weight=state_weight,
+                        anchors=anchors or {})
+
+
+def _anchored_case(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A state all members held one merge back, the majority's model one small outer step from it, and another
+    member's model another step from it (it merged alone)."""
+    gen = torch.Generator().manual_seed(seed)
+    anchor = torch.cat([torch.randn(N, generator=gen), 1e-2 * torch.randn(N, generator=gen)])
+    step = lambda: anchor * (1 + 1e-4 * torch.randn(2 * N, generator=gen))  # noqa: E731
+    return anchor, step(), step()
 
 
 @pytest.mark.integration
-def test_a_member_outside_a_majority_fetches_its_model_exactly_and_the_majority_keeps_it(bootstrap_dht, net_loop):
-    """3 of 4 members hold one global model, the fourth another (it merged in another group): the group's model is
-    the majority's, bit for bit, the fourth fetches it (one fp32 copy, from one holder), and the holders send nothing
-    else of the agreement, where averaging took two int8 exchanges of every member's model (~half an fp32 exchange
-    each, test above)."""
-    cfg = merge_config(run_id="catchup", merge_window_s=8, merge_timeout_s=10, codec="none", sync=True)
-    held, other = _majority_case(5)
+@pytest.mark.parametrize("shared_anchor", [False, True])
+def test_a_member_outside_a_majority_fetches_its_model_exactly_and_the_majority_keeps_it(bootstrap_dht, net_loop,
+                                                                                          shared_anchor):
+    """3 of 4 members hold one global model, the fourth another (it merged in another group, or alone): the group's
+    model is the majority's, bit for bit, the fourth fetches it (one copy, from one holder), and the holders send
+    nothing else of the agreement, where averaging took two int8 exchanges of every member's model (~half an fp32
+    exchange each, test above). With no anchor in common the copy costs at most fp32's bytes; with one (the model
+    one merge back), its exact difference from it, well under fp32's."""
+    cfg = merge_config(run_id=f"catchup{int(shared_anchor)}", merge_window_s=8, merge_timeout_s=10, codec="none",
+                       sync=True)
+    if shared_anchor:
+        anchor, held, other = _anchored_case(5)
+        anchors = {state_digest(anchor[:N], anchor[N:]): anchor}
+    else:
+        (held, other), anchors = _majority_case(5), {}
     with running_mergers(bootstrap_dht, net_loop, 4, cfg, N) as mergers:
-        offers = [_offer(held), _offer(held), _offer(held), _offer(other)]
+        offers = [_offer(s, anchors=anchors) for s in (held, held, held, other)]
         results = [flat(f.result(timeout=60)) for f in [m.submit(c) for m, c in zip(mergers, offers, strict=True)]]
     for r in results:
         assert r.failure == "" and len(r.group) == 4 and r.state_caught_up and not r.state_anchored, r.failure
         assert torch.equal(r.global_state, held)  # the majority's model itself, not an int8 round trip of it
     *holders, fetcher = results
-    fp32_copy = 8 * N
+    copy = 0.75 * 8 * N if shared_anchor else 8 * N + 1000
     served = [r.state_bytes_sent for r in holders]
-    assert sorted(served)[:2] == [0, 0] and fp32_copy <= max(served) < fp32_copy + 1000, served  # one copy, one holder
+    assert sorted(served)[:2] == [0, 0] and 1000 < max(served) < copy, served  # one copy, from one holder
     assert fetcher.state_bytes_sent < 1000  # its request
-    assert fp32_copy <= fetcher.state_bytes_received < fp32_copy + 1000  # the copy, counted where it arrived
+    assert 1000 < fetcher.state_bytes_received < copy  # the copy, counted where it arrived
     assert sorted(r.state_bytes_received for r in holders)[-1] < 1000  # a holder receives only the request
     assert all(r.pseudo_grad_bytes_received > 0 for r in results)  # the Δ exchange's, counted apart
     assert [r.state_share for r in results] == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])

@@ -46,6 +46,7 @@ from p2pdiloco.bench.soakprobe import (
 from p2pdiloco.bench.soakreport import analyse, plot_soak, print_soak
 from p2pdiloco.config import SwarmConfig, load_config, parse_set
 from p2pdiloco.network.swarm import start_dht
+from p2pdiloco.util.processes import stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +119,9 @@ class Soak:
                                                   run_id=self.cfg.swarm.run_id))
             closing.callback(self.observer.shutdown)
             self.dashboard = self._start_watcher("dashboard", "--port", "0", "--refresh", "2")
-            closing.callback(_stop_process, self.dashboard)
+            closing.callback(stop_process, self.dashboard, STOP_GRACE_S)
             self.status = self._start_watcher("status", "--watch", str(STATUS_EVERY_S), "--json", "--timeout", "60")
-            closing.callback(_stop_process, self.status)
+            closing.callback(stop_process, self.status, STOP_GRACE_S)
             self._loop()
             pids = {proc["pid"] for s in self.samples for tree in s["trees"].values() for proc in tree.values()}
         summary = report_run(self.peers, self.cfg, self.run_dir, started, quiet, None, False)
@@ -272,15 +273,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _stop_process(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def bench_soak(out: Path, minutes: float = 60.0, peers: int = 4, event_s: float | None = None,

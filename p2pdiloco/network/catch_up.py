@@ -6,14 +6,22 @@ member's state out and back to find it, twice where the members hold no common a
 to it, so that afterwards no member holds its old model any more. At 32 peers agreements are most of a peer's
 merge bytes, and many of them are in groups with such a majority (docs/benchmarks.md, Scale).
 
-Here the members outside the majority (fetchers) each fetch that model, exact fp32, from one member holding it
+Here the members outside the majority (fetchers) each fetch that model, bit for bit, from one member holding it
 (holders are dealt to fetchers round-robin in group order), and check it against the majority's digest before
 using it: a holder cannot hand over another model. Where it does not match (proof that its holder lied: an honest
 one serves the model whose digest it offered; a strike in the fetcher's guard book) or the holder does not serve
 it, the fetcher's merge fails and it merges alone. It does not ask another holder: those whose own fetchers are
 served have ended their merges by then, and where the holder died the Δ exchange fails anyway. The holders
-send only that, 8 bytes a parameter to each fetcher dealt to them, and keep their own model bit for bit: their
-digest and their anchors stay valid for the next groups.
+send only that, at most 8 bytes a parameter to each fetcher dealt to them, and keep their own model bit for bit:
+their digest and their anchors stay valid for the next groups.
+
+The model travels as its exact difference from a base both hold (algorithm/exact_delta.py: bit patterns
+subtracted, byte planes deflated; lossless, so the digest check is unchanged): the fetcher names its anchors, newest
+first, and the holder takes the first of them it holds too (most often the group's model one merge back, which a
+member that merged alone once still holds), else zeros: about 3 bytes a value against fp32's 4 for states a few
+outer steps apart, 3.5 from zeros. Where that would not be smaller than fp32, or the fetcher named no anchors (a
+peer of the version before, which reads only fp32), it goes as fp32. A payload that does not decode, or a base the
+fetcher did not offer, is refused and struck as a model other than the majority's.
 
 A holder waits, within the merge timeout, until the fetchers dealt to it are served, so that the bytes it sends
 count in its merge; a fetcher that never asks (it was told another notice, or died) costs it that wait, not its
@@ -31,6 +39,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from p2pdiloco.algorithm.codecs import CodecError
+from p2pdiloco.algorithm.exact_delta import decode_exact_delta, encode_exact_delta, encoded_bound
 from p2pdiloco.algorithm.guards import FORGED, GuardBook
 from p2pdiloco.algorithm.outer import state_digest, weight_shares
 from p2pdiloco.network.admission import Request
@@ -43,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 TAG = "s"
 """Bytes of a catch-up count as the agreement's (`MergeStats.state_bytes_sent`)."""
+MAX_ANCHORS = 32
+"""Most anchor digests a fetcher's request may name (`merge.state_anchors` is at most 32); a holder reads no more."""
 
 
 @dataclass
@@ -56,6 +68,10 @@ class _Served:
     asked: set[int] = field(default_factory=set)
     """Fetchers that asked for it: each is served once."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    anchors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """This holder's anchors, by digest (`Contribution.anchors`): the bases it can encode the model against."""
+    encoded: dict[str, bytes] = field(default_factory=dict)
+    """The model encoded against each base asked for so far ('' : zeros), kept for the next fetcher."""
 
 
 def holders_of(group: Group) -> list[int]:
@@ -86,8 +102,15 @@ class CatchUp:
                  book: GuardBook):
         self.rpc, self.find_session, self.merge_timeout_s, self.book = rpc, find_session, merge_timeout_s, book
 
-    async def agree(self, session: MergeSession, state: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+    async def agree(self, session: MergeSession, state: torch.Tensor,
+                    anchors: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[float]]:
         """The group's (θg, momentum), which the majority holds: this peer's own `state` if it holds it, else fetched.
+
+        Args:
+            session: this peer's merge.
+            state: this peer's (θg, momentum), flat fp32.
+            anchors: states this peer holds, by digest, newest first (`Contribution.anchors`): the bases the model
+                may travel against.
 
         Returns:
             (the majority's state, this peer's share of it for each of the group's slices: a holder's weight share
@@ -98,9 +121,11 @@ class CatchUp:
         """
         group, me = session.group, session.me
         holders = holders_of(group)
+        anchors = anchors or {}
         if me not in holders:
-            return await self._fetch(session), [0.0] * len(group.members)
+            return await self._fetch(session, anchors), [0.0] * len(group.members)
         served = self._served(session)
+        served.anchors = anchors
         if not served.state.done():
             served.state.set_result(state.detach().float().contiguous().cpu())
         mine = [j for j in range(len(group.members)) if j not in holders and dealt_holder(group, j) == me]
@@ -114,23 +139,40 @@ class CatchUp:
         shares = weight_shares([group.state_weights[j] for j in holders])
         return state, [shares[holders.index(me)]] * len(group.members)
 
-    async def _fetch(self, session: MergeSession) -> torch.Tensor:
+    async def _fetch(self, session: MergeSession, anchors: dict[str, torch.Tensor]) -> torch.Tensor:
         group, me = session.group, session.me
         n = group.lengths["s"]
         j = dealt_holder(group, me)
-        header = {"group_id": group.group_id, "index": me, "terms": group.terms}
+        holder = short_id(group.members[j])
+        header = {"group_id": group.group_id, "index": me, "terms": group.terms, "anchors": list(anchors)[:MAX_ANCHORS]}
         reply, payload = await asyncio.wait_for(
             self.rpc.call(group.members[j], "catchup", header, max_reply=4 * n, phase=session.counter(TAG)),
             self.merge_timeout_s)
         if not reply.get("ok"):
-            raise MergeFailed(f"holder {short_id(group.members[j])} did not serve the majority's model: {reply.get('error')}")
-        if len(payload) != 4 * n:
-            raise MergeFailed(f"holder {short_id(group.members[j])} served {len(payload)} bytes, not {4 * n}")
-        state = torch.from_numpy(np.frombuffer(payload, dtype=np.float32).copy())
+            raise MergeFailed(f"holder {holder} did not serve the majority's model: {reply.get('error')}")
+        state = await self._decode(group, j, reply.get("base"), payload, anchors)
         if state_digest(state[: n // 2], state[n // 2:]) != group.majority:
             self.book.reject(group.members[j], FORGED, group.group_id, "(catch-up)")
-            raise MergeFailed(f"holder {short_id(group.members[j])} served a model other than the majority's")
+            raise MergeFailed(f"holder {holder} served a model other than the majority's")
         return state
+
+    async def _decode(self, group: Group, j: int, base: object, payload: bytes,
+                      anchors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The state holder `j` served: fp32 where it named no base, else its exact difference from that base
+        (decoded off the network thread: at 100M parameters it inflates 800 MB)."""
+        n = group.lengths["s"]
+        if base is None:
+            if len(payload) != 4 * n:
+                raise MergeFailed(f"holder {short_id(group.members[j])} served {len(payload)} bytes, not {4 * n}")
+            return torch.from_numpy(np.frombuffer(payload, dtype=np.float32).copy())
+        held = anchors.get(base) if isinstance(base, str) and base else None
+        try:
+            if base != "" and (held is None or held.numel() != n):
+                raise CodecError(f"a base this peer did not offer: {str(base)[:40]}")
+            return await asyncio.to_thread(decode_exact_delta, payload, torch.zeros(n) if held is None else held.float())
+        except CodecError as e:  # only a holder that lied sends what does not decode against a base offered
+            self.book.reject(group.members[j], FORGED, group.group_id, "(catch-up)")
+            raise MergeFailed(f"holder {short_id(group.members[j])} served a model other than the majority's: {e}") from None
 
     def _served(self, session: MergeSession) -> _Served:
         if session.served is None:
@@ -162,11 +204,27 @@ class CatchUp:
                 raise MergeFailed("that member asked already")
             served.asked.add(index)
             state = await asyncio.wait_for(asyncio.shield(served.state), self.merge_timeout_s)
-            data = state.numpy().tobytes()
-            reply = {"ok": True}
+            reply, data = await asyncio.to_thread(_encoded, served, state, header.get("anchors"))  # off the loop
         except (MergeFailed, TimeoutError) as e:
             reply, served = {"ok": False, "error": f"{type(e).__name__}: {e}"}, None
         await self.rpc.reply(reader, writer, "catchup", sender, reply, data, phase)
         if served is not None:
             served.served.add(index)
             served.changed.set()
+
+
+def _encoded(served: _Served, state: torch.Tensor, offered: object) -> tuple[dict, bytes]:
+    """The reply and payload that serve `state` to a fetcher that offered the anchors `offered` (digests, newest
+    first): its exact difference from the first of them this holder holds too (else from zeros), where that is
+    smaller than fp32; fp32 where it is not, or where the fetcher offered none (it reads fp32 only). Two fetchers
+    asking at once for one base may both encode it: the same bytes, kept once."""
+    if not isinstance(offered, list):
+        return {"ok": True}, state.numpy().tobytes()
+    base = next((a for a in offered[:MAX_ANCHORS] if isinstance(a, str) and a in served.anchors
+                 and served.anchors[a].numel() == state.numel()), "")
+    if base not in served.encoded:
+        served.encoded[base] = encode_exact_delta(state, served.anchors[base].float() if base else torch.zeros_like(state))
+    data = served.encoded[base]
+    if len(data) >= encoded_bound(state.numel()):
+        return {"ok": True}, state.numpy().tobytes()
+    return {"ok": True, "base": base}, data

@@ -271,7 +271,7 @@ class Census:
             self._last_size = len(records)
             self._views = {e: v for e, v in self._views.items() if e >= epoch - 1}
             self._views[epoch] = (time.monotonic(), frozenset(records))
-            self._stale.discard(epoch)
+            self._stale = {e for e in self._stale if e >= epoch - 1 and e != epoch}  # an epoch without a view is read
         return self._views[epoch][1]
 
     def _whole(self, near: set[str], epoch: int) -> bool:

@@ -286,7 +286,7 @@ class P2PMerger:
         group = session.group
         state = torch.cat([c.global_params, c.momentum])
         if group.majority:  # most members hold one model: it is the answer, and only the others need it
-            return await self.catch_up.agree(session, state)
+            return await self.catch_up.agree(session, state, c.anchors)
         anchor = c.anchors.get(group.anchor) if group.anchor else None
         if anchor is not None:
             avg, _, shares = await self.allreduce.average(session, "a", state - anchor)

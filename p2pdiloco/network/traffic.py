@@ -33,7 +33,13 @@ _DHT_BY_RPC: dict[str, list[int]] = {}
 """In a DHT process: {rpc name ("find", "store", "ping"): [requests made, requests served, bytes sent + received]}."""
 _DHT_BY_KEY: dict[str, int] = {}
 """In a DHT process: {key id (hex): bytes sent + received} of find and store requests, made and served; a request
-for k keys gives each a k-th of its bytes."""
+for k keys gives each a k-th of its bytes. At most `MAX_KEYS` keys, and `OTHER_KEYS` for the rest (`count_key`)."""
+MAX_KEYS = 256
+"""Keys `_DHT_BY_KEY` counts one by one. The keys a request names are anyone's choice (a stranger may ask for
+thousands of random ids in one request, and every joining node looks up its own new id), so an unbounded table
+would grow with them for as long as the process lives; a run's own keys are a few dozen and busy."""
+OTHER_KEYS = "other"
+"""The entry of `_DHT_BY_KEY` that holds the bytes of the keys no longer counted one by one."""
 _installed = False
 
 
@@ -43,6 +49,18 @@ _KEYED_REQUESTS = {"find": dht_pb2.FindRequest, "store": dht_pb2.StoreRequest}
 
 def _rpc_name(proto: str) -> str:
     return proto.rsplit(".", 1)[-1].removeprefix("rpc_")
+
+
+def count_key(by_key: dict[str, int], key: str, moved: int, max_keys: int = MAX_KEYS) -> None:
+    """Add `moved` bytes to `key` in `by_key`, keeping at most `max_keys` keys besides `OTHER_KEYS`: before a new key
+    would make one too many, the keys that moved the fewest bytes are folded into `OTHER_KEYS` until half are left
+    (so a run's busy keys stay, the totals stay exact, and a fold, a sort of `max_keys` keys, comes once every
+    `max_keys / 2` new keys)."""
+    if key not in by_key and len(by_key) - (OTHER_KEYS in by_key) >= max_keys:
+        counted = sorted((k for k in by_key if k != OTHER_KEYS), key=by_key.__getitem__)
+        folded = sum(by_key.pop(k) for k in counted[: len(counted) - max_keys // 2])
+        by_key[OTHER_KEYS] = by_key.get(OTHER_KEYS, 0) + folded
+    by_key[key] = by_key.get(key, 0) + moved
 
 
 def install_dht_counter() -> None:
@@ -66,7 +84,7 @@ def install_dht_counter() -> None:
         except Exception:  # a malformed request: its bytes are in the totals, under no key
             return
         for key in keys:
-            _DHT_BY_KEY[key.hex()] = _DHT_BY_KEY.get(key.hex(), 0) + moved // len(keys)
+            count_key(_DHT_BY_KEY, key.hex(), moved // len(keys))
 
     async def counted_call(self, peer_id, proto: str, data: bytes) -> bytes:
         _DHT_COUNTER.sent += len(data)
