@@ -19,7 +19,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2pdiloco.network import census as census_module
 from p2pdiloco.network.census import Census, commit_of, commitment, epoch_of, leader_rank
 from p2pdiloco.network.identity import PeerIdentity
-from p2pdiloco.network.leaders import SILENT_ROUNDS, Leaders
+from p2pdiloco.network.leaders import REVEAL_WAIT_S, SILENT_ROUNDS, Leaders
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.testing.hostile import silent_leader
 from tests.conftest import flat, merge_config, running_mergers
@@ -99,6 +99,42 @@ def test_the_order_is_drawn_from_every_checked_nonce_and_a_wrong_or_missing_one_
         me._commits[5]["a"] = commitment(n)
         firsts.append(leaders.order(mates, set(mates), 5)[0])
     assert all(50 < firsts.count(p) < 150 for p in ("me", "a", "b")), {p: firsts.count(p) for p in set(firsts)}
+
+
+def test_at_an_epoch_turn_a_ready_mate_whose_reveal_is_on_its_way_is_followed_first_and_both_then_agree(monkeypatch):
+    """Each mate holds its own nonce for the new epoch at once and the other's a ready word later: ranking itself
+    first, each would lead and decline the other's invite. Until the reveal comes (at most `REVEAL_WAIT_S`), the
+    mate it waits for is first in its order; then both draw the same order."""
+    views = {p: _census(p, monkeypatch, []) for p in ("a", "b")}
+    for c in views.values():
+        asyncio.run(c.register(5))
+    records = {p: {"epoch": 6, "commit": commitment(c.nonce(6))} for p, c in views.items()}
+    leaders = {}
+    for p, c in views.items():
+        c.records = records
+    for p, c in views.items():
+        asyncio.run(c.register(6))
+        asyncio.run(c.members(6))
+        leaders[p] = Leaders("run", c)
+    mates = ["a", "b"]
+    leaders["a"].heard("b", {"epoch": 5})  # their words of the epoch before
+    leaders["b"].heard("a", {"epoch": 5})
+    assert leaders["a"].order(mates, set(mates), 6)[0] == "b" and leaders["b"].order(mates, set(mates), 6)[0] == "a"
+    leaders["a"].heard("b", {"epoch": 6, **leaders["b"].reveal(6)})
+    leaders["b"].heard("a", {"epoch": 6, **leaders["a"].reveal(6)})
+    drawn = leaders["a"].order(mates, set(mates), 6)
+    assert drawn == leaders["b"].order(mates, set(mates), 6) and set(drawn) == set(mates)
+
+    # a ready word for the epoch without its nonce, or no word past the wait: not waited for
+    me, other = leaders["a"], Leaders("run", views["a"])
+    other.heard("b", {"epoch": 6})
+    assert other.order(mates, set(mates), 6) == ["a", "b"]
+    late = Leaders("run", views["a"])
+    late.heard("b", {"epoch": 5})
+    assert late.order(mates, set(mates), 6)[0] == "b"
+    late._began = (6, time.monotonic() - REVEAL_WAIT_S)
+    assert late.order(mates, set(mates), 6) == ["a", "b"]  # b reveals nothing: it leads last
+    assert me.order(mates, {"b"}, 6) == ["b"]
 
 
 def test_an_id_ground_to_rank_first_leads_only_its_share_of_epochs():

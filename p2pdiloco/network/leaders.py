@@ -10,7 +10,11 @@ nothing, and then it does not lead. Mates without a checked nonce (a peer in its
 too late) are invited, and lead only where no mate with one can.
 
 Mates that saw different sets of reveals (a ready word still on its way) may draw different leaders for a while:
-an invite from either is accepted, as at epoch edges, so that costs at most a smaller group. A leader that never
+an invite from either is accepted, as at epoch edges, so that costs at most a smaller group. At an epoch's turn
+every mate has its own nonce for the new epoch at once and the others' one ready word later: each would rank itself
+first and lead, and leaders decline each other's invites. So for `REVEAL_WAIT_S` into an epoch a ready mate that
+committed to a nonce for it, and whose ready word for it has not come yet, is followed first (`order`): its reveal
+is on its way, and the mates draw one order once it is here. A leader that never
 invites is passed over for the rest of the epoch (its place in the order stays the same all epoch), and for
 `SILENT_ROUNDS` searches at least; one that told its members different groups is too, and its invites are
 declined as long (`distrust`).
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -32,6 +37,9 @@ logger = logging.getLogger(__name__)
 INVITE_SLACK_S = 0.25
 """A ready word that reached a leader this long before its deadline or earlier should have had an invite: a leader
 looks at its mates' words at least this often (matchmaking's `POLL_S`)."""
+REVEAL_WAIT_S = 2.0
+"""How long into an epoch (from this peer's first look at it) a ready mate whose reveal for the epoch is still on its
+way is waited for before this peer leads: its ready word follows its clock's turn by one request."""
 SILENT_ROUNDS = 3
 """A leader that never invited is passed over for this many of this peer's searches, or to the end of the epoch
 it was silent in if that is longer."""
@@ -51,6 +59,10 @@ class Leaders:
         self._nonces: dict[str, dict[int, bytes]] = {}
         """Mates' revealed nonces, not yet checked: peer id -> epoch -> nonce, for the two latest epochs each
         revealed for (a search still in an epoch hears the next one's nonce from a mate whose clock turned first)."""
+        self._heard_in: dict[str, int] = {}
+        """The epoch of each mate's last ready word."""
+        self._began = (-1, 0.0)
+        """(epoch, when this peer first drew an order in it: monotonic)."""
         self._passed: dict[str, tuple[int, int]] = {}
         """Leaders that never invited us: peer id -> (searches left in which they are not followed, epoch)."""
         self._distrusted: dict[str, tuple[int, int]] = {}
@@ -69,6 +81,8 @@ class Leaders:
     def heard(self, peer: str, header: dict) -> None:
         """A mate's ready word: keep the nonce it reveals for its epoch (checked when the order is drawn)."""
         epoch, nonce = header.get("epoch"), header.get("nonce")
+        if isinstance(epoch, int):
+            self._heard_in[peer] = max(epoch, self._heard_in.get(peer, epoch))
         if isinstance(epoch, int) and isinstance(nonce, bytes) and len(nonce) == COMMIT_BYTES:
             kept = self._nonces.setdefault(peer, {})
             kept[epoch] = nonce
@@ -87,7 +101,8 @@ class Leaders:
     def order(self, mates: list[str], ready: set[str], epoch: int) -> list[str]:
         """The ready `mates` (in dealt order) in the order they lead in `epoch`: those with a checked nonce by
         `lead_rank` over the XOR of the checked nonces of all `mates`, ready now or not, then the others in dealt
-        order; shunned mates lead nowhere (their nonces still count).
+        order; shunned mates lead nowhere (their nonces still count). For `REVEAL_WAIT_S` into the epoch, ready
+        mates whose reveal is on its way (`_awaited`) come first.
 
         The mix takes every mate's nonce heard this epoch, not only the ready ones': mates see each other start and
         stop looking at different times, so a mix over the ready mates alone would draw a different leader in each
@@ -100,7 +115,21 @@ class Leaders:
         for n in nonces.values():
             mix = bytes(a ^ b for a, b in zip(mix, n, strict=True))
         first = sorted((p for p in nonces if p in ready), key=lambda p: lead_rank(self.run_id, p, epoch, mix))
-        return [p for p in first + [p for p in mates if p in ready and p not in nonces] if not self.shunned(p)]
+        rest = [p for p in mates if p in ready and p not in nonces]
+        awaited = self._awaited(rest, epoch)
+        return [p for p in awaited + first + [p for p in rest if p not in awaited] if not self.shunned(p)]
+
+    def _awaited(self, unchecked: list[str], epoch: int) -> list[str]:
+        """The mates of `unchecked` (ready, no checked nonce for `epoch`) whose reveal is on its way: they committed to
+        a nonce for `epoch` and their last ready word was for an earlier one. None after `REVEAL_WAIT_S` into the
+        epoch: a mate that never says it is looking in the new epoch delays nobody longer, and leads last."""
+        if self._began[0] != epoch:
+            self._began = (epoch, time.monotonic())
+            self._heard_in = {p: e for p, e in self._heard_in.items() if e >= epoch - 1}
+        if time.monotonic() - self._began[1] >= REVEAL_WAIT_S:
+            return []
+        return [p for p in unchecked if p != self.census.peer_id and self._heard_in.get(p, epoch) < epoch
+                and self.census.commit(p, epoch) is not None]
 
     def new_search(self, epoch: int) -> set[str]:
         """A search in `epoch` starts: the leaders it passes over for their count of searches (one of which it uses
