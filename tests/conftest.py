@@ -112,9 +112,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_local_dht(initial_peers=None) -> hivemind.DHT:
-    return hivemind.DHT(start=True, initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                        startup_timeout=15)
+def start_local_dht(initial_peers=None, identity=None) -> hivemind.DHT:
+    """A DHT node on loopback; `identity` (a `PeerIdentity`): run with that key, so with its peer id."""
+    if identity is None:
+        return hivemind.DHT(start=True, initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                            startup_timeout=15)
+    from p2pdiloco.network.identity import write_temporary_identity
+
+    path = write_temporary_identity(identity)
+    try:
+        return hivemind.DHT(start=True, initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                            identity_path=path, check_if_identity_free=False, startup_timeout=15)
+    finally:
+        os.unlink(path)
 
 
 @pytest.fixture
@@ -168,16 +178,18 @@ def reap_children():
 
 
 @contextlib.contextmanager
-def running_mergers(bootstrap: hivemind.DHT, net_loop: BackgroundLoop, n: int, cfg, n_params: int, **kwargs):
+def running_mergers(bootstrap: hivemind.DHT, net_loop: BackgroundLoop, n: int, cfg, n_params: int, identities=(),
+                    **kwargs):
     """`n` P2PMergers on their own DHTs joined through `bootstrap`, each in the census of the current epoch (so
-    that leaders know their group mates); closed and shut down afterwards."""
+    that leaders know their group mates); closed and shut down afterwards. `identities`: the keys of the first
+    of them (`start_local_dht`)."""
     from hivemind.utils.timed_storage import get_dht_time
 
     from p2pdiloco.network.census import epoch_of
     from p2pdiloco.network.p2p_merger import P2PMerger
 
     maddrs = [str(m) for m in bootstrap.get_visible_maddrs()]
-    dhts = [start_local_dht(maddrs) for _ in range(n)]
+    dhts = [start_local_dht(maddrs, identities[i] if i < len(identities) else None) for i in range(n)]
     mergers = []
     try:
         mergers = [P2PMerger(d, cfg, net_loop, n_params, **kwargs) for d in dhts]
@@ -189,6 +201,15 @@ def running_mergers(bootstrap: hivemind.DHT, net_loop: BackgroundLoop, n: int, c
             m.close()
         for d in dhts:
             d.shutdown()
+
+
+def force_leader_order(monkeypatch, rank) -> None:
+    """Make `rank(peer, epoch)` (bytes, lowest first) both the order groups are dealt in and the order ready mates
+    lead in, whatever nonces they revealed: for tests that need a given peer to lead."""
+    from p2pdiloco.network import census, leaders
+
+    monkeypatch.setattr(census, "leader_rank", lambda run_id, peer, epoch: rank(peer, epoch))
+    monkeypatch.setattr(leaders, "lead_rank", lambda run_id, peer, epoch, mix: rank(peer, epoch))
 
 
 def flat(outcome):

@@ -12,7 +12,7 @@ import torch
 from p2pdiloco.config import GuardConfig
 from p2pdiloco.network.census import my_group, registered_now
 from p2pdiloco.network.merger import Contribution
-from tests.conftest import flat, merge_config, running_mergers, wait_for
+from tests.conftest import flat, force_leader_order, merge_config, running_mergers, wait_for
 
 
 def _split(ready, epoch, size):
@@ -98,14 +98,12 @@ def test_groups_a_little_out_of_phase_at_the_end_of_a_run_still_end_in_one_last_
     near their end. All four meet in one last merge. Before a search near a peer's end was dealt like a final one,
     the b's merged as a pair again, the a's after their window as another, and the a's ended apart from the b's
     (16 peers in `bench scale`: two groups of 8)."""
-    from p2pdiloco.network import census
-
     cfg = merge_config(run_id="phase", merge_window_s=10, merge_timeout_s=5, codec="none", group_size=2,
                       min_window_s=0.5, window_fraction=0.1)
     with running_mergers(bootstrap_dht, net_loop, 4, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:
         a1, b1, a2, b2 = mergers  # the leader order of every epoch: dealt round-robin into {a1, a2}, {b1, b2}
         order = [m.matchmaker.peer_id for m in mergers]
-        monkeypatch.setattr(census, "leader_rank", lambda run_id, peer, epoch: bytes([order.index(peer)]))
+        force_leader_order(monkeypatch, lambda peer, epoch: bytes([order.index(peer)]))
 
         def submit(m, value, final=False, closing=False):
             c = Contribution(pseudo_grad=torch.full((64,), value), weight=1.0, global_params=torch.zeros(64),
@@ -130,14 +128,12 @@ def test_a_finishing_peer_does_not_end_in_the_group_of_a_leader_that_is_not_near
     and ended in a pair with it while c1 and c2 ended as another pair: two models at the end (32 peers in
     `bench scale`). Now a search near its end follows and accepts only a leader whose search is too, where
     groups do not span the census: the three finishing peers end in one merge; `lead` merges alone and goes on."""
-    from p2pdiloco.network import census
-
     cfg = merge_config(run_id="apart", merge_window_s=4, merge_timeout_s=5, codec="none", group_size=2,
                       min_window_s=0.5, window_fraction=0.1)
     with running_mergers(bootstrap_dht, net_loop, 4, cfg, 64, guard=GuardConfig(aggregate="mean")) as mergers:
         lead, c1, last, c2 = mergers
         order = [m.matchmaker.peer_id for m in mergers]
-        monkeypatch.setattr(census, "leader_rank", lambda run_id, peer, epoch: bytes([order.index(peer)]))
+        force_leader_order(monkeypatch, lambda peer, epoch: bytes([order.index(peer)]))
 
         def submit(m, value, final=False, closing=False, round_s=1.0):
             c = Contribution(pseudo_grad=torch.full((64,), value), weight=1.0, global_params=torch.zeros(64),

@@ -341,7 +341,7 @@ def test_a_holder_serves_only_the_fetchers_dealt_to_it_each_once_and_under_the_s
 
     session = MergeSession(group, 0, 0)
 
-    async def find_session(gid: str) -> MergeSession:
+    async def find_session(gid: str, sender: str = "", header: dict | None = None) -> MergeSession:
         if gid != "g":
             raise MergeFailed("unknown group")
         return session

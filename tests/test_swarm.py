@@ -31,7 +31,7 @@ from p2pdiloco.network.swarm import (
     write_subkey,
 )
 from p2pdiloco.testing.faults import Faults
-from tests.conftest import flat, merge_config, running_mergers, start_local_dht, wait_for
+from tests.conftest import flat, force_leader_order, merge_config, running_mergers, start_local_dht, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -222,7 +222,7 @@ def test_a_search_that_outlasts_its_epoch_is_dealt_again_in_the_next(bootstrap_d
         for m in (done, late):  # both in the censuses of e and e + 1
             net_loop.run(m.matchmaker.census.register(e), 10)
         first = {e: late.matchmaker.peer_id, e + 1: done.matchmaker.peer_id}  # who leads each epoch's group
-        monkeypatch.setattr(census, "leader_rank", lambda run_id, peer, epoch: bytes([peer != first.get(epoch)]))
+        force_leader_order(monkeypatch, lambda peer, epoch: bytes([peer != first.get(epoch)]))
         _finishing_and_arriving_merge_together(
             done, late, lambda: wait_for(lambda: get_dht_time() >= (e + 1) * cfg.merge.epoch_s + 0.5, timeout=10))
 

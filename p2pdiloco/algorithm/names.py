@@ -12,7 +12,8 @@ PRECISIONS = ("auto", "fp32", "bf16")
 ARCHS = ("gpt", "llama")
 """Model architectures (see training/model.py and training/llama.py; config field model.arch)."""
 HOSTILE_KINDS = ("nan", "scale", "noise", "signflip", "takeover", "final", "leader", "donor",
-                 "sybil_donor")
+                 "sybil_donor", "grinder", "pinner", "flood")
 """How a hostile peer attacks (testing/hostile.py; config field emulate.hostile): the first four corrupt its
 pseudo-gradients, the others lie about itself (its model and weights, the end of its run, its leadership, the
-state it serves, alone or with other ids)."""
+state it serves, alone or with other ids) or abuse the swarm's rules (a ground id, pinned state slots, a flood of
+valid requests)."""

@@ -234,6 +234,7 @@ def start_dht_beside_model(cfg: Config, unit: UnitContext, device: torch.device,
 
     def dht_up() -> DHT:
         t0 = time.monotonic()
+        peer_hooks(cfg).prepare_identity(cfg, Path(cfg.run.run_dir) / IDENTITY_FILE)  # a hostile grinder's key
         dht = start_dht(cfg.swarm, identity_path=str(Path(cfg.run.run_dir) / IDENTITY_FILE))
         say("DHT up in %.1f s: peer %s", time.monotonic() - t0, dht.peer_id.to_base58())
         return dht

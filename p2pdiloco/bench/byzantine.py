@@ -13,7 +13,10 @@ group's global model, and the rejections the guards counted.
 The `donor` kind is left out: it lies only to joiners, and these swarms have none (tests/test_join.py shows the
 refusal). `sybil_donor` (every hostile peer serves joiners the same forged state and names it in its records) has a
 joiner: its runs restart the last peer as a fresh one mid-run, against `clean_join`, a clean run with the same
-restart (byzantine_join.py). Decoupled runs pad each inner step to `emulate.min_step_s` so that the shared cores decide less of who
+restart (byzantine_join.py). The key holders' kinds (testing/insiders.py: `grinder`, an id ground to lead and never invite; `pinner`;
+`flood`) attack the swarm's rules rather than the model: their figure is the honest peers' share of merges made in
+a group (`group_share`), beside the clean run's. A pinner only delays joiners, and these swarms have none: its run
+shows that pinning costs the others' merges nothing. Decoupled runs pad each inner step to `emulate.min_step_s` so that the shared cores decide less of who
 meets whom.
 """
 
@@ -42,7 +45,8 @@ from p2pdiloco.util.logfiles import read_jsonl
 HONEST_ONLY = "honest_only"
 """Not a hostile kind: a clean run of only the honest peers (size − hostile), the best any defence can do, since a
 hostile peer's compute is lost to the swarm however well it is stopped."""
-KINDS = (HONEST_ONLY, "nan", "scale", "noise", "signflip", "takeover", "final", "leader", *JOINER_KINDS)
+KINDS = (HONEST_ONLY, "nan", "scale", "noise", "signflip", "takeover", "final", "leader", *JOINER_KINDS,
+         "grinder", "pinner", "flood")
 MODES = ("sync", "decoupled")
 SIZES = (5, 9)
 
@@ -91,6 +95,13 @@ def _merge_lines(run_dir: Path, names: list[str]) -> tuple[int, int]:
             adopted += bool(row.get("adopted_state"))
             refused += bool(row.get("state_refused"))
     return adopted, refused
+
+
+def _group_share(run_dir: Path, names: list[str]) -> float:
+    """The share of these peers' merges that were made in a group (of 2 or more), over all their merges."""
+    sizes = [row.get("group_size", 1) for name in names
+             for row in read_jsonl(run_dir / "peers" / name / "metrics.jsonl") if row.get("kind") == "merge"]
+    return sum(1 for s in sizes if s > 1) / len(sizes) if sizes else float("nan")
 
 
 def bench_byzantine(out: Path, steps: int = 100, round_steps: int = 5, sizes: tuple[int, ...] = SIZES,
@@ -164,6 +175,7 @@ def _run(out: Path, results: dict, kind: str, mode: str, peers: int, seed: int, 
     names = [f"peer{i}" for i in range(n)]
     hostile_names = {f"peer{i}" for i in hostile}
     outcome = _honest_outcome(summary, hostile_names)
+    outcome["group_share"] = _group_share(out / name, [n for n in names if n not in hostile_names])
     if joins:
         hostile_ids = {p.get("peer_id") for p in summary["peers"] if p.get("name") in hostile_names}
         outcome["joiner"] = joiner_outcome(out / name, names[-1], hostile_ids)
@@ -194,7 +206,8 @@ def _print(results: dict, path: Path, console: Console) -> None:
         for mode in results["modes"]:
             cleans = [runs[_name("clean", mode, peers, k, seeds)] for k in range(seeds)]
             console.print(f"  {peers} peers, {mode}: clean " + ", ".join(
-                f"{c['eval_loss']:.4f} ({c['merges']:.0f} merges)" for c in cleans))
+                f"{c['eval_loss']:.4f} ({c['merges']:.0f} merges, {c.get('group_share', float('nan')):.1%} in groups)"
+                for c in cleans))
             for base in baselines(results["kinds"]):
                 console.print(f"    ({base}: " + ", ".join(_join_line(runs[_name(base, mode, peers, k, seeds)])
                                                        for k in range(seeds)) + ")")
@@ -211,7 +224,8 @@ def _print(results: dict, path: Path, console: Console) -> None:
                     f"bans {sum(r['hostile_banned_by_honest'] for r in rs)}, honest banned "
                     f"{sum(len(r['honest_banned_by_honest']) for r in rs)}, fewest steps "
                     f"{min(r['min_honest_step'] for r in rs)}, global models adopted {sum(r['adopted_state'] for r in rs)}"
-                    f" / refused {sum(r['state_refused'] for r in rs)}"
+                    f" / refused {sum(r['state_refused'] for r in rs)}, in groups "
+                    f"{statistics.mean(r.get('group_share', float('nan')) for r in rs):.1%}"
                     + ("; " + ", ".join(_join_line(r) for r in rs) if kind in JOINER_KINDS else ""))
     console.print(f"wrote {path}")
 

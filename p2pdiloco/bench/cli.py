@@ -112,12 +112,12 @@ BENCHES: dict[str, tuple[str, str, dict[str, str | tuple[str, str]]]] = {
     "byzantine": (
         "honest peers' loss with 2 hostile peers ÷ a clean run",
         "Honest peers' eval loss with 2 hostile peers ÷ a clean run, per hostile kind, swarm size (5, 9) and mode "
-        "(sync, decoupled), default guards (32 runs, about an hour; --sizes, --modes, --kinds pick fewer).",
+        "(sync, decoupled), default guards (44 runs, over an hour; --sizes, --modes, --kinds pick fewer).",
         {"--steps": "inner steps of each run, in sync rounds of 5 (default 100)",
          "--sizes": "swarm sizes (default 5,9)", "--hostile": "hostile peers in each swarm (default 2)",
          "--modes": ("M[,M]", "sync, decoupled or both (default both)"),
-         "--kinds": "hostile kinds (default honest_only, nan, scale, noise, signflip, takeover, final, leader, sybil_donor; "
-                    "honest_only is a clean run of the honest peers alone)",
+         "--kinds": "hostile kinds (default honest_only, nan, scale, noise, signflip, takeover, final, leader, "
+                    "sybil_donor, grinder, pinner, flood; honest_only is a clean run of the honest peers alone)",
          "--seeds": SEEDS_HELP,
          "--set": "override one config value of every run, e.g. --set data.tokenizer=tokenizer.json (repeatable)"}),
     "loader": (

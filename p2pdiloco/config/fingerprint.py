@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from p2pdiloco.config.schema import Config
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """The wire protocol this code speaks (see the module's docstring): raise it with any change to what peers send."""
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -49,6 +49,14 @@ SENDER_BURST = 60.0
 MAX_BUCKETS = 4096
 """Requesters whose token buckets are kept; beyond, full (idle) buckets are dropped, as a new one starts full."""
 WARN_EVERY_S = 60.0
+REFUSING_S = 10.0
+"""The window in which `SHUN_REFUSALS` refused streams leave a requester out of merge groups (`StreamGate.refusing`)."""
+SHUN_REFUSALS = 5
+"""A requester refused `SHUN_REFUSALS` streams within `REFUSING_S` seconds is left out of this peer's merge groups
+(`refusing`) until it has gone `REFUSING_S` without one: a pinner or flooder is refused again every few tenths of a
+second, while an honest mate stays within its budgets, and a fast one that brushes its rate (back-to-back rounds of
+a fraction of a second, or a burst of streams this peer's loop was too busy to read) is refused once or twice,
+which must not keep it out of groups for seconds."""
 
 
 @dataclass
@@ -124,6 +132,8 @@ class StreamGate:
         """The same by requester."""
         self.peak_open: Counter[str] = Counter()
         """The most streams each requester held at once (at most `max_per_sender`)."""
+        self.last_refused: dict[str, deque[float]] = {}
+        """When (by `clock`) each requester was refused, its last `SHUN_REFUSALS` times."""
         self.low_tokens: dict[str, float] = {}
         """The fewest tokens each requester's bucket held after an admitted request: how near it came to the rate."""
         self.unauthorized = 0
@@ -170,7 +180,7 @@ class StreamGate:
         """Drop what is kept of requesters that hold no stream and whose buckets are full again: a flood of
         made-up ids costs this peer bounded memory, and a forgotten requester's new bucket starts full anyway."""
         self.buckets = {p: b for p, b in self.buckets.items() if b.refill(now) < b.burst or p in self.by_sender}
-        for kept in (self.refused_from, self.peak_open, self.low_tokens, self.peak):
+        for kept in (self.refused_from, self.peak_open, self.low_tokens, self.peak, self.last_refused):
             for p in [p for p in kept if p not in self.buckets]:
                 del kept[p]
 
@@ -178,12 +188,21 @@ class StreamGate:
         self.refused += 1
         self.refused_by[bound] += 1
         self.refused_from[requester] += 1
+        self.last_refused.setdefault(requester, deque(maxlen=SHUN_REFUSALS)).append(now)
         if now - self._warned >= WARN_EVERY_S:  # a flood must not flood the log too
             self._warned = now
             logger.warning("closing incoming streams unread (%s bound): %d open, %d unauthenticated; %d held by "
                            "%s, which was refused %d so far; %d refused in all (%s)", bound, self.open,
                            self.unauthenticated.total(), self.by_sender[requester], requester[-8:],
                            self.refused_from[requester], self.refused, dict(self.refused_by))
+
+    def refusing(self, requester: str) -> bool:
+        """Whether `requester` was refused `SHUN_REFUSALS` streams within `REFUSING_S`, the last less than
+        `REFUSING_S` ago: a mate over its budget persistently, whose merge parts this peer may refuse too, so that a
+        group with it would fail for every member (its leader and members leave it out, matchmaking.py)."""
+        refused = self.last_refused.get(requester)
+        return (refused is not None and len(refused) == SHUN_REFUSALS and refused[-1] - refused[0] < REFUSING_S
+                and self.clock() - refused[-1] < REFUSING_S)
 
     def authenticated(self, requester: str) -> None:
         """The stream of `requester` holding a place passed the key check."""

@@ -190,8 +190,8 @@ class AllReduce:
 
     Args:
         rpc: requests to the other members (op 'part').
-        find_session: group id -> its merge session, once it is open (raises MergeFailed for a group this
-            peer is not part of); see `Sessions.find`.
+        find_session: (group id, sender, header) -> its merge session, once it is open (raises MergeFailed for a
+            group this peer is not part of, or no longer merges); see `Sessions.find`.
         codecs: how the slices of each tag travel: {'d': pseudo-gradient codec, 's': (θg, momentum) codec}.
         reducer: what an owner does with the parts of its slice, and what a member accepts back.
         merge_timeout_s: bound on receiving one part's payload, and on waiting for a slice's average.
@@ -199,7 +199,7 @@ class AllReduce:
             session's round.
     """
 
-    def __init__(self, rpc: Rpc, find_session: Callable[[str], Awaitable[MergeSession]], codecs: dict[str, Codec],
+    def __init__(self, rpc: Rpc, find_session: Callable[..., Awaitable[MergeSession]], codecs: dict[str, Codec],
                  reducer: SliceReducer | None = None, merge_timeout_s: float = 30.0, faults: FaultHook | None = None):
         self.rpc, self.find_session, self.codecs = rpc, find_session, codecs
         self.reducer = reducer or PlainReducer()
@@ -328,7 +328,7 @@ class AllReduce:
             raise MergeFailed(f"{codec.name} parts are all-gathered, not sliced (sparse_exchange.py)")
         if header.get("codec", "none") != codec.name:
             raise MergeFailed(f"part encoded with {header.get('codec')!r}, this peer merges with {codec.name!r}")
-        session = await self.find_session(gid)
+        session = await self.find_session(gid, sender, header)
         group = session.group
         if not 0 <= index < len(group.members) or group.members[index] != sender:
             raise MergeFailed("sender is not that member of the group")

@@ -93,12 +93,12 @@ class CatchUp:
 
     Args:
         rpc: requests to the other members (op 'catchup').
-        find_session: group id -> its merge session, once it is open (see `Sessions.find`).
+        find_session: (group id, sender, header) -> its merge session, once it is open (see `Sessions.find`).
         merge_timeout_s: bound on one fetch, and on a holder's wait for its fetchers.
         book: where a holder that served a model other than the one it claimed is struck.
     """
 
-    def __init__(self, rpc: Rpc, find_session: Callable[[str], Awaitable[MergeSession]], merge_timeout_s: float,
+    def __init__(self, rpc: Rpc, find_session: Callable[..., Awaitable[MergeSession]], merge_timeout_s: float,
                  book: GuardBook):
         self.rpc, self.find_session, self.merge_timeout_s, self.book = rpc, find_session, merge_timeout_s, book
 
@@ -191,7 +191,7 @@ class CatchUp:
             gid, index = header.get("group_id"), header.get("index")
             if not isinstance(gid, str) or not isinstance(index, int):
                 raise MergeFailed("malformed request")
-            session = await self.find_session(gid)
+            session = await self.find_session(gid, sender, header)
             group = session.group
             if not 0 <= index < len(group.members) or group.members[index] != sender:
                 raise MergeFailed("sender is not that member of the group")

@@ -12,7 +12,14 @@ peer to peer within a group: a peer's DHT work per epoch is a store and a read o
 (docs/benchmarks.md, Scale and DHT, has the bytes).
 
 How a census record is kept honest: its subkey is the peer's id, so only that peer can write it
-(`PeerRecordValidator`); it carries nothing a reader trusts but its existence.
+(`PeerRecordValidator`); it carries nothing a reader trusts but its existence and its commitments.
+
+Commitments: a record for epoch e+1, written in epoch e, carries `commit`, a hash of this peer's secret nonce for
+e+1, and `prev`, the one for e if the peer's record before it already carried it. In an epoch a peer tells its
+ready mates its nonce (matchmaking's ready word), and the leader among them is drawn from the nonces together
+(leaders.py): nobody knows them all before the epoch's reveals, so no id can be ground to lead. A reader keeps
+the first commitment it saw for a peer and epoch, and none it first sees after it revealed its own nonce for that
+epoch: a commitment made after seeing others' nonces is never counted.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
+import secrets
 import time
 from collections.abc import Callable
 
@@ -36,20 +44,48 @@ REREAD_S = 1.0
 seems to be alone: see `settled`)."""
 
 
+COMMIT_BYTES = 16
+"""Length of a nonce and of its commitment: a second preimage or a collision of 128 bits is out of reach."""
+
+
 def epoch_of(now: float, epoch_s: float = EPOCH_S) -> int:
     return int(now // epoch_s)
 
 
 def leader_rank(run_id: str, peer: str, epoch: int) -> bytes:
-    """A peer's place in the order of `epoch`: groups are dealt in it and the first ready mate leads.
+    """A peer's place in the order of `epoch` that groups are dealt in (`my_group`); where no ready mate revealed a
+    nonce it committed to (a swarm's first epoch), also the order in which they lead (leaders.py).
 
-    A hash of (run id, peer id, epoch), so the order changes every epoch and nobody can choose an id that leads
-    every group (with `min(ready)`, an id generated to sort first would lead every group it is in, and by never
-    inviting stop all merging). Every peer computes the same order from the same census; a search
-    still going at an epoch's end is dealt again in the new order (`Matchmaker.find_group`), so two peers
+    A hash of (run id, peer id, epoch), so the order changes every epoch. It is public: an id can be ground in
+    advance to rank first in every epoch of a window which is why who leads is drawn
+    from the revealed nonces instead (`lead_rank`). Every peer computes the same order from the same census; a
+    search still going at an epoch's end is dealt again in the new order (`Matchmaker.find_group`), so two peers
     disagree only while their clocks straddle the end (an invite from either is accepted).
     """
     return hashlib.blake2b(f"{run_id}\x00{peer}\x00{epoch}".encode(), digest_size=16).digest()
+
+
+def lead_rank(run_id: str, peer: str, epoch: int, mix: bytes) -> bytes:
+    """A ready mate's place in the order of who leads its group in `epoch`: the lowest leads.
+
+    `mix` is the XOR of the nonces that the ready mates revealed (leaders.py): unknown to anyone until the
+    last of them is revealed, so an id cannot be ground to rank first, as `leader_rank` alone can (it is public)."""
+    return hashlib.blake2b(f"{run_id}\x00{peer}\x00{epoch}\x00".encode() + mix, digest_size=16).digest()
+
+
+def commitment(nonce: bytes) -> bytes:
+    """The hash of `nonce` that a census record carries before the nonce is revealed."""
+    return hashlib.blake2b(b"p2pdiloco-commit\x00" + nonce, digest_size=COMMIT_BYTES).digest()
+
+
+def commit_of(value: object, epoch: int) -> bytes | None:
+    """The commitment a census record makes for `epoch`: its `commit` if it names that epoch, its `prev` if it
+    names the next one; None if it makes none (or a malformed one)."""
+    if not isinstance(value, dict):
+        return None
+    c = value.get("commit") if value.get("epoch") == epoch else value.get("prev") if value.get("epoch") == epoch + 1 \
+        else None
+    return c if isinstance(c, bytes) and len(c) == COMMIT_BYTES else None
 
 
 def my_group(run_id: str, me: str, members: list[str], epoch: int, group_size: int) -> list[str]:
@@ -139,6 +175,13 @@ class Census:
         swarm)."""
         self._last_size = 0
         """Peers in the last view read (this one included); 0 before the first."""
+        self._secret = secrets.token_bytes(COMMIT_BYTES)
+        self._ahead: set[int] = set()
+        """Epochs whose commitment this peer stored in the epoch before: only their nonces are revealed."""
+        self._commits: dict[int, dict[str, bytes]] = {}
+        """Epoch -> peer -> the first commitment this peer read for it (its own included)."""
+        self._revealed: set[int] = set()
+        """Epochs whose nonce this peer revealed: commitments read after that are not counted."""
 
     async def register(self, epoch: int) -> None:
         """Be in the census of `epoch` and of the next one: one DHT store, of a record for the next epoch (which
@@ -146,12 +189,47 @@ class Census:
         if epoch + 1 not in self._registered:
             self.writes += 1
             now = get_dht_time()
-            if await write_subkey(self.dht, census_key(self.run_id), self.peer_id, {"t": now, "epoch": epoch + 1},
+            record = {"t": now, "epoch": epoch + 1, "commit": commitment(self.nonce(epoch + 1)),
+                      **({"prev": commitment(self.nonce(epoch))} if epoch in self._ahead else {})}
+            if await write_subkey(self.dht, census_key(self.run_id), self.peer_id, record,
                                   registration_expiry(epoch + 1, now, self.epoch_s)):
                 t = time.monotonic()
                 self._registered.setdefault(epoch, t)
                 self._registered[epoch + 1] = t
+                self._ahead.add(epoch + 1)
         self._registered = {e: t for e, t in self._registered.items() if e >= epoch}
+        self._ahead = {e for e in self._ahead if e >= epoch}
+
+    def nonce(self, epoch: int) -> bytes:
+        """This peer's secret nonce for `epoch` (a keyed hash of a secret drawn at start: nothing to store)."""
+        return hashlib.blake2b(str(epoch).encode(), key=self._secret, digest_size=COMMIT_BYTES).digest()
+
+    def reveal(self, epoch: int) -> bytes | None:
+        """This peer's nonce for `epoch`, to tell its ready mates, if it committed to it in the epoch before (a peer
+        in its first epoch reveals none: a commitment stored in the epoch it counts for proves nothing); from now
+        on, commitments for `epoch` read for the first time are not counted (`commit`)."""
+        self._revealed.add(epoch)
+        self._revealed = {e for e in self._revealed if e >= epoch - 1}
+        return self.nonce(epoch) if epoch in self._ahead else None
+
+    def commit(self, peer: str, epoch: int) -> bytes | None:
+        """The commitment for `epoch` that this peer counts for `peer`: the first it read, if it read it before it
+        revealed its own nonce for that epoch; this peer's own if it committed ahead."""
+        if peer == self.peer_id:
+            return commitment(self.nonce(epoch)) if epoch in self._ahead else None
+        return self._commits.get(epoch, {}).get(peer)
+
+    def _note_commits(self, records: dict[str, object], epoch: int) -> None:
+        """Keep the first commitments `records` (a read of the census) make for `epoch` and the next, except for an
+        epoch whose nonce this peer already revealed."""
+        self._commits = {e: c for e, c in self._commits.items() if e >= epoch - 1}
+        for e in (epoch, epoch + 1):
+            if e in self._revealed:
+                continue
+            seen = self._commits.setdefault(e, {})
+            for peer, value in records.items():
+                if peer not in seen and (c := commit_of(value, e)) is not None:
+                    seen[peer] = c
 
     def expect(self, size: int) -> None:
         """A read made elsewhere (`together.wait_for_peers`: a walk, or one node's copy that held every awaited peer)
@@ -180,12 +258,16 @@ class Census:
             self.reads += 1
             key, records = census_key(self.run_id), None
             if view is None and self._last_size > 1:
-                near = census_of(await read_near_subkeys(self.dht, key), epoch)
+                raw = await read_near_subkeys(self.dht, key)
+                near = census_of(raw, epoch)
                 if self._whole(near, epoch):
                     records = near | {self.peer_id}
+                    self._note_commits(raw, epoch)
             if records is None:
                 self.walks += 1
-                records = census_of(await read_subkeys(self.dht, key), epoch) | {self.peer_id}
+                raw = await read_subkeys(self.dht, key)
+                records = census_of(raw, epoch) | {self.peer_id}
+                self._note_commits(raw, epoch)
             self._last_size = len(records)
             self._views = {e: v for e, v in self._views.items() if e >= epoch - 1}
             self._views[epoch] = (time.monotonic(), frozenset(records))

@@ -115,6 +115,10 @@ def part_digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
+OTHER_NOTICE = "acts on another notice of this group"
+"""In the failure of a merge whose members were told different groups: its leader is not followed for a while."""
+
+
 def check_terms(group: Group, header: dict) -> None:
     """A part's header names the terms of the group its sender acts on: they must be this peer's.
 
@@ -122,7 +126,7 @@ def check_terms(group: Group, header: dict) -> None:
         MergeFailed: the sender was told another group.
     """
     if header.get("terms") != group.terms:
-        raise MergeFailed("the sender acts on another notice of this group (its leader told members different groups)")
+        raise MergeFailed(f"the sender {OTHER_NOTICE} (its leader told members different groups)")
 
 
 def valid_notice(h: dict, me: str, group_size: int) -> bool:

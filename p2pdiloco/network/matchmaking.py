@@ -2,11 +2,11 @@
 
 1. **Mates.** Every epoch (`merge.epoch_s`) the peers in the epoch's census (census.py: one DHT record per
    peer) are dealt into groups of at most `merge.group_size` by the hash of their ids with the epoch
-   (`my_group`, `leader_rank`): groups change every epoch, and no peer id leads every group.
-2. **Ready.** A peer looking for a group tells its mates so, peer to peer, with its deadline; nothing is polled
-   from the DHT, so a peer's DHT work does not grow with the swarm.
-3. **Group.** The first ready mate in the epoch's order leads: it invites the ready mates as soon as every
-   reachable mate is ready, or at its deadline with whoever is. Each peer accepts at most one invite per
+   (`my_group`, `leader_rank`): groups change every epoch.
+2. **Ready.** A peer looking for a group tells its mates so, peer to peer, with its deadline and the nonce it
+   committed to for the epoch; nothing is polled from the DHT, so a peer's DHT work does not grow with the swarm.
+3. **Group.** The first ready mate in the order drawn from their nonces leads (leaders.py): it invites the ready
+   mates as soon as every reachable mate is ready, or at its deadline with whoever is. Each peer accepts at most one invite per
    merge; the leader then sends the final member list, the members' weights, whether their global models
    disagree (digests differ) and the newest state all of them hold (`Group.anchor`) to every member. A peer not
    invited in time merges alone; a leader that never invites is passed over for a while.
@@ -31,20 +31,18 @@ from p2pdiloco.config import PROTOCOL_VERSION, Config, GuardConfig, protocol_fie
 from p2pdiloco.network.admission import Request
 from p2pdiloco.network.census import Census, epoch_of, my_group
 from p2pdiloco.network.dialable import Dialability
-from p2pdiloco.network.group import Group, group_of_notice, own_claims_kept, valid_notice
+from p2pdiloco.network.group import OTHER_NOTICE, Group, group_of_notice, own_claims_kept, valid_notice
+from p2pdiloco.network.leaders import Leaders
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.peer_tag import PeerLog, short_id
 from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed, Rpc
-from p2pdiloco.network.search import DECLINES, Search, Window, decline_reason
+from p2pdiloco.network.search import DECLINES, Search, Window, decline_reason, leader_refusal
 from p2pdiloco.util.numbers import finite_number
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.25
 """How often a search looks at its deadlines when no mate's word or invite wakes it."""
-
-SILENT_ROUNDS = 3
-"""A leader that never invited is passed over for this many of this peer's searches."""
 
 EPOCH_ROUNDS = 10
 """Fewer of this peer's rounds in an epoch (`merge.epoch_s`), where groups do not span the census, is warned of."""
@@ -76,9 +74,8 @@ class Matchmaker:
         self._warned_epochs = False
         self._other_protocol: set[str] = set()  # leaders of another protocol version, declined and said so once
         self._tasks: set[asyncio.Task] = set()
-        self._passed_over: dict[str, int] = {}
-        """Leaders that never invited us: peer id -> searches left in which they are not followed."""
         self.census = Census(dht, cfg.swarm.run_id, self.peer_id, cfg.merge.epoch_s)
+        self.leaders = Leaders(cfg.swarm.run_id, self.census, rpc.gate.refusing)
         self._ready: dict[str, float] = {}
         """Mates that told us they are looking for a group: peer id -> until when (DHT time)."""
         self._closers: set[str] = set()
@@ -121,6 +118,8 @@ class Matchmaker:
             TimeoutError: the leader's notice did not come in time.
         """
         search = self._search
+        if group_id in self.leaders.told_apart:
+            raise MergeFailed(f"a member {OTHER_NOTICE} (its leader told members different groups)")
         if group_id not in self._groups and (search is None or search.accepted_gid != group_id):
             raise MergeFailed("unknown group")  # checked first so that strangers cannot make us hold state
         self._group_future(group_id)  # our own group notice may still be on its way
@@ -137,8 +136,7 @@ class Matchmaker:
         search = Search(contribution=c, deadline=now + window, epoch=epoch_of(now, self.cfg.merge.epoch_s), part=part)
         self._search, self.marks, self.alone_cause = search, search.marks, ""
         me = self.peer_id
-        passed_over = set(self._passed_over)  # never invited us in a recent search: not followed, still invited
-        self._passed_over = {p: n - 1 for p, n in self._passed_over.items() if n > 1}
+        passed_over = self.leaders.new_search(search.epoch)  # never invited us lately: not followed, still invited
         silent: set[str] = set()
         followed = ""  # the leader this peer waited for at the last poll
         try:
@@ -147,7 +145,8 @@ class Matchmaker:
                 epoch = epoch_of(get_dht_time(), self.cfg.merge.epoch_s)
                 if epoch != search.epoch:  # groups redealt: so is this search (in
                     search.epoch, followed = epoch, ""  # its first order it could wait for a mate's invite while
-                    await self.census.register(epoch)  # that mate, in the new order, waited for its invite)
+                    search.earlier, search.told = search.earlier | search.told, set()  # that mate, in the new
+                    await self.census.register(epoch)  # order, waited for its invite); mates hear this epoch's nonce
                 census = [p for p in await self.census.members(search.epoch) if p not in self.book.banned]
                 search.mark("census")
                 if search.accepted_gid:  # checked after the awaits: an invite accepted during them is a group
@@ -163,11 +162,12 @@ class Matchmaker:
                                                          and p not in silent and p not in search.unreachable)}
                 live = sum(p not in search.unreachable and p not in self._liars for p in mates)
                 only_closers = self._follows_only_closers(c)
-                leader = next((p for p in mates if p in ready and self.dial.can_lead(p) and (p == me or (
-                    p not in passed_over and (not only_closers or p in self._closers)))), None)
-                if followed and followed != leader and followed not in ready:
-                    self._passed_over[followed] = SILENT_ROUNDS  # it stopped looking without inviting us
-                followed = leader if leader not in (me, None) else ""
+                order = self.leaders.order(mates, ready, search.epoch)
+                leader = next((p for p in order if self.dial.can_lead(p) and (p == me or (
+                    not self.leaders.passed_over(p, passed_over, search.epoch)
+                    and (not only_closers or p in self._closers)))), None)
+                followed = self.leaders.follow(search, followed, None if leader == me else leader, ready, self._ready,
+                                               silent)
                 if leader is None:  # nobody ready can lead (this peer cannot be dialed): wait for one who can
                     if now >= search.deadline:
                         self.dial.nobody_leads(len(ready) - 1, len(search.unreachable & set(mates)))
@@ -181,11 +181,11 @@ class Matchmaker:
                 else:
                     if now >= search.deadline + window:
                         # it never invited us; whatever deadline it claims, follow others in the next searches
-                        self._passed_over[leader] = SILENT_ROUNDS
+                        self.leaders.pass_over(leader, search.epoch)
                         return self._alone("not_invited")
                     if now >= max(search.deadline, self._ready.get(leader, now)) + RPC_TIMEOUT_S:
                         silent.add(leader)  # it never invited us: look past it (the next one may lead)
-                        self._passed_over[leader] = SILENT_ROUNDS  # and in the next searches too
+                        self.leaders.pass_over(leader, search.epoch)  # and in the next searches too
                         continue
                 self._changed.clear()
                 try:
@@ -195,7 +195,8 @@ class Matchmaker:
             return self._alone("closed")
         finally:
             self._search = None
-            self._announce(search, sorted(search.told), False)  # in the background: the exchange must not wait
+            # in the background: the exchange must not wait
+            self._announce(search, sorted(search.told | search.earlier), False)
 
     def _alone(self, cause: str) -> None:
         """End a search without a group, for `cause` (one of `ALONE_CAUSES`)."""
@@ -206,13 +207,15 @@ class Matchmaker:
         Sent in the background; a mate that cannot be reached is not waited for in this search."""
         search.told.update(peers)
         header = self.dial.says({"looking": looking, "deadline": search.deadline, "epoch": search.epoch,
-                                 "closing": search.contribution.last_merges()})
+                                 "closing": search.contribution.last_merges(), **self.leaders.reveal(search.epoch)})
 
         async def tell(peer: str) -> None:
             if await self.rpc.request(peer, "ready", header) is None and looking:
                 search.unreachable.add(peer)
                 self._ready.pop(peer, None)  # what it said before it died (a killed peer never says it stopped)
                 self._changed.set()
+            elif looking:
+                search.acked.setdefault(peer, get_dht_time())
 
         for peer in peers:
             self._in_background(tell(peer))
@@ -249,7 +252,7 @@ class Matchmaker:
         search.leading = True  # from here on, invites from others are declined
         gid = secrets.token_hex(8)
         c = search.contribution
-        candidates = [p for p in candidates if p not in self.book.banned]
+        candidates = [p for p in candidates if p not in self.book.banned and not self.rpc.gate.refusing(p)]
         invite = {"group_id": gid, "fp": self.fingerprint, "closing": c.last_merges(), **protocol_fields()}
         replies = await asyncio.gather(*(self.rpc.request(p, "invite", invite) for p in candidates))
         search.mark("invited")
@@ -309,7 +312,9 @@ class Matchmaker:
 
     async def _await_group(self, search: Search) -> Group | None:
         try:
-            return await asyncio.wait_for(asyncio.shield(self._group_future(search.accepted_gid)), RPC_TIMEOUT_S)
+            group = await asyncio.wait_for(asyncio.shield(self._group_future(search.accepted_gid)), RPC_TIMEOUT_S)
+            self.leaders.joined(search.accepted_gid, search.leader, search.epoch)
+            return group
         except TimeoutError:
             self.log.info("leader %s never sent the group; merging alone", short_id(search.leader))
             self._groups.pop(search.accepted_gid, None)
@@ -328,8 +333,9 @@ class Matchmaker:
         header, leader = request.header, request.sender
         search, gid = self._search, header.get("group_id")
         reply = {"accept": False, "why": decline_reason(search)}
-        if leader in self.book.banned:
-            reply["error"], reply["why"] = "banned", "banned"
+        if refusal := leader_refusal(leader in self.book.banned, self.rpc.gate.refusing(leader),
+                                     search is not None and self.leaders.distrusted(leader, search.epoch)):
+            reply["why"], reply["error"] = refusal
         elif (theirs := protocol_of(header)) != PROTOCOL_VERSION:
             reply["error"], reply["why"] = f"wire protocol {theirs} differs from this peer's {PROTOCOL_VERSION}", "protocol"
             if leader not in self._other_protocol:  # once per leader: it invites every round
@@ -366,6 +372,7 @@ class Matchmaker:
             self._liars.add(peer)
         if isinstance(header.get("epoch"), int):
             self.census.saw(peer, header["epoch"])
+            self.leaders.heard(peer, header)
         self.dial.heard(peer, header)
         if self._search is not None:  # it reached this peer: streams to it ride its connection, whoever opens them
             self._search.unreachable.discard(peer)
@@ -388,4 +395,6 @@ class Matchmaker:
             if not fut.done():
                 fut.set_result(group_of_notice(header, self.lengths))
                 search.mark("grouped")
+        elif search is not None and gid == search.accepted_gid and request.sender == search.leader:
+            self.leaders.distrust(search.leader, search.epoch)  # its own notice, signed by its stream: no doubt
         await self.rpc.reply(reader, writer, "group", request.sender, {"ok": ok})

@@ -41,7 +41,7 @@ from p2pdiloco.network.admission import Request, StreamGate
 from p2pdiloco.network.allreduce import AllReduce, PlainReducer, by_values, slice_bounds
 from p2pdiloco.network.catch_up import CatchUp
 from p2pdiloco.network.census import Census
-from p2pdiloco.network.group import part_digest
+from p2pdiloco.network.group import OTHER_NOTICE, part_digest
 from p2pdiloco.network.matchmaking import Matchmaker
 from p2pdiloco.network.merger import Alone, Contribution, FaultHook, Merged, MergeOutcome, MergeStats
 from p2pdiloco.network.peer_tag import PeerLog, short_id
@@ -101,7 +101,8 @@ class P2PMerger:
         self.rpc = Rpc(dht, cfg.swarm.run_id, self.auth, self.counter)
         self.matchmaker = Matchmaker(dht, cfg, self.rpc, self.book, self.guard, fingerprint,
                                      {"d": n_params, "s": 2 * n_params, "a": 2 * n_params})
-        self.sessions = Sessions(self.matchmaker.expected_group, self.matchmaker.forget)
+        self.sessions = Sessions(self.matchmaker.expected_group, self.matchmaker.forget,
+                                 self.matchmaker.leaders.distrust_leader_of)
         """This peer's merges in progress, by group id: where the stream handlers find theirs (session.py)."""
         self.allreduce = AllReduce(
             self.rpc, self.sessions.find, {"d": self.codec, "s": STATE_CODEC, "a": STATE_DIFF_CODEC},
@@ -187,7 +188,7 @@ class P2PMerger:
 
     async def _merge(self, c: Contribution) -> MergeOutcome:
         start = _Start(time.monotonic(), self.counter.sent, self.counter.received, sum(self.book.rejected.values()))
-        session = None
+        session = group = None
         try:
             target = c.pseudo_grad if c.compensated is None else c.compensated
             # a gathered codec's part is coded before the search: the notice lists every part's digest, against
@@ -235,6 +236,8 @@ class P2PMerger:
             # a mate that left, froze or cannot be dialed (P2PDaemonError: the daemon's dial failed) is normal
             reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             self.log.warning("merge of round %d failed, merging alone: %s", c.round, reason)
+            if group is not None and OTHER_NOTICE in reason:
+                self.matchmaker.leaders.distrust_leader_of(group.group_id)
             return self._finish(start, c, Alone(reason))
         except Exception as e:  # the future must never raise into the learner: a bug here costs one merge
             self.log.exception("unexpected error in merge")

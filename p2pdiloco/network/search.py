@@ -13,10 +13,11 @@ FORM_WINDOWS = 4
 """A decoupled window is at least this many of this peer's recent group formation times (see `Window.length`)."""
 
 
-DECLINES = ("not_looking", "leading", "taken", "banned", "protocol", "config", "closing")
+DECLINES = ("not_looking", "leading", "taken", "banned", "over_budget", "distrusted", "protocol", "config", "closing")
 """Why an invite is declined, the word its reply gives (`why`): the invitee was not searching, led a group of its
-own, had accepted another leader's invite; the leader is banned, speaks another wire protocol or config; or the
-invitee, about its last merges, follows only a leader that is too. A leader whose invites were all declined merges
+own, had accepted another leader's invite; the leader is banned, was refused streams at the invitee persistently
+(`StreamGate.refusing`), told members of its last group there different groups (`Leaders.distrust`), speaks another
+wire protocol or config; or the invitee, about its last merges, follows only a leader that is too. A leader whose invites were all declined merges
 alone with the cause `declined:` and the words (plus `unreachable` for an invite unanswered, `stale` for a member
 left out as too far behind)."""
 
@@ -34,6 +35,19 @@ def decline_reason(search: Search | None) -> str:
     return "leading" if search.leading else "taken"
 
 
+def leader_refusal(banned: bool, over_budget: bool, distrusted: bool) -> tuple[str, str] | None:
+    """The word of `DECLINES` and the error an invite gets for who its leader is, if that declines it: banned; over
+    its stream budget at the invitee persistently (its parts would be refused there too); or distrusted for telling
+    members of its last group there different groups."""
+    if banned:
+        return "banned", "banned"
+    if over_budget:
+        return "over_budget", "over its stream budget at this peer"
+    if distrusted:
+        return "distrusted", "it told members of its last group here different groups"
+    return None
+
+
 @dataclass
 class Search:
     """This peer's current search for a group (matchmaking.py)."""
@@ -47,8 +61,14 @@ class Search:
     """The epoch whose groups this search is dealt (`my_group`): the current one."""
     told: set[str] = field(default_factory=set)
     """Mates told that this peer is looking."""
+    earlier: set[str] = field(default_factory=set)
+    """Mates told in an earlier epoch of this search (told again, with the new epoch's nonce, if still mates)."""
     unreachable: set[str] = field(default_factory=set)
     """Mates that could not be told: not waited for."""
+    acked: dict[str, float] = field(default_factory=dict)
+    """Mates that answered this search's word that it is looking: peer id -> when first (DHT time)."""
+    followed_deadline: float = 0.0
+    """The deadline the mate this search waits for an invite from announced (`Matchmaker._follow`)."""
     part: str = ""
     """The digest of this peer's encoded sparse part (`group.part_digest`), given in its invite reply; '' with a
     sliced codec."""

@@ -10,15 +10,20 @@ one whose late parts still arrive) never share a slot or a counter.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from p2pdiloco.network.group import Group
-from p2pdiloco.network.rpc import RPC_TIMEOUT_S
+from p2pdiloco.network.group import OTHER_NOTICE, Group
+from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed
 from p2pdiloco.network.wire import ByteCounter
+
+ENDED_KEPT = 8
+"""Groups whose merge is over whose terms this peer keeps, so that a member's late part can still show that their
+leader told members different groups."""
 
 if TYPE_CHECKING:
     from p2pdiloco.network.allreduce import _Slot
@@ -74,11 +79,16 @@ class Sessions:
             neither is in nor accepted an invite to, so that strangers cannot make it hold state
             (`Matchmaker.expected_group`).
         forget: group id -> None: the matchmaker refuses parts for that group from now on (`Matchmaker.forget`).
+        told_apart: group id -> None: a member of that group acts on other terms than this peer, so their leader
+            told members different groups (`Leaders.distrust_leader_of`).
     """
 
-    def __init__(self, expected_group: Callable[[str], Awaitable[Group]], forget: Callable[[str], None]):
-        self.expected_group, self._forget = expected_group, forget
+    def __init__(self, expected_group: Callable[[str], Awaitable[Group]], forget: Callable[[str], None],
+                 told_apart: Callable[[str], None] = lambda group_id: None):
+        self.expected_group, self._forget, self._told_apart = expected_group, forget, told_apart
         self._open: dict[str, asyncio.Future] = {}
+        self._ended: OrderedDict[str, Group] = OrderedDict()
+        """The groups of the last `ENDED_KEPT` merges this peer ended, by group id."""
 
     def open(self, session: MergeSession) -> MergeSession:
         """Register `session` (its group just formed): handlers waiting for its parts go on."""
@@ -88,26 +98,54 @@ class Sessions:
         return session
 
     def end(self, group_id: str) -> None:
-        """The merge of `group_id` is over: its session is dropped and parts for it are refused from now on."""
-        self._open.pop(group_id, None)
+        """The merge of `group_id` is over: its session is dropped and parts for it are refused from now on (their
+        terms are still checked: `find`)."""
+        future = self._open.pop(group_id, None)
+        if future is not None and future.done() and not future.cancelled() and future.exception() is None:
+            self._ended[group_id] = future.result().group
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
         self._forget(group_id)
 
-    async def find(self, group_id: str) -> MergeSession:
+    async def find(self, group_id: str, sender: str = "", header: dict | None = None) -> MergeSession:
         """The session of group `group_id`. A part may arrive before this peer's own merge opened it (a member's
         notice and the first parts race): it waits for it, as long as for the group's notice.
 
+        Args:
+            group_id: the group.
+            sender, header: the member that sent a part or request for it, and its header (the sender's member
+                index and the terms it acts on). A member of the group acting on other terms shows that their leader
+                told members different groups (`told_apart`), also where this peer's merge of it is over already:
+                each member learns it from the first lie, whichever failure ended its own merge first.
+
         Raises:
-            MergeFailed: this peer is not part of that group.
+            MergeFailed: this peer is not part of that group (any more: also when its merge of it is over).
             TimeoutError: the group's notice, or its session, did not come in time.
         """
+        if header is not None and group_id in self._ended and self._other_terms(self._ended[group_id], sender, header):
+            raise MergeFailed(f"the sender {OTHER_NOTICE} (its leader told members different groups)")
         await self.expected_group(group_id)  # checked first: a stranger's group id allocates nothing
         future = self._future(group_id)
         try:
-            return await asyncio.wait_for(asyncio.shield(future), RPC_TIMEOUT_S)
+            session = await asyncio.wait_for(asyncio.shield(future), RPC_TIMEOUT_S)
         except TimeoutError:
             if not future.done() and self._open.get(group_id) is future:
                 del self._open[group_id]  # never opened (its merge gave up first): nothing kept for it
             raise
+        if header is not None:
+            self._other_terms(session.group, sender, header)
+        return session
+
+    def _other_terms(self, group: Group, sender: str, header: dict) -> bool:
+        """Whether `sender`, that member of `group` its header names, acts on other terms (then said to `told_apart`).
+        A stranger's header proves nothing: only a member's is counted."""
+        index = header.get("index")
+        if not isinstance(index, int) or not 0 <= index < len(group.members) or group.members[index] != sender:
+            return False
+        if header.get("terms") == group.terms:
+            return False
+        self._told_apart(group.group_id)
+        return True
 
     def _future(self, group_id: str) -> asyncio.Future:
         if group_id not in self._open:

@@ -138,7 +138,7 @@ class SparseExchange:
 
     Args:
         rpc: requests to the other members (op 'sparse').
-        find_session: group id -> its merge session, once it is open (see `Sessions.find`).
+        find_session: (group id, sender, header) -> its merge session, once it is open (see `Sessions.find`).
         codec: the sparse codec (`encoded_size` bounds a part's bytes).
         guard: bounds on received parts (None: no guards).
         book: where rejected members are counted.
@@ -146,7 +146,7 @@ class SparseExchange:
         faults: test hook; stage 'serve_part' fires on each part received, keyed by the session's round.
     """
 
-    def __init__(self, rpc: Rpc, find_session: Callable[[str], Awaitable[MergeSession]], codec: Codec,
+    def __init__(self, rpc: Rpc, find_session: Callable[..., Awaitable[MergeSession]], codec: Codec,
                  guard: GuardConfig | None, book: GuardBook, merge_timeout_s: float = 30.0,
                  faults: FaultHook | None = None):
         self.rpc, self.find_session, self.codec, self.guard, self.book = rpc, find_session, codec, guard, book
@@ -234,7 +234,7 @@ class SparseExchange:
                 raise MergeFailed("malformed part header")
             if header.get("codec") != self.codec.name:
                 raise MergeFailed(f"part encoded with {header.get('codec')!r}, this peer merges with {self.codec.name!r}")
-            session = await self.find_session(gid)
+            session = await self.find_session(gid, sender, header)
             group = session.group
             if not 0 <= index < len(group.members) or group.members[index] != sender:
                 raise MergeFailed("sender is not that member of the group")

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from p2pdiloco.config import Config
 from p2pdiloco.network.merger import Merger
 from p2pdiloco.testing.faults import Faults, faults_from_env
 from p2pdiloco.testing.hostile import HostileMerger, poisoned_state, sybil_record, sybil_state
+from p2pdiloco.testing.insiders import ground_identity
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,11 @@ class PeerHooks:
         """The merger the learner submits to: `merger` itself, or a hostile wrapper around it (the real merger
         still counts the bytes)."""
         return HostileMerger(merger, self.hostile, self.seed) if self.hostile else merger
+
+    def prepare_identity(self, cfg: Config, path: Path) -> None:
+        """Before this peer's DHT starts: the grinder writes its ground key to `path`, its identity file."""
+        if self.hostile == "grinder":
+            ground_identity(cfg, path)
 
     def wrap_state(self, provider, n_params: int):
         """The state this peer serves to joiners: its own, or a poisoned one (hostile kinds `donor`, `sybil_donor`).

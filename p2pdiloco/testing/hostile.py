@@ -13,6 +13,7 @@ intent would. It changes nothing in other peers' processes: what they see is onl
 - sybil_donor: it serves joiners a forged state that every `sybil_donor` peer forges bit for bit alike (a model
   of init-like noise, no training) with counters claiming step 10⁹, and its heartbeat names that state as its
   global model with the same counters, so that its ids together pass any count of holders; it merges honestly.
+- grinder, pinner, flood: key holders that attack the swarm's rules (insiders.py).
 
 docs/security.md, "Insiders who lie about themselves", says how each is stopped.
 """
@@ -32,6 +33,7 @@ from p2pdiloco.config import HOSTILE_KINDS as KINDS
 from p2pdiloco.network.merger import Contribution, Merged, MergeOutcome, Merger
 from p2pdiloco.network.peer_tag import PeerLog
 from p2pdiloco.network.state_sync import GlobalState
+from p2pdiloco.testing.insiders import InsiderTasks
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +87,9 @@ class HostileMerger:
         self.peer_id = inner.peer_id
         self.log = PeerLog(logger, self.peer_id)
         self._gen = torch.Generator().manual_seed(seed)
-        if kind == "leader":
-            silent_leader(inner)
+        if kind in ("leader", "grinder"):
+            silent_leader(inner, far=kind == "leader")
+        self._insider = InsiderTasks(inner, kind) if kind in ("pinner", "flood") else None
         self.log.warning("HOSTILE peer: %s", kind)
 
     def submit(self, contribution: Contribution) -> Future[MergeOutcome]:
@@ -110,6 +113,8 @@ class HostileMerger:
         return self.inner.take_round_shift()
 
     def close(self) -> None:
+        if self._insider is not None:
+            self._insider.close()
         self.inner.close()
 
 
@@ -133,9 +138,9 @@ def _residual_of_lie(future: Future[MergeOutcome], offset: torch.Tensor) -> Futu
     return out
 
 
-def silent_leader(merger) -> None:
-    """Make a P2PMerger's matchmaker claim a far deadline whenever it tells its mates it is looking, and never
-    invite anyone."""
+def silent_leader(merger, far: bool = True) -> None:
+    """Make a P2PMerger's matchmaker never invite anyone, and (`far`) claim a far deadline whenever it tells its
+    mates it is looking (else its honest deadline, which mates believe)."""
     mm = merger.matchmaker
     request = mm.rpc.request
 
@@ -149,7 +154,25 @@ def silent_leader(merger) -> None:
         await asyncio.sleep(max(0.0, search.deadline - get_dht_time()))
         return None
 
-    mm.rpc.request, mm._lead = far_ready, never_lead
+    mm._lead = never_lead
+    if far:
+        mm.rpc.request = far_ready
+
+
+def equivocating_leader(merger) -> None:
+    """Make a P2PMerger's matchmaker, whenever it leads three members or more, send its first member a notice unlike
+    the others': the second member's weight doubled, within the cap, so that the notice passes every check the
+    first member can make alone."""
+    mm = merger.matchmaker
+    request = mm.rpc.request
+
+    async def equivocate(peer: str, op: str, header: dict) -> dict | None:
+        if op == "group" and len(header.get("members", ())) > 2 and peer == header["members"][1]:
+            w = header["weights"]
+            header = {**header, "weights": [*w[:2], 2 * w[2], *w[3:]]}
+        return await request(peer, op, header)
+
+    mm.rpc.request = equivocate
 
 
 def poisoned_state(provider):
