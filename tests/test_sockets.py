@@ -10,7 +10,7 @@ import psutil
 from p2pdiloco.network.sockets import (
     daemon_sockets,
     remove_stale_sockets,
-    stale_listener_folders,
+    stale_listeners,
     stale_socket_files,
 )
 
@@ -34,7 +34,9 @@ def test_stale_socket_files_are_those_nobody_has_bound(tmp_path):
         live.close()
 
 
-def test_multiprocessing_listener_folders_of_dead_processes_are_removed_and_live_or_other_ones_kept(tmp_path):
+def test_dead_processes_multiprocessing_listeners_are_removed_and_every_folder_kept(tmp_path):
+    """A folder holding only dead listeners may be a live parent's whose forked children made them (a DHT
+    process): the listeners go, the folder stays, and a live listener or another file is never touched."""
     def folder(name: str, *sockets: str, bound: bool = False) -> tuple[Path, list[socket.socket]]:
         path, held = tmp_path / name, []
         path.mkdir()
@@ -49,15 +51,17 @@ def test_multiprocessing_listener_folders_of_dead_processes_are_removed_and_live
 
     dead, _ = folder("pymp-dead", "listener-a", "listener-b")
     live, held = folder("pymp-live", "listener-c", bound=True)
-    empty, _ = folder("pymp-empty")  # made by a live process that has not bound its listener yet
     (other, _), (mixed, _) = folder("pymp-other"), folder("pymp-mixed", "listener-d")
-    (other / "data").write_text("not a socket")
+    (other / "listener-e").write_text("not a socket")
     (mixed / "notes").write_text("not a socket")
     try:
-        assert stale_listener_folders(tmp_path, grace_s=0) == [dead]
-        assert stale_listener_folders(tmp_path, grace_s=3600) == []  # too young to judge
-        assert remove_stale_sockets(tmp_path, grace_s=0) == 2
-        assert not dead.exists() and all(p.exists() for p in (live, empty, other, mixed))
+        assert stale_listeners(tmp_path, grace_s=0) == [dead / "listener-a", dead / "listener-b",
+                                                        mixed / "listener-d"]
+        assert stale_listeners(tmp_path, grace_s=3600) == []  # too young to judge
+        assert remove_stale_sockets(tmp_path, grace_s=0) == 3
+        assert all(p.is_dir() for p in (dead, live, other, mixed))  # the folders stay, dead or alive
+        assert list(dead.iterdir()) == [] and (live / "listener-c").exists()
+        assert (other / "listener-e").exists() and (mixed / "notes").exists() and not (mixed / "listener-d").exists()
     finally:
         for s in held:
             s.close()

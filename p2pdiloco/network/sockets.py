@@ -12,9 +12,11 @@ period, whose path no table lists are removed, so another live run's sockets are
 
 Python's multiprocessing leaves a second kind: a process that hands a connection or file descriptor to another
 (hivemind's DHT process does, for each of its pipes' replies) serves it from a `listener-*` socket in a
-`pymp-*` folder of the temporary folder, removed at a clean exit only. A folder of this user whose every entry is
-such a socket that nobody has bound is a dead process's, and is removed with them (an empty one may be a live
-process's, and is left alone).
+`pymp-*` folder of the temporary folder, removed at a clean exit only. Such a socket of this user that nobody has
+bound is a dead process's, and is removed; the folder never is. A forked child (a DHT process) makes its listeners
+in its parent's folder, which the parent goes on using: a live process's folder can hold only dead children's
+listeners, and removing it made the parent's next fork fail to bind (a whole test run's worker, while peers
+started beside it swept the temporary folder).
 """
 
 from __future__ import annotations
@@ -92,37 +94,34 @@ def stale_socket_files(folder: Path = SOCKET_DIR, grace_s: float = GRACE_S) -> l
     return stale
 
 
-def stale_listener_folders(folder: Path | None = None, grace_s: float = GRACE_S) -> list[Path]:
-    """This user's multiprocessing `pymp-*` folders in `folder` (default: the temporary folder) older than
-    `grace_s` that hold only `listener-*` sockets nobody has bound, at least one."""
-    now, uid, listed = time.time(), os.getuid(), {}
-    for path in sorted(Path(folder or tempfile.gettempdir()).glob("pymp-*")):
+def stale_listeners(folder: Path | None = None, grace_s: float = GRACE_S) -> list[Path]:
+    """This user's multiprocessing `listener-*` sockets in the `pymp-*` folders of `folder` (default: the temporary
+    folder), older than `grace_s`, that nobody has bound."""
+    now, uid, listed = time.time(), os.getuid(), []
+    for path in sorted(Path(folder or tempfile.gettempdir()).glob("pymp-*/listener-*")):
         with contextlib.suppress(OSError):  # listed before the tables are read: a socket bound then is in them
             st = path.lstat()
-            if st.st_uid == uid and now - st.st_mtime >= grace_s:
-                listed[path] = [(e, e.lstat().st_mode) for e in path.iterdir()]
+            if st.st_uid == uid and stat.S_ISSOCK(st.st_mode) and now - st.st_mtime >= grace_s:
+                listed.append(path)
     bound = bound_paths()
     if bound is None:
         return []
-    return [path for path, entries in listed.items() if entries and all(
-        e.name.startswith("listener-") and stat.S_ISSOCK(mode) and str(e) not in bound for e, mode in entries)]
+    return [path for path in listed if str(path) not in bound]
 
 
 def remove_stale_sockets(folder: Path = SOCKET_DIR, grace_s: float = GRACE_S) -> int:
-    """Remove the socket files `stale_socket_files` finds, and the folders `stale_listener_folders` finds in the
-    temporary folder; returns how many sockets were removed."""
+    """Remove the socket files `stale_socket_files` finds, and the listeners `stale_listeners` finds in the
+    temporary folder; returns how many were removed."""
     removed = 0
     for path in stale_socket_files(folder, grace_s):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
             removed += 1
     listeners = 0
-    for path in stale_listener_folders(None if folder == SOCKET_DIR else folder, grace_s):
-        with contextlib.suppress(OSError):
-            for entry in path.iterdir():
-                entry.unlink()
-                listeners += 1
-            path.rmdir()
+    for path in stale_listeners(None if folder == SOCKET_DIR else folder, grace_s):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            listeners += 1
     if removed or listeners:
         logger.info("removed %d socket file(s) of dead p2p daemons and %d of dead processes' multiprocessing "
                     "listeners", removed, listeners)
