@@ -75,6 +75,8 @@ def test_one_slot_per_sender_and_a_stalled_sender_is_backed_off_longer_each_time
     slots.release("pinner", stalled=True)
     assert slots.ask("pinner", 10).retry_after_s == BACKOFF_S
     assert slots.refused == {"busy": 0, "one at a time": 1, "backed off": 5}
+    # what a peer's summary says it did as a donor: 2 sent to the end, 14 cut, the broken stream neither
+    assert slots.report() == {"served": 2, "cut": 14, "refused": slots.refused}
 
 
 def test_a_freed_slot_goes_to_who_waited_first_and_a_waiter_that_left_loses_its_place():

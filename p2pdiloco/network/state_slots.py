@@ -75,6 +75,10 @@ class StateSlots:
         self.stalls: dict[str, _Stalls] = {}
         self.refused: dict[str, int] = {"busy": 0, "one at a time": 0, "backed off": 0}
         """Requests refused, by reason."""
+        self.served = 0
+        """Downloads sent to the end."""
+        self.cut = 0
+        """Downloads cut because their reader stalled."""
 
     def ask(self, sender: str, hold_s: float) -> Refusal | None:
         """Whether `sender` may download now; if so (None) it holds a slot for at most `hold_s` until `release`."""
@@ -105,12 +109,18 @@ class StateSlots:
         stalls are forgotten), or neither (the stream broke: nothing is learned of the sender)."""
         self.serving.pop(sender, None)
         now = self.clock()
+        self.served += completed
+        self.cut += stalled
         if completed:
             self.stalls.pop(sender, None)
         if not stalled:
             return
         strikes = self.stalls[sender].strikes + 1 if sender in self.stalls else 1
         self.stalls[sender] = _Stalls(strikes, now + min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (strikes - 1)))
+
+    def report(self) -> dict:
+        """What this donor did with the requests it was asked: {"served", "cut", "refused": {reason: count}}."""
+        return {"served": self.served, "cut": self.cut, "refused": dict(self.refused)}
 
     def _refuse(self, reason: str, retry_after_s: float) -> Refusal:
         self.refused[reason] += 1
