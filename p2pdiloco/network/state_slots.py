@@ -6,8 +6,12 @@ every slot the moment it is cut and starves honest joiners. So `StateSlots` deci
 
 1. a sender that stalled a download recently is refused ("backed off") for `BACKOFF_S`, doubling with each
    further stall up to `MAX_BACKOFF_S`; a download sent to the end forgets its stalls;
-2. a sender holds one slot at a time: a second request while its first download runs is refused ("one at a
-   time");
+2. a sender holds one slot, and one state stream, at a time: a second request while its first download runs,
+   or while its first stream waits for the sender to close it after the reply, is refused ("one at a time"), the
+   latter at once, without waiting for its close. A state that fits in the transport's buffers is never stalled
+   on, so rule 1 never sees a pinner re-asking for such a state; this rule keeps it to one download per
+   `wire.REPLY_LINGER_S` and one of its places at this peer (admission.py), whatever the rate it asks at, so
+   that its other streams (merge parts) still fit its per-sender budget;
 3. a free slot goes to the peers that were refused "busy" first, in the order they first asked (a queue of at
    most `MAX_WAITING` peers): a peer that asks while others wait ahead of it is refused and queued behind them.
    A waiter keeps its place while it comes back when told (its entry lapses `RETRY_GRACE_S` after that time),
@@ -21,6 +25,7 @@ that queued after them by about k / `SERVING_SLOTS` stalled downloads, once per 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,6 +80,8 @@ class StateSlots:
         self.stalls: dict[str, _Stalls] = {}
         self.refused: dict[str, int] = {"busy": 0, "one at a time": 0, "backed off": 0}
         """Requests refused, by reason."""
+        self.open: Counter[str] = Counter()
+        """State streams each sender holds open here now (a download, or a reply waiting for its reader to close)."""
         self.served = 0
         """Downloads sent to the end."""
         self.cut = 0
@@ -103,6 +110,20 @@ class StateSlots:
         if sender in self.waiting or len(self.waiting) < MAX_WAITING:
             self.waiting[sender] = now + retry + RETRY_GRACE_S  # keeps its place if already queued
         return self._refuse("busy", retry)
+
+    def opened(self, sender: str) -> Refusal | None:
+        """A state stream of `sender` opened (`closed` when it ends): refused "one at a time" if the sender holds
+        another here. Such a refusal is answered without waiting for the sender to close its end, so that a sender
+        that opens stream after stream and closes none holds one of this peer's places (admission.py) for its
+        state requests, not one per request: its other requests, merge parts among them, still fit its budget."""
+        self.open[sender] += 1
+        return self._refuse("one at a time", RETRY_POLL_S) if self.open[sender] > 1 else None
+
+    def closed(self, sender: str) -> None:
+        """A state stream of `sender` ended."""
+        self.open[sender] -= 1
+        if self.open[sender] <= 0:
+            del self.open[sender]
 
     def release(self, sender: str, stalled: bool, completed: bool = False) -> None:
         """`sender`'s download ended: cut because its reader stalled (`stalled`), sent to the end (`completed`: its
