@@ -19,7 +19,14 @@ from p2pdiloco.network.admission import MAX_PER_SENDER, SENDER_BURST, SENDER_RAT
 from p2pdiloco.network.census import epoch_of, registered_now
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.p2p_merger import P2PMerger
-from p2pdiloco.network.state_slots import BACKOFF_S, MAX_BACKOFF_S, MAX_WAITING, StateSlots
+from p2pdiloco.network.state_slots import (
+    BACKOFF_S,
+    DOWNLOAD_EVERY_S,
+    DOWNLOADS_BURST,
+    MAX_BACKOFF_S,
+    MAX_WAITING,
+    StateSlots,
+)
 from p2pdiloco.network.state_sync import GlobalState, StateBusy, StateSync
 from p2pdiloco.network.swarm import start_dht, swarm_auth
 from p2pdiloco.network.swarm_key import write_new_key
@@ -74,7 +81,7 @@ def test_one_slot_per_sender_and_a_stalled_sender_is_backed_off_longer_each_time
     assert slots.ask("pinner", 10) is None
     slots.release("pinner", stalled=True)
     assert slots.ask("pinner", 10).retry_after_s == BACKOFF_S
-    assert slots.refused == {"busy": 0, "one at a time": 1, "backed off": 5}
+    assert slots.refused == {"busy": 0, "one at a time": 1, "backed off": 5, "served recently": 0}
     # what a peer's summary says it did as a donor: 2 sent to the end, 14 cut, the broken stream neither
     assert slots.report() == {"served": 2, "cut": 14, "refused": slots.refused}
 
@@ -89,6 +96,26 @@ def test_a_second_state_stream_of_one_sender_is_refused_while_its_first_is_open(
     slots.closed("pinner")
     assert slots.opened("pinner") is None  # closed: it may ask again
     assert slots.refused["one at a time"] == 1
+
+
+def test_a_sender_is_served_a_few_downloads_back_to_back_then_one_a_minute():
+    clock = _Clock()
+    slots = StateSlots(slots=2, clock=clock)
+    for _ in range(DOWNLOADS_BURST):
+        assert slots.ask("reader", 10) is None  # reads every download to the end, at once
+        slots.release("reader", stalled=False, completed=True)
+    refusal = slots.ask("reader", 10)
+    assert refusal.reason == "served recently" and refusal.retry_after_s == pytest.approx(DOWNLOAD_EVERY_S)
+    assert slots.ask("joiner", 10) is None  # others' budgets are their own
+    clock.now += DOWNLOAD_EVERY_S / 2
+    assert slots.ask("reader", 10).retry_after_s == pytest.approx(DOWNLOAD_EVERY_S / 2)
+    clock.now += DOWNLOAD_EVERY_S / 2
+    assert slots.ask("reader", 10) is None  # one more a minute
+    slots.release("reader", stalled=False, completed=True)
+    assert slots.ask("reader", 10).reason == "served recently"
+    clock.now += DOWNLOADS_BURST * DOWNLOAD_EVERY_S  # a full budget again, and forgotten
+    assert slots.ask("other", 10) is None and "reader" not in slots.downloads
+    assert slots.refused["served recently"] == 3
 
 
 def test_a_freed_slot_goes_to_who_waited_first_and_a_waiter_that_left_loses_its_place():

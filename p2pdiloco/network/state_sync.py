@@ -67,7 +67,7 @@ class StateBusy(StateError):
     """A donor that does not serve this joiner now, and says when to ask again.
 
     Args:
-        reason: the donor's word: 'busy', 'one at a time' or 'backed off' (state_slots.py).
+        reason: the donor's word: 'busy', 'one at a time', 'backed off' or 'served recently' (state_slots.py).
         retry_after_s: seconds after which the donor may serve this joiner.
     """
 
