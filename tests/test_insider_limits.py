@@ -19,7 +19,14 @@ from p2pdiloco.network.admission import MAX_PER_SENDER, SENDER_BURST, SENDER_RAT
 from p2pdiloco.network.census import epoch_of, registered_now
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.p2p_merger import P2PMerger
-from p2pdiloco.network.state_slots import BACKOFF_S, MAX_BACKOFF_S, MAX_WAITING, StateSlots
+from p2pdiloco.network.state_slots import (
+    BACKOFF_S,
+    DOWNLOAD_EVERY_S,
+    DOWNLOADS_BURST,
+    MAX_BACKOFF_S,
+    MAX_WAITING,
+    StateSlots,
+)
 from p2pdiloco.network.state_sync import GlobalState, StateBusy, StateSync
 from p2pdiloco.network.swarm import start_dht, swarm_auth
 from p2pdiloco.network.swarm_key import write_new_key
@@ -74,7 +81,41 @@ def test_one_slot_per_sender_and_a_stalled_sender_is_backed_off_longer_each_time
     assert slots.ask("pinner", 10) is None
     slots.release("pinner", stalled=True)
     assert slots.ask("pinner", 10).retry_after_s == BACKOFF_S
-    assert slots.refused == {"busy": 0, "one at a time": 1, "backed off": 5}
+    assert slots.refused == {"busy": 0, "one at a time": 1, "backed off": 5, "served recently": 0}
+    # what a peer's summary says it did as a donor: 2 sent to the end, 14 cut, the broken stream neither
+    assert slots.report() == {"served": 2, "cut": 14, "refused": slots.refused}
+
+
+def test_a_second_state_stream_of_one_sender_is_refused_while_its_first_is_open():
+    slots = StateSlots(slots=2, clock=_Clock())
+    assert slots.opened("pinner") is None and slots.opened("honest") is None
+    refusal = slots.opened("pinner")  # its first is still open (a download, or a reply not yet closed)
+    assert refusal is not None and refusal.reason == "one at a time" and refusal.retry_after_s > 0
+    slots.closed("pinner")
+    assert slots.open == {"pinner": 1, "honest": 1}
+    slots.closed("pinner")
+    assert slots.opened("pinner") is None  # closed: it may ask again
+    assert slots.refused["one at a time"] == 1
+
+
+def test_a_sender_is_served_a_few_downloads_back_to_back_then_one_a_minute():
+    clock = _Clock()
+    slots = StateSlots(slots=2, clock=clock)
+    for _ in range(DOWNLOADS_BURST):
+        assert slots.ask("reader", 10) is None  # reads every download to the end, at once
+        slots.release("reader", stalled=False, completed=True)
+    refusal = slots.ask("reader", 10)
+    assert refusal.reason == "served recently" and refusal.retry_after_s == pytest.approx(DOWNLOAD_EVERY_S)
+    assert slots.ask("joiner", 10) is None  # others' budgets are their own
+    clock.now += DOWNLOAD_EVERY_S / 2
+    assert slots.ask("reader", 10).retry_after_s == pytest.approx(DOWNLOAD_EVERY_S / 2)
+    clock.now += DOWNLOAD_EVERY_S / 2
+    assert slots.ask("reader", 10) is None  # one more a minute
+    slots.release("reader", stalled=False, completed=True)
+    assert slots.ask("reader", 10).reason == "served recently"
+    clock.now += DOWNLOADS_BURST * DOWNLOAD_EVERY_S  # a full budget again, and forgotten
+    assert slots.ask("other", 10) is None and "reader" not in slots.downloads
+    assert slots.refused["served recently"] == 3
 
 
 def test_a_freed_slot_goes_to_who_waited_first_and_a_waiter_that_left_loses_its_place():
@@ -230,6 +271,58 @@ def test_a_joiner_is_served_within_one_slot_s_time_while_a_pinner_re_asks_every_
             p.stopped = True
             net_loop.run(p.close(), 10)
         for p2p in pinner_p2ps:
+            net_loop.run(p2p.shutdown(), 10)
+        for d in (joiner_dht, donor_dht):
+            if d is not None:
+                d.shutdown()
+
+
+SMALL_STATE = 20_000
+"""Parameters of a state that fits in the buffers between two peers (160 kB): a reader that never reads does not
+stall its download, so the donor's send ends as if it had been read."""
+
+
+@pytest.mark.integration
+def test_a_pinner_re_asking_for_a_state_that_never_stalls_gets_one_download_and_holds_one_place(keyed, net_loop):
+    """A download of a small state is sent to the end into the transport's buffers, so no stall backs the pinner
+    off. Its later requests, while its first stream waits for it to close, are refused at once: it is sent the
+    state once, not ten times a second, and holds one of the donor's places, so that its merge streams still fit
+    its per-sender budget and nothing refuses them; a joiner is served at its first request."""
+    donor_dht = start_dht(keyed.swarm)
+    joiner_dht, p2p, pinner = None, None, None
+    try:
+        joiner_dht = start_dht(with_swarm(keyed, initial_peers=[str(m) for m in donor_dht.get_visible_maddrs()]).swarm)
+        state = GlobalState(torch.randn(SMALL_STATE), torch.randn(SMALL_STATE), 7, 70, 700.0)
+        auth = swarm_auth(keyed.swarm)
+        donor = StateSync(donor_dht, "pin", SMALL_STATE, lambda: state, ByteCounter(), auth=auth)
+        joiner = StateSync(joiner_dht, "pin", SMALL_STATE, lambda: None, ByteCounter(), auth=auth)
+        net_loop.run(donor.start(), 10)
+        net_loop.run(joiner.start(), 10)
+        donor_id = donor_dht.peer_id.to_base58()
+        p2p = net_loop.run(P2P.create(initial_peers=[str(m) for m in donor_dht.get_visible_maddrs()],
+                                      host_maddrs=["/ip4/127.0.0.1/tcp/0"]), 30)
+        pinner = _Pinner(p2p, auth, donor_id, donor.proto)
+        running = net_loop.submit(pinner.run())
+        pinner_id = p2p.peer_id.to_base58()
+        handled = lambda: (donor.slots.served + sum(donor.slots.refused.values())  # noqa: E731
+                           + donor.gate.refused_from.get(pinner_id, 0))
+        wait_for(lambda: pinner.asked >= 30 and handled() >= 28, timeout=30, what="the pinner asking 30 times")
+        assert donor.slots.served == 1 and donor.aborted == 0, (donor.slots.served, donor.aborted)
+        assert donor.slots.refused["one at a time"] >= 25, donor.slots.refused
+        assert donor.gate.by_sender[pinner_id] <= 2 and pinner_id not in donor.gate.refused_from, \
+            (donor.gate.by_sender, donor.gate.refused_from)
+        assert not donor.gate.refusing(pinner_id)  # nothing leaves it out of merge groups
+        got, refusals = _poll_until_served(net_loop, joiner, donor_id, limit_s=10)
+        assert refusals == [] and torch.equal(got.global_params, state.global_params)
+        print(f"\npinner asked {pinner.asked} times: served {donor.slots.served}, refused {donor.slots.refused}, "
+              f"holds {donor.gate.by_sender[pinner_id]} stream(s) at the donor")
+        pinner.stopped = True
+        running.result(10)
+    finally:
+        if pinner is not None:
+            pinner.stopped = True
+            net_loop.run(pinner.close(), 10)
+        if p2p is not None:
             net_loop.run(p2p.shutdown(), 10)
         for d in (joiner_dht, donor_dht):
             if d is not None:

@@ -164,6 +164,8 @@ class Peer:
     """Started together with the others of a `local` run: waits for them before its first step."""
     finished: bool = False
     """Set once it has trained to the end (not stopped): its record then says it left having finished."""
+    state_sync: StateSync | None = None
+    """Serves this peer's state to joiners (set by `start_services`)."""
 
 
 def run_peer(cfg: Config, stop: StopFlag, announce=print, start_barrier: Path | None = None) -> dict | None:
@@ -316,6 +318,7 @@ def start_services(peer: Peer, announce, closing: contextlib.ExitStack) -> None:
                            learner.report.traffic.state, auth=peer.auth, gate=merger.gate,
                            held=peer.hooks.wrap_held(learner.held.get))
     loop.run(state_sync.start(), timeout=30)
+    peer.state_sync = state_sync
     # its bytes count with the state downloads' (both are start-up traffic), not in any merge's
     merger.expect_dialable_verdict()
     reach = start_reachability(loop, dht, cfg.swarm.run_id, cfg.swarm.initial_peers, peer.maddrs, merger.gate,
@@ -360,7 +363,8 @@ def train(peer: Peer, start_barrier: Path | None) -> dict:
     summary = learner.run()
     loop.run(learner.report.traffic.refresh_dht(dht), timeout=10)  # the DHT's final counts, not the last poll's
     summary.update(name=cfg.run.name, n_params=peer.n_params, **learner.report.bandwidth(),
-                   guard=merger.guard_report(), hostile=cfg.emulate.hostile, census=merger.census.counts())
+                   guard=merger.guard_report(), hostile=cfg.emulate.hostile, census=merger.census.counts(),
+                   state_serving=peer.state_sync.slots.report() if peer.state_sync else None)
     summary["dht_by_kind"] = dht_bytes_by_kind(learner.report.traffic.dht_by_key, cfg.swarm.run_id)
     write_json_atomic(run_dir / "peer_summary.json", summary)
     if not stop():  # a peer told to stop mid-round still has its last merged state in the checkpoints

@@ -11,13 +11,14 @@ that adopted or refused a
 group's global model, and the rejections the guards counted.
 
 The `donor` kind is left out: it lies only to joiners, and these swarms have none (tests/test_join.py shows the
-refusal). `sybil_donor` (every hostile peer serves joiners the same forged state and names it in its records) has a
-joiner: its runs restart the last peer as a fresh one mid-run, against `clean_join`, a clean run with the same
-restart (byzantine_join.py). The key holders' kinds (testing/insiders.py: `grinder`, an id ground to lead and never invite; `pinner`;
-`flood`) attack the swarm's rules rather than the model: their figure is the honest peers' share of merges made in
-a group (`group_share`), beside the clean run's. A pinner only delays joiners, and these swarms have none: its run
-shows that pinning costs the others' merges nothing. Decoupled runs pad each inner step to `emulate.min_step_s` so that the shared cores decide less of who
-meets whom.
+refusal). `sybil_donor` (every hostile peer serves joiners the same forged state and names it in its records) and
+`pinner` (every hostile peer pins the others' state slots, re-asking every 0.1 s and never reading) have a joiner:
+their runs restart the last peer as a fresh one mid-run, against `clean_join`, a clean run with the same restart
+(byzantine_join.py), and say how long the joiner took to hold the swarm's state beside `clean_join`'s, against one
+donor slot's time. The key holders' kinds (testing/insiders.py: `grinder`, an id ground to lead and never invite;
+`pinner`; `flood`) attack the swarm's rules rather than the model: their figure is also the honest peers' share of
+merges made in a group (`group_share`), beside the clean run's. Decoupled runs pad each inner step to
+`emulate.min_step_s` so that the shared cores decide less of who meets whom.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ from p2pdiloco.bench.byzantine_join import (
     JoinerRestart,
     baseline_of,
     baselines,
+    donors_serving,
+    join_against,
     joiner_outcome,
+    slot_s,
 )
 from p2pdiloco.bench.common import BENCH_EVAL, BENCH_MODEL, machine, write_results
 from p2pdiloco.config import load_config, parse_set
@@ -139,6 +143,8 @@ def bench_byzantine(out: Path, steps: int = 100, round_steps: int = 5, sizes: tu
                         figure[key] = statistics.mean(values)
                         figure[key + "_per_seed"] = values
                         figure[key + "_stdev"] = statistics.stdev(values) if len(values) > 1 else 0.0
+                if kind in JOINER_KINDS:
+                    figure["join_per_seed"] = [r.get("join", {}) for r in per_seed]
                 results["figures"][f"{kind}_{mode}_{peers}"] = figure
     path = write_results(out, "byzantine", results)
     _print(results, path, console)
@@ -178,7 +184,10 @@ def _run(out: Path, results: dict, kind: str, mode: str, peers: int, seed: int, 
     outcome["group_share"] = _group_share(out / name, [n for n in names if n not in hostile_names])
     if joins:
         hostile_ids = {p.get("peer_id") for p in summary["peers"] if p.get("name") in hostile_names}
-        outcome["joiner"] = joiner_outcome(out / name, names[-1], hostile_ids)
+        ids = {p.get("peer_id"): p.get("name") for p in summary["peers"]}
+        outcome["joiner"] = joiner_outcome(out / name, names[-1], hostile_ids, ids)
+        outcome["donors"] = donors_serving(summary, set(names[:-1]) - hostile_names)
+        outcome["slot_s"] = slot_s(summary)
     adopted, refused = _merge_lines(out / name, [n for n in names if n not in hostile_names])
     results["runs"][name] = {"peers_finished": summary["peers_finished"], **outcome, "adopted_state": adopted,
                              "state_refused": refused, "wall_s": time.monotonic() - t0}
@@ -188,7 +197,10 @@ def _run(out: Path, results: dict, kind: str, mode: str, peers: int, seed: int, 
 def _ratios(runs: dict, kind: str, mode: str, peers: int, seed: int, seeds: int) -> dict:
     """A kind's run of one seed ÷ that seed's clean run (and its honest-only run, if there is one)."""
     run = runs[_name(kind, mode, peers, seed, seeds)]
-    run["ratio"] = run["eval_loss"] / runs[_name(baseline_of(kind), mode, peers, seed, seeds)]["eval_loss"]
+    base = runs[_name(baseline_of(kind), mode, peers, seed, seeds)]
+    run["ratio"] = run["eval_loss"] / base["eval_loss"]
+    if kind in JOINER_KINDS:
+        run["join"] = join_against(run, base)
     honest_only = runs.get(_name(HONEST_ONLY, mode, peers, seed, seeds), {}).get("eval_loss")
     if honest_only is not None:
         run["ratio_honest_only"] = run["eval_loss"] / honest_only
@@ -231,7 +243,18 @@ def _print(results: dict, path: Path, console: Console) -> None:
 
 
 def _join_line(run: dict) -> str:
-    """A joiner run's eval loss and what its joiner took."""
+    """A joiner run's eval loss, what its joiner took and when, and what the honest donors did."""
     j = run["joiner"]
-    return (f"{run['eval_loss']:.4f}, joiner took {j['joined']} state (step {j['join_step']}, "
-            f"{j['refused_states']} refused by its check)")
+    line = (f"{run['eval_loss']:.4f}, joiner took {j['joined']} state (step {j['join_step']}, "
+            f"{j['refused_states']} refused by its check")
+    if j.get("join_s") is not None:
+        line += f"; from {j['donor']}, held {j['join_s']:.1f} s after its start, download {j['download_s']:.1f} s"
+    line += ")"
+    if (vs := run.get("join")):
+        slot = "?" if vs["slot_s"] is None else f"{vs['slot_s']:.1f}"
+        line += (f", ÷ clean_join's {vs['clean_join_s']:.1f} s = {vs['ratio']:.2f} ({vs['extra_s']:+.1f} s; one slot "
+                 f"{slot} s: {'within' if vs['within_slot'] else 'NOT within'})")
+    if run.get("donors"):
+        line += "; donors " + ", ".join(f"{n} served {d['served']} cut {d['cut']} refused {d['refused']}"
+                                        for n, d in sorted(run["donors"].items()))
+    return line

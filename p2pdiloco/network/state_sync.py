@@ -39,7 +39,7 @@ from hivemind.p2p import PeerID
 from p2pdiloco.algorithm.outer import state_digest
 from p2pdiloco.network.admission import Request, StreamGate, serve_stream
 from p2pdiloco.network.peer_tag import PeerLog, short_id
-from p2pdiloco.network.state_slots import StateSlots
+from p2pdiloco.network.state_slots import Refusal, StateSlots
 from p2pdiloco.network.swarm_key import SwarmAuth
 from p2pdiloco.network.wire import (
     HEADER_TIMEOUT_S,
@@ -67,7 +67,7 @@ class StateBusy(StateError):
     """A donor that does not serve this joiner now, and says when to ask again.
 
     Args:
-        reason: the donor's word: 'busy', 'one at a time' or 'backed off' (state_slots.py).
+        reason: the donor's word: 'busy', 'one at a time', 'backed off' or 'served recently' (state_slots.py).
         retry_after_s: seconds after which the donor may serve this joiner.
     """
 
@@ -226,20 +226,32 @@ class StateSync:
         return False
 
     async def _on_request(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """A joiner's request (its tag already checked; the stream is closed after, see admission.py)."""
+        """A joiner's request (its tag checked; the stream is closed after, see admission.py; `StateSlots.opened`)."""
         async with asyncio.timeout(HEADER_TIMEOUT_S):
             await recv_payload(reader, 0, self.counter, exact=True)  # a request carries none
         joiner = request.sender
         tag = self.auth.tag("state:reply", self.me, joiner)
-        want = request.header.get("want")
+        try:
+            if (refusal := self.slots.opened(joiner)) is not None:  # refused at once: no wait for its close
+                await self._refuse(writer, tag, refusal)
+            elif await self._serve(request, writer, tag):
+                await await_requester_close(reader)  # closing at once could lose the reply (see wire.py)
+        finally:
+            self.slots.closed(joiner)
+
+    async def _refuse(self, writer: asyncio.StreamWriter, tag: str, refusal: Refusal) -> None:
+        await send_msg(writer, {"ok": False, "busy": True, "reason": refusal.reason, "retry_after_s":
+                                refusal.retry_after_s, "auth": tag}, counter=self.counter, deadline_s=send_deadline(0))
+
+    async def _serve(self, request: Request, writer: asyncio.StreamWriter, tag: str) -> bool:
+        """Reply to `request`: the state, or why not; False if a download was cut off."""
+        joiner, want = request.sender, request.header.get("want")
         state = (self.held(want) if self.held is not None and isinstance(want, str) and want else None) or self.provider()
         if state is None:
             await send_msg(writer, {"ok": False, "error": "no state yet", "auth": tag}, counter=self.counter,
                            deadline_s=send_deadline(0))
         elif (refusal := self.slots.ask(joiner, send_deadline(2 * self.n_params * 4))) is not None:
-            await send_msg(writer, {"ok": False, "busy": True, "reason": refusal.reason,
-                                    "retry_after_s": refusal.retry_after_s, "auth": tag},
-                           counter=self.counter, deadline_s=send_deadline(0))
+            await self._refuse(writer, tag, refusal)
         else:
             stalled = completed = False
             try:
@@ -250,11 +262,11 @@ class StateSync:
             except WireError as e:
                 self.aborted, stalled = self.aborted + 1, True
                 self.log.warning("cut off a state download to %s: %s", short_id(joiner), e)
-                return
+                return False
             finally:
                 self.slots.release(joiner, stalled, completed)
             self.log.info("served state of round %d to %s", state.round, short_id(joiner))
-        await await_requester_close(reader)  # closing at once could lose the reply (see wire.py)
+        return True
 
     async def fetch_from(self, peer: str, timeout: float, want: str | None = None) -> GlobalState:
         """Download `peer`'s state (the one with digest `want` if it still holds it, else its current one): its
