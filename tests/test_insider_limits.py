@@ -251,7 +251,8 @@ def test_a_joiner_is_served_within_one_slot_s_time_while_a_pinner_re_asks_every_
         took = time.monotonic() - t0
         assert torch.equal(got.global_params, state.global_params) and torch.equal(got.momentum, state.momentum)
         if pinner_ids == 1:
-            assert refusals == [] and donor.aborted == 0, (refusals, donor.aborted)  # a slot was free at once
+            # a slot was free at once (the pinner's own stalled download may be cut meanwhile, on a loaded machine)
+            assert refusals == [], (refusals, donor.aborted)
         else:
             # it waited in the queue for a stalled download to be cut, and was not overtaken by the pinners
             assert refusals and set(refusals) == {"busy"}, refusals
