@@ -480,3 +480,25 @@ def test_a_flood_of_valid_requests_from_one_key_holder_is_refused_beyond_its_bud
         for d in (honest_dht, victim_dht):
             if d is not None:
                 d.shutdown()
+
+
+@pytest.mark.integration
+def test_a_mate_refused_for_flooding_is_not_waited_for_by_leaders(bootstrap_dht, net_loop):
+    """A flooder's `ready` words say it is not looking: counted as a live mate, every leader waited out its window
+    for it before each merge (the honest peers' merge rate fell by a third in `bench byzantine --kinds flood`).
+    Refused as persistently as `StreamGate.refusing` says, it is neither invited nor waited for."""
+    from collections import deque
+
+    from p2pdiloco.network.admission import SHUN_REFUSALS
+
+    cfg = merge_config(run_id="flood-wait", merge_window_s=8, merge_timeout_s=4, codec="none", min_window_s=6,
+                       window_fraction=1.0)
+    with running_mergers(bootstrap_dht, net_loop, 3, cfg, 1000) as (a, b, flooder):
+        for m in (a, b):  # the gates' own record of the flooder's refused streams, as its flood leaves it
+            now = m.rpc.gate.clock()
+            m.rpc.gate.last_refused[flooder.peer_id] = deque([now] * SHUN_REFUSALS, maxlen=SHUN_REFUSALS)
+            assert m.rpc.gate.refusing(flooder.peer_id)
+        results = [flat(f.result(timeout=60)) for f in [m.submit(_part(i, 1000)) for i, m in enumerate((a, b))]]
+    assert all(sorted(r.group) == sorted([a.peer_id, b.peer_id]) and r.failure == "" for r in results), \
+        [(r.group, r.failure) for r in results]
+    assert max(r.match_s for r in results) < 4.0, [r.match_s for r in results]  # not its window of 6 s or more

@@ -80,10 +80,8 @@ class Matchmaker:
         """Mates that told us they are looking for a group: peer id -> until when (DHT time)."""
         self._closers: set[str] = set()
         """Mates whose word that they are looking said it is for one of their last merges (`Contribution.closing`)."""
-        self._liars: set[str] = set()
-        """Mates that announced a deadline no honest window reaches: not counted as live, even between searches."""
-        self._changed = asyncio.Event()
-        """Set when a mate's readiness changed or an invite came: the search looks again at once."""
+        self._liars: set[str] = set()  # announced a deadline no honest window reaches: never counted as live
+        self._changed = asyncio.Event()  # a mate's readiness changed or an invite came: the search looks again
         self.dial = Dialability(self.peer_id)
         """Who can be dialed: only a peer others can dial leads or owns a slice (dialable.py)."""
         self.alone_cause = ""
@@ -160,7 +158,7 @@ class Matchmaker:
                 # a mate past its deadline still waits for an invite a while (see the follower's timeouts below)
                 ready = {p for p in mates if p == me or (self._ready.get(p, 0.0) + RPC_TIMEOUT_S >= now
                                                          and p not in silent and p not in search.unreachable)}
-                live = sum(p not in search.unreachable and p not in self._liars for p in mates)
+                live = sum(p not in search.unreachable and not self._uncounted(p) for p in mates)
                 only_closers = self._follows_only_closers(c)
                 order = self.leaders.order(mates, ready, search.epoch)
                 leader = next((p for p in order if self.dial.can_lead(p) and (p == me or (
@@ -226,11 +224,13 @@ class Matchmaker:
         task.add_done_callback(self._tasks.discard)
 
     def _follows_only_closers(self, c: Contribution) -> bool:
-        """Whether a search for `c` follows and accepts only leaders whose searches are about their last merges too:
-        where groups do not span the census. A leader that is not invites its own group only, and its finishing
-        members ended apart from the rest (32 peers in `bench scale`: a group of 8 led by a peer not yet near its
-        end); with one group for everyone, nothing is gained by waiting for a closing leader."""
+        """Whether a search for `c` follows and accepts only leaders about their last merges too, where groups do not
+        span the census: another leader's finishing members ended apart from the rest (32 peers in `bench scale`)."""
         return c.last_merges() and self.census.size > self.cfg.merge.group_size
+
+    def _uncounted(self, mate: str) -> bool:
+        """A mate no leader here waits for (a flooder not looking made each wait out its window): see `_liars`, `refusing`."""
+        return mate in self._liars or self.rpc.gate.refusing(mate)
 
     def _plausible(self, deadline: object, now: float) -> bool:
         """A deadline an honest peer could have announced: no window is longer than `merge_window_s`, so a
