@@ -433,3 +433,60 @@ def test_a_find_for_thousands_of_random_keys_leaves_the_dht_process_s_key_table_
     counts = Traffic()
     net_loop.run(counts.refresh_dht(victim), 10)
     assert len(counts.dht_by_key) <= MAX_KEYS + 1 and counts.dht_by_key[OTHER_KEYS] > 0
+
+
+async def _held(dht: hivemind.DHT, node, key: str, subkey: str) -> tuple[dict, float] | None:
+    """(value, expiration) of `subkey` under `key` in `node`'s own storage (run in the DHT process), or None."""
+    from hivemind.dht.routing import DHTID
+
+    key_id = DHTID.generate(source=key)
+    found = node.protocol.storage.get(key_id)
+    for sub, item in (found.value.items() if found is not None else ()):
+        if sub == subkey:
+            record = DHTRecord(key_id.to_bytes(), MSGPackSerializer.dumps(sub), item.value, item.expiration_time)
+            return MSGPackSerializer.loads(node.protocol.record_validator.strip_value(record)), item.expiration_time
+    return None
+
+
+@pytest.mark.integration
+def test_heartbeats_refresh_one_nearest_node_in_turn_and_readers_see_the_newest(swarm, net_loop):
+    """After a first beat to every nearest node, each beat goes to one of them in turn (a third of the store
+    bytes), lives long enough to be refreshed there before it expires, and a reader's walk still sees the newest;
+    the 'left' record goes to all of them again."""
+    from p2pdiloco.app.heartbeat import RECORD_BEATS, Heartbeat
+    from p2pdiloco.network.dht_store import DHT_REPLICAS
+    from p2pdiloco.network.swarm import peer_shard
+
+    victim, blob = swarm["victim"], "z" * 3_000
+    victim_id = victim.peer_id.to_base58()
+    step = 0
+    beat = Heartbeat(victim, "rec", victim_id, lambda: {"step": step, "blob": blob}, period=5.0)
+    key = peers_key("rec", peer_shard(victim_id))
+    counts = Traffic()
+
+    def stores() -> tuple[int, int]:
+        net_loop.run(counts.refresh_dht(victim), 10)
+        made = counts.dht_by_rpc.get("store", [0, 0, 0])
+        return made[0], made[2]
+
+    net_loop.run(beat.beat(), 10)
+    def held(dht: hivemind.DHT) -> tuple[dict, float] | None:
+        return dht.run_coroutine(functools.partial(_held, key=key, subkey=victim_id))
+
+    holders = [d for d in (swarm["boot"], victim, swarm["reader"]) if held(d) is not None]
+    assert len(holders) >= 2  # the first beat went to every nearest node (of 4 nodes, the attacker may be one)
+    before = stores()
+    for step in range(1, 2 * DHT_REPLICAS + 1):
+        net_loop.run(beat.beat(), 10)
+        got = net_loop.run(read_subkeys(swarm["reader"], key), 10)[victim_id]
+        assert got["step"] == step  # the newest, wherever it went
+    made, moved = (a - b for a, b in zip(stores(), before, strict=True))
+    assert made <= 2 * DHT_REPLICAS  # one store a beat at most (none when this node's turn is its own storage)
+    assert moved < 1.2 * 2 * DHT_REPLICAS * len(blob)
+    now = get_dht_time()
+    for dht in holders:  # every copy was refreshed within the last DHT_REPLICAS beats, and outlives the next turn
+        _, expiration = held(dht)
+        assert expiration > now + (RECORD_BEATS - DHT_REPLICAS) * beat.period
+    net_loop.run(beat.leave(), 10)
+    for dht in holders:
+        assert held(dht)[0].get("left") is True

@@ -59,9 +59,19 @@ def beside(key_id: DHTID) -> DHTID:
     return DHTID(key_id ^ 1)
 
 
-async def _store_near(dht: hivemind.DHT, node, key: str, subkey: str, value: dict, expiration: float) -> bool:
+def one_in_turn(nearest: dict, turn: int | None) -> dict:
+    """The nodes of `nearest` (a key's nearest nodes, nearest first) that a store in `turn` goes to: all of them for
+    None, else the `turn`-th in rotation (counting from the nearest)."""
+    if turn is None or not nearest:
+        return nearest
+    node_id = list(nearest)[turn % len(nearest)]
+    return {node_id: nearest[node_id]}
+
+
+async def _store_near(dht: hivemind.DHT, node, key: str, subkey: str, value: dict, expiration: float,
+                      turn: int | None = None) -> bool:
     key_id = DHTID.generate(source=key)
-    nearest = await _nearest(node, key_id)
+    nearest = one_in_turn(await _nearest(node, key_id), turn)
     protocol = node.protocol
     record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value),
                        expiration)
@@ -83,10 +93,17 @@ async def _store_near(dht: hivemind.DHT, node, key: str, subkey: str, value: dic
     return any(results)
 
 
-async def store_near(dht: hivemind.DHT, key: str, subkey: str, value: dict, expiration: float) -> bool:
+async def store_near(dht: hivemind.DHT, key: str, subkey: str, value: dict, expiration: float,
+                     turn: int | None = None) -> bool:
     """Store `value` under (key, subkey) until `expiration` (DHT time) on the key's nearest nodes; whether any
-    of them took it (a node refuses a record that expires before the one it holds)."""
-    return await dht.run_coroutine(_Store(key, subkey, value, expiration), return_future=True)
+    of them took it (a node refuses a record that expires before the one it holds).
+
+    Args:
+        turn: None: on every one of the nearest nodes. An int: on one of them only, the `turn`-th in rotation, for
+            a record re-stored every few seconds that lives long enough to be refreshed on each node in turn
+            (`app/heartbeat.Heartbeat`): a reader's walk (`swarm.read_subkeys`) merges the copies of every
+            node it visits and keeps the one that expires last, the newest."""
+    return await dht.run_coroutine(_Store(key, subkey, value, expiration, turn), return_future=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +114,10 @@ class _Store:
     subkey: str
     value: dict
     expiration: float
+    turn: int | None = None
 
     async def __call__(self, dht: hivemind.DHT, node) -> bool:
-        return await _store_near(dht, node, self.key, self.subkey, self.value, self.expiration)
+        return await _store_near(dht, node, self.key, self.subkey, self.value, self.expiration, self.turn)
 
 
 async def _read_near(node, key: str) -> dict[str, tuple[object, float]]:

@@ -296,15 +296,17 @@ async def read_near_subkeys(dht: hivemind.DHT, key: str, timeout: float = 5.0) -
 
 
 async def write_subkey(
-    dht: hivemind.DHT, key: str, subkey: str, value: dict, expiration: float, timeout: float = 5.0
+    dht: hivemind.DHT, key: str, subkey: str, value: dict, expiration: float, timeout: float = 5.0,
+    turn: int | None = None,
 ) -> bool:
-    """Store `value` under (key, subkey) until `expiration` (DHT time), on the key's nearest nodes (`store_near`).
+    """Store `value` under (key, subkey) until `expiration` (DHT time), on the key's nearest nodes (`store_near`;
+    `turn`: on one of them, in rotation).
 
     The DHT keeps whichever value expires last, so a record meant to replace an earlier one must be given a
     later expiration than it, or the store is silently refused.
     """
     try:
-        return bool(await asyncio.wait_for(store_near(dht, key, subkey, value, expiration), timeout))
+        return bool(await asyncio.wait_for(store_near(dht, key, subkey, value, expiration, turn=turn), timeout))
     except TimeoutError:
         logger.warning("DHT store %s timed out", key)
         return False
