@@ -490,3 +490,34 @@ def test_heartbeats_refresh_one_nearest_node_in_turn_and_readers_see_the_newest(
     net_loop.run(beat.leave(), 10)
     for dht in holders:
         assert held(dht)[0].get("left") is True
+
+
+@pytest.mark.integration
+def test_a_near_read_of_every_shard_finds_every_record_in_one_copy(swarm, net_loop):
+    """`read_peers(near=True)`, a starting peer's first look: the shards' nearest nodes by one walk, then one copy of
+    each shard, one request a node; it finds what the walks of every shard find."""
+    from p2pdiloco.network.swarm import PEER_SHARDS, peer_shard, read_peers
+
+    blob = "w" * 1_000
+    writers = [swarm["boot"], swarm["victim"], swarm["reader"]]
+    for i, dht in enumerate(writers):
+        peer_id = dht.peer_id.to_base58()
+        record = {"i": i, "blob": blob}
+        assert net_loop.run(write_subkey(dht, peers_key("rec", peer_shard(peer_id)), peer_id, record,
+                                         get_dht_time() + 60), 10)
+    want = {dht.peer_id.to_base58(): {"i": i, "blob": blob} for i, dht in enumerate(writers)}
+    for dht in writers:
+        assert net_loop.run(read_peers(dht, "rec"), 10) == want  # the walks
+        counts = Traffic()
+        net_loop.run(counts.refresh_dht(dht), 10)
+        before = counts.dht_by_rpc.get("find", [0, 0, 0])
+        assert net_loop.run(read_peers(dht, "rec", near=True), 10) == want
+        net_loop.run(counts.refresh_dht(dht), 10)
+        after = counts.dht_by_rpc.get("find", [0, 0, 0])
+        assert after[2] - before[2] < 1.5 * len(want) * len(blob) + PEER_SHARDS * 1_500  # one copy, and the walk
+        before = after
+        assert net_loop.run(read_peers(dht, "rec", near=True), 10) == want  # the shards' nearest nodes known now
+        net_loop.run(counts.refresh_dht(dht), 10)
+        after = counts.dht_by_rpc.get("find", [0, 0, 0])
+        assert after[0] - before[0] <= len(writers) + 1  # one request a node at most (of 4 nodes)
+        assert after[2] - before[2] < 1.5 * len(want) * len(blob) + 4 * 1_000

@@ -32,7 +32,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig, fingerprint_diff, protocol_of
-from p2pdiloco.network.dht_store import DHT_BUCKET_SIZE, DHT_REPLICAS, read_near, store_near
+from p2pdiloco.network.dht_store import DHT_BUCKET_SIZE, DHT_REPLICAS, read_near, read_near_many, store_near
 from p2pdiloco.network.identity import (
     IdentityError,
     PeerIdentity,
@@ -259,8 +259,23 @@ def config_key(run_id: str) -> str:
     return f"{run_id}_config"
 
 
-async def read_peers(dht: hivemind.DHT, run_id: str, timeout: float = 5.0) -> dict[str, dict]:
-    """Every peer record of the swarm: all shards, read at once."""
+async def read_peers(dht: hivemind.DHT, run_id: str, timeout: float = 5.0, near: bool = False) -> dict[str, dict]:
+    """Every peer record of the swarm: all shards, read at once.
+
+    Args:
+        near: one copy of each shard, from its nearest node (`dht_store.read_near_many`: one walk for the shards'
+            nearest nodes, one request a node), where a walk of each shard merges the copies of every node it
+            visits (~3). That copy may be a few heartbeats old (`Heartbeat` refreshes one node a beat) and may lack
+            a record stored elsewhere, so it is for a first look (a starting peer's), not for taking a state.
+    """
+    if near:
+        try:
+            found = await asyncio.wait_for(read_near_many(dht, [peers_key(run_id, s) for s in range(PEER_SHARDS)]),
+                                           timeout)
+        except TimeoutError:
+            logger.debug("DHT read of the peer records timed out")
+            return {}
+        return {peer: record for part in found.values() for peer, record in _unexpired(part).items()}
     parts = await asyncio.gather(*(read_subkeys(dht, peers_key(run_id, s), timeout) for s in range(PEER_SHARDS)))
     return {peer: record for part in parts for peer, record in part.items()}
 
@@ -290,6 +305,11 @@ async def read_near_subkeys(dht: hivemind.DHT, key: str, timeout: float = 5.0) -
     except TimeoutError:
         logger.debug("DHT read of %s timed out", key)
         return {}
+    return _unexpired(found)
+
+
+def _unexpired(found: dict[str, tuple[object, float]]) -> dict[str, dict]:
+    """The records of a `read_near` that have not expired, as {subkey: value}; malformed entries are skipped."""
     now = get_dht_time()
     return {k: v for k, (v, expiration) in found.items()
             if isinstance(k, str) and isinstance(v, dict) and expiration > now}
