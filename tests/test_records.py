@@ -298,7 +298,7 @@ def test_dht_bytes_are_told_apart_by_the_key_they_were_for():
 
     from p2pdiloco.network.dht_store import beside
 
-    by_key = {hex_id(peers_key("run", 0)): 100, hex_id(peers_key("run", 7)): 20, hex_id(census_key("run")): 7,
+    by_key = {hex_id(peers_key("run", 0)): 100, hex_id(peers_key("run", 3)): 20, hex_id(census_key("run")): 7,
               hex_id(census_key("other run")): 3, hex_id(config_key("run")): 50, hex_id(peers_key("other run", 0)): 1,
               beside(DHTID.generate(source=census_key("run"))).to_bytes().hex(): 2}  # a walk before a store
     assert dht_bytes_by_kind(by_key, "run") == {"peer records": 120, "census": 9, "config": 50, "other": 4}

@@ -30,8 +30,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from p2pdiloco.config.schema import Config
 
-PROTOCOL_VERSION = 1
-"""The wire protocol this code speaks (see the module's docstring): raise it with any change to what peers send."""
+PROTOCOL_VERSION = 2
+"""The wire protocol this code speaks (see the module's docstring): raise it with any change to what peers send.
+
+2: peer records in `swarm.PEER_SHARDS` = 4 shards, where version 1 wrote and read 8 (a reader of one version misses
+the records the other writes under the shards it does not read)."""
 
 
 def protocol_fields(version: int | None = None) -> dict[str, int]:

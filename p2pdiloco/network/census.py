@@ -146,7 +146,7 @@ class Census:
         if epoch + 1 not in self._registered:
             self.writes += 1
             now = get_dht_time()
-            if await write_subkey(self.dht, census_key(self.run_id), self.peer_id, {"t": now, "epoch": epoch + 1},
+            if await write_subkey(self.dht, census_key(self.run_id), self.peer_id, {"epoch": epoch + 1},
                                   registration_expiry(epoch + 1, now, self.epoch_s)):
                 t = time.monotonic()
                 self._registered.setdefault(epoch, t)

@@ -162,19 +162,14 @@ async def _read_near(node, keys: list[str]) -> dict[str, dict[str, tuple[object,
     return out
 
 
-async def read_near(dht: hivemind.DHT, key: str) -> dict[str, tuple[object, float]]:
-    """Every record under `key` as {subkey: (value, expiration)}, read from the first of the key's nearest nodes
-    that answers (this node's own storage when it is that node), not from every node of a walk: one copy of the
-    key's records where a walk (`DHT.get`) merges the whole value from each of the ~3 nodes holding it.
+async def read_near_many(dht: hivemind.DHT, keys: list[str]) -> dict[str, dict[str, tuple[object, float]]]:
+    """Every record under each of `keys` as {key: {subkey: (value, expiration)}}, read from the first of the key's
+    nearest nodes that answers (this node's own storage when it is that node), not from every node of a walk: one
+    copy of the key's records where a walk (`DHT.get`) merges the whole value from each of the ~3 nodes holding it.
+    The keys' nearest nodes not known yet are looked up by one walk, and each node is asked once, for all its keys.
 
     What that one node holds may be less than what a walk finds (a writer whose routing table was still filling
     stored on other nodes), so a reader must check the answer before trusting it (`census.Census.members`)."""
-    return (await read_near_many(dht, [key]))[key]
-
-
-async def read_near_many(dht: hivemind.DHT, keys: list[str]) -> dict[str, dict[str, tuple[object, float]]]:
-    """`read_near` of several keys at once: their nearest nodes looked up by one walk (for the keys whose nearest
-    nodes are not known yet), and one request to each node asked, for all the keys it is asked for."""
     return await dht.run_coroutine(_Read(tuple(keys)), return_future=True)
 
 

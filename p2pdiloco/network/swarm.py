@@ -32,7 +32,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig, fingerprint_diff, protocol_of
-from p2pdiloco.network.dht_store import DHT_BUCKET_SIZE, DHT_REPLICAS, read_near, read_near_many, store_near
+from p2pdiloco.network.dht_store import DHT_BUCKET_SIZE, DHT_REPLICAS, read_near_many, store_near
 from p2pdiloco.network.identity import (
     IdentityError,
     PeerIdentity,
@@ -236,11 +236,10 @@ DHT_READ_BEAM = DHT_REPLICAS
 """Nodes a read keeps in its beam: those of `store_near`'s walk, where the records were stored (hivemind: the
 bucket size, 8 here)."""
 
-PEER_SHARDS = 8
-"""Peer records are spread over this many DHT keys: every store or read of a key moves all its records (hivemind
-returns a key's every subkey from each node on the way), so one key for the whole swarm made each peer's
-heartbeat cost grow with the swarm. Only whole-swarm readers (`status`, the dashboard, a joiner)
-read every shard."""
+PEER_SHARDS = 4
+"""Peer records are spread over this many DHT keys. A heartbeat moves only its own record (`store_near`): shards
+share out the holders' load (a shard's beats and reads), and each costs a whole-swarm reader (`status`, the
+dashboard, a starting peer) a walk to its nearest nodes, ~3 kB from a fresh node at 32 peers, more than its copy."""
 
 CONFIG_TTL_S = 600.0
 """A peer's config record (its full fingerprint, for a joiner's check) lives this long, renewed at half of it."""
@@ -260,23 +259,11 @@ def config_key(run_id: str) -> str:
 
 
 async def read_peers(dht: hivemind.DHT, run_id: str, timeout: float = 5.0, near: bool = False) -> dict[str, dict]:
-    """Every peer record of the swarm: all shards, read at once.
-
-    Args:
-        near: one copy of each shard, from its nearest node (`dht_store.read_near_many`: one walk for the shards'
-            nearest nodes, one request a node), where a walk of each shard merges the copies of every node it
-            visits (~3). That copy may be a few heartbeats old (`Heartbeat` refreshes one node a beat) and may lack
-            a record stored elsewhere, so it is for a first look (a starting peer's), not for taking a state.
-    """
-    if near:
-        try:
-            found = await asyncio.wait_for(read_near_many(dht, [peers_key(run_id, s) for s in range(PEER_SHARDS)]),
-                                           timeout)
-        except TimeoutError:
-            logger.debug("DHT read of the peer records timed out")
-            return {}
-        return {peer: record for part in found.values() for peer, record in _unexpired(part).items()}
-    parts = await asyncio.gather(*(read_subkeys(dht, peers_key(run_id, s), timeout) for s in range(PEER_SHARDS)))
+    """Every peer record of the swarm: all shards, read at once. `near`: one node's copy of each shard
+    (`read_near_subkeys`), which may be a few heartbeats old or lack a record stored elsewhere: a first look."""
+    keys = [peers_key(run_id, s) for s in range(PEER_SHARDS)]
+    parts = [await read_near_subkeys(dht, keys, timeout)] if near else await asyncio.gather(
+        *(read_subkeys(dht, key, timeout) for key in keys))
     return {peer: record for part in parts for peer, record in part.items()}
 
 
@@ -298,20 +285,16 @@ async def read_subkeys(dht: hivemind.DHT, key: str, timeout: float = 5.0) -> dic
     return out
 
 
-async def read_near_subkeys(dht: hivemind.DHT, key: str, timeout: float = 5.0) -> dict[str, dict]:
-    """As `read_subkeys`, from the key's nearest node only (`dht_store.read_near`); {} if none or on timeout."""
+async def read_near_subkeys(dht: hivemind.DHT, key: str | list[str], timeout: float = 5.0) -> dict[str, dict]:
+    """As `read_subkeys`, from the key's nearest node only (`dht_store.read_near_many`); {} if none or on timeout. A list
+    of keys: their records together, their nearest nodes found by one walk (`dht_store.read_near_many`)."""
     try:
-        found = await asyncio.wait_for(read_near(dht, key), timeout)
+        found = await asyncio.wait_for(read_near_many(dht, [key] if isinstance(key, str) else key), timeout)
     except TimeoutError:
         logger.debug("DHT read of %s timed out", key)
         return {}
-    return _unexpired(found)
-
-
-def _unexpired(found: dict[str, tuple[object, float]]) -> dict[str, dict]:
-    """The records of a `read_near` that have not expired, as {subkey: value}; malformed entries are skipped."""
     now = get_dht_time()
-    return {k: v for k, (v, expiration) in found.items()
+    return {k: v for part in found.values() for k, (v, expiration) in part.items()
             if isinstance(k, str) and isinstance(v, dict) and expiration > now}
 
 
