@@ -104,7 +104,7 @@ def census_of(records: dict[str, object], epoch: int) -> set[str]:
 
 
 async def registered_now(dht: hivemind.DHT, run_id: str, timeout: float = 5.0, epoch_s: float = EPOCH_S,
-                         near: bool = False) -> set[str]:
+                         near: bool = False, epoch: int | None = None) -> set[str]:
     """The peers registered for the current epoch, as one read of its census (a small key: one short record a
     peer). `wait_for_peers` polls this before training starts instead of every shard of the heartbeat records,
     which would be most of a peer's start-up DHT bytes in a large swarm.
@@ -113,9 +113,11 @@ async def registered_now(dht: hivemind.DHT, run_id: str, timeout: float = 5.0, e
         near: read the copy of the key's nearest node only (`swarm.read_near_subkeys`, a third of a walk's bytes),
             which may lack registrations stored elsewhere: for a peer looking for its own registration, which it
             stored on those very nodes (`dht_store`), or for a count that a short copy sends to a walk
-            (`together.wait_for_peers`)."""
+            (`together.wait_for_peers`).
+        epoch: the epoch whose peers are wanted (None: the current one when the read ends)."""
     read = read_near_subkeys if near else read_subkeys
-    return census_of(await read(dht, census_key(run_id), timeout), epoch_of(get_dht_time(), epoch_s))
+    records = await read(dht, census_key(run_id), timeout)
+    return census_of(records, epoch_of(get_dht_time(), epoch_s) if epoch is None else epoch)
 
 
 class Census:
@@ -153,12 +155,24 @@ class Census:
                 self._registered[epoch + 1] = t
         self._registered = {e: t for e, t in self._registered.items() if e >= epoch}
 
-    def expect(self, size: int) -> None:
+    def expect(self, size: int, epoch: int | None = None, peers: set[str] | None = None) -> None:
         """A read made elsewhere (`together.wait_for_peers`: a walk, or one node's copy that held every awaited peer)
         counted `size` peers in the census, this one included: the first read of an epoch may then take one node's
         copy when that copy holds as many (`_whole`), instead of walking again (a walk costs a few times one node's
-        copy: docs/benchmarks.md, Scale, start-up DHT bytes)."""
+        copy: docs/benchmarks.md, Scale, start-up DHT bytes).
+
+        Args:
+            epoch, peers: the epoch that read was of, and the peers it found registered for it: this peer's view of
+                that epoch, if it has none yet, so that its first search there reads nothing (the read that let the
+                peers start together and the first search's were one after the other)."""
         self._last_size = max(self._last_size, size)
+        if epoch is not None and peers is not None and epoch not in self._views:
+            self._views[epoch] = (time.monotonic(), frozenset(peers | {self.peer_id}))
+
+    def stored(self, epoch: int) -> bool:
+        """Whether this peer's registration for `epoch` was stored (on one of the census key's nearest nodes at
+        least, where every near read of it asks first)."""
+        return epoch in self._registered
 
     def counts(self) -> dict[str, int]:
         """DHT requests made, for a peer's summary."""
