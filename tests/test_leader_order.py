@@ -110,7 +110,7 @@ def test_at_an_epoch_turn_a_ready_mate_whose_reveal_is_on_its_way_is_followed_fi
         asyncio.run(c.register(5))
     records = {p: {"epoch": 6, "commit": commitment(c.nonce(6))} for p, c in views.items()}
     leaders = {}
-    for p, c in views.items():
+    for c in views.values():
         c.records = records
     for p, c in views.items():
         asyncio.run(c.register(6))

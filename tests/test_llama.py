@@ -122,8 +122,9 @@ def test_config_fields_checks_and_fingerprint() -> None:
     # the default (gpt) config's fingerprint is pinned: arch = gpt adds nothing to it, and it names what peers must
     # share to merge: guard.trust_decay (peers cutting slices by another owner rule, allreduce.owned_slice, must not
     # merge with these) and how members agree on (θg, momentum) (p2p_merger._agree, network/catch_up.py: peers that
-    # send fp32 states, or average where these fetch the majority's model, must not either)
-    assert fingerprint_digest(load_config(None, []).fingerprint()) == "fbaedc2f7f22d87d"
+    # send fp32 states, or average where these fetch the majority's model, must not either), and the wire protocol
+    # (config/fingerprint.PROTOCOL_VERSION)
+    assert fingerprint_digest(load_config(None, []).fingerprint()) == "84582c15a8aa5988"
     llama = load_config(None, [{"model": {"arch": "llama"}}])
     assert llama.fingerprint()["model"]["arch"] == "llama"
     untied = load_config(None, [{"model": {"arch": "llama", "tie_embeddings": "false"}}])

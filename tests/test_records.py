@@ -298,7 +298,7 @@ def test_dht_bytes_are_told_apart_by_the_key_they_were_for():
 
     from p2pdiloco.network.dht_store import beside
 
-    by_key = {hex_id(peers_key("run", 0)): 100, hex_id(peers_key("run", 7)): 20, hex_id(census_key("run")): 7,
+    by_key = {hex_id(peers_key("run", 0)): 100, hex_id(peers_key("run", 3)): 20, hex_id(census_key("run")): 7,
               hex_id(census_key("other run")): 3, hex_id(config_key("run")): 50, hex_id(peers_key("other run", 0)): 1,
               beside(DHTID.generate(source=census_key("run"))).to_bytes().hex(): 2}  # a walk before a store
     assert dht_bytes_by_kind(by_key, "run") == {"peer records": 120, "census": 9, "config": 50, "other": 4}
@@ -433,3 +433,91 @@ def test_a_find_for_thousands_of_random_keys_leaves_the_dht_process_s_key_table_
     counts = Traffic()
     net_loop.run(counts.refresh_dht(victim), 10)
     assert len(counts.dht_by_key) <= MAX_KEYS + 1 and counts.dht_by_key[OTHER_KEYS] > 0
+
+
+async def _held(dht: hivemind.DHT, node, key: str, subkey: str) -> tuple[dict, float] | None:
+    """(value, expiration) of `subkey` under `key` in `node`'s own storage (run in the DHT process), or None."""
+    from hivemind.dht.routing import DHTID
+
+    key_id = DHTID.generate(source=key)
+    found = node.protocol.storage.get(key_id)
+    for sub, item in (found.value.items() if found is not None else ()):
+        if sub == subkey:
+            record = DHTRecord(key_id.to_bytes(), MSGPackSerializer.dumps(sub), item.value, item.expiration_time)
+            return MSGPackSerializer.loads(node.protocol.record_validator.strip_value(record)), item.expiration_time
+    return None
+
+
+@pytest.mark.integration
+def test_heartbeats_refresh_one_nearest_node_in_turn_and_readers_see_the_newest(swarm, net_loop):
+    """After a first beat to every nearest node, each beat goes to one of them in turn (a third of the store
+    bytes), lives long enough to be refreshed there before it expires, and a reader's walk still sees the newest;
+    the 'left' record goes to all of them again."""
+    from p2pdiloco.app.heartbeat import RECORD_BEATS, Heartbeat
+    from p2pdiloco.network.dht_store import DHT_REPLICAS
+    from p2pdiloco.network.swarm import peer_shard
+
+    victim, blob = swarm["victim"], "z" * 3_000
+    victim_id = victim.peer_id.to_base58()
+    step = 0
+    beat = Heartbeat(victim, "rec", victim_id, lambda: {"step": step, "blob": blob}, period=5.0)
+    key = peers_key("rec", peer_shard(victim_id))
+    counts = Traffic()
+
+    def stores() -> tuple[int, int]:
+        net_loop.run(counts.refresh_dht(victim), 10)
+        made = counts.dht_by_rpc.get("store", [0, 0, 0])
+        return made[0], made[2]
+
+    net_loop.run(beat.beat(), 10)
+    def held(dht: hivemind.DHT) -> tuple[dict, float] | None:
+        return dht.run_coroutine(functools.partial(_held, key=key, subkey=victim_id))
+
+    holders = [d for d in (swarm["boot"], victim, swarm["reader"]) if held(d) is not None]
+    assert len(holders) >= 2  # the first beat went to every nearest node (of 4 nodes, the attacker may be one)
+    before = stores()
+    for step in range(1, 2 * DHT_REPLICAS + 1):
+        net_loop.run(beat.beat(), 10)
+        got = net_loop.run(read_subkeys(swarm["reader"], key), 10)[victim_id]
+        assert got["step"] == step  # the newest, wherever it went
+    made, moved = (a - b for a, b in zip(stores(), before, strict=True))
+    assert made <= 2 * DHT_REPLICAS  # one store a beat at most (none when this node's turn is its own storage)
+    assert moved < 1.2 * 2 * DHT_REPLICAS * len(blob)
+    now = get_dht_time()
+    for dht in holders:  # every copy was refreshed within the last DHT_REPLICAS beats, and outlives the next turn
+        _, expiration = held(dht)
+        assert expiration > now + (RECORD_BEATS - DHT_REPLICAS) * beat.period
+    net_loop.run(beat.leave(), 10)
+    for dht in holders:
+        assert held(dht)[0].get("left") is True
+
+
+@pytest.mark.integration
+def test_a_near_read_of_every_shard_finds_every_record_in_one_copy(swarm, net_loop):
+    """`read_peers(near=True)`, a starting peer's first look: the shards' nearest nodes by one walk, then one copy of
+    each shard, one request a node; it finds what the walks of every shard find."""
+    from p2pdiloco.network.swarm import PEER_SHARDS, peer_shard, read_peers
+
+    blob = "w" * 1_000
+    writers = [swarm["boot"], swarm["victim"], swarm["reader"]]
+    for i, dht in enumerate(writers):
+        peer_id = dht.peer_id.to_base58()
+        record = {"i": i, "blob": blob}
+        assert net_loop.run(write_subkey(dht, peers_key("rec", peer_shard(peer_id)), peer_id, record,
+                                         get_dht_time() + 60), 10)
+    want = {dht.peer_id.to_base58(): {"i": i, "blob": blob} for i, dht in enumerate(writers)}
+    for dht in writers:
+        assert net_loop.run(read_peers(dht, "rec"), 10) == want  # the walks
+        counts = Traffic()
+        net_loop.run(counts.refresh_dht(dht), 10)
+        before = counts.dht_by_rpc.get("find", [0, 0, 0])
+        assert net_loop.run(read_peers(dht, "rec", near=True), 10) == want
+        net_loop.run(counts.refresh_dht(dht), 10)
+        after = counts.dht_by_rpc.get("find", [0, 0, 0])
+        assert after[2] - before[2] < 1.5 * len(want) * len(blob) + PEER_SHARDS * 1_500  # one copy, and the walk
+        before = after
+        assert net_loop.run(read_peers(dht, "rec", near=True), 10) == want  # the shards' nearest nodes known now
+        net_loop.run(counts.refresh_dht(dht), 10)
+        after = counts.dht_by_rpc.get("find", [0, 0, 0])
+        assert after[0] - before[0] <= len(writers) + 1  # one request a node at most (of 4 nodes)
+        assert after[2] - before[2] < 1.5 * len(want) * len(blob) + 4 * 1_000

@@ -239,13 +239,13 @@ def test_a_peer_says_each_phase_imports_little_and_a_restart_reads_the_token_cac
 @pytest.mark.integration
 def test_local_peers_waiting_for_each_other_list_a_folder_not_the_census(bootstrap_dht, net_loop, tmp_path,
                                                                           monkeypatch):
-    """`local`'s peers wait for each other through a shared folder (together.wait_for_peers): a peer reads the census
-    until it sees itself there, says so with a file, and reads it again only once every peer has; the census, not
-    the folder, says how many are live. Without the folder the census is read all along.
+    """`local`'s peers wait for each other through a shared folder (together.wait_for_peers): a peer whose census
+    stored its registration says so with a file, with no read, and reads the census only once every peer has; the
+    census, not the folder, says how many are live. Without the folder the census is read all along.
 
-    Census reads take one node's copy (`near`) where a walk is not needed: the read that looks for the peer's own
-    registration, and a count whose copy holds every awaited peer; a copy short of the folder is counted again by
-    a walk. The count is handed to the peer's matchmaking census, whose first read then takes one node's copy too."""
+    Census reads take one node's copy (`near`) where a walk is not needed: a count whose copy holds every awaited
+    peer; a copy short of the folder is counted again by a walk. The count and the peers it found are handed to the
+    peer's matchmaking census: its view of the epoch, so that its first search there reads nothing."""
     import threading
 
     from hivemind.utils.timed_storage import get_dht_time
@@ -256,13 +256,13 @@ def test_local_peers_waiting_for_each_other_list_a_folder_not_the_census(bootstr
     from tests.conftest import merge_config, running_mergers, wait_for
 
     reads = []
-    real = together.registered_now
+    real = together.read_census
 
     async def counted(*args, **kwargs):
         reads.append((time.monotonic(), kwargs.get("near", False)))
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(together, "registered_now", counted)
+    monkeypatch.setattr(together, "read_census", counted)
     swarm = merge_config(run_id="barrier", wait_for_peers=3, wait_for_peers_s=8)
     with running_mergers(bootstrap_dht, net_loop, 2, swarm, 8) as mergers:  # 2 of the 3 awaited are registered
         me = mergers[0]
@@ -278,6 +278,7 @@ def test_local_peers_waiting_for_each_other_list_a_folder_not_the_census(bootstr
         thread.start()
         wait_for(lambda: (tmp_path / me.peer_id).exists(), 20, what="the peer's file in the folder")
         told_after = len(reads)
+        assert told_after == 0  # its registration was stored: nothing read to say so
         time.sleep(1.5)  # the window observed: the folder holds 1 file of 3
         assert thread.is_alive() and len(reads) == told_after, reads  # waiting, and not reading the census
         for other in ("second", "third"):
@@ -285,18 +286,26 @@ def test_local_peers_waiting_for_each_other_list_a_folder_not_the_census(bootstr
         thread.join(timeout=60)  # the census holds 2 peers, not 3: polled until the wait's deadline
         assert not thread.is_alive() and out["live"] == 2 and len(reads) > told_after
         kinds = [near for _, near in reads]
-        assert kinds[0] is True and kinds[1:] == [True, False] * ((len(kinds) - 1) // 2), kinds  # copy short: walked
+        assert kinds == [True, False] * (len(kinds) // 2), kinds  # copy short: walked
         assert census.size == 2  # the walks' count, handed over
         members = net_loop.run(census.members(epoch_of(get_dht_time(), swarm.merge.epoch_s)), 10)
-        assert members == {m.peer_id for m in mergers} and census.counts()["walks"] == 0  # one node's copy, whole
+        assert members == {m.peer_id for m in mergers} and census.counts()["walks"] == 0  # the walk's view, or a copy
 
         # two awaited, both registered: one node's copy that holds both decides, with no walk
         other, folder = mergers[1], tmp_path / "whole"
         folder.mkdir()
+        (folder / me.peer_id).touch()
         reads.clear()
+        epoch = epoch_of(get_dht_time(), swarm.merge.epoch_s)
         live = together.wait_for_peers(net_loop, other.dht, _startup(swarm, wait_for_peers=2),
                                        other.peer_id, lambda: False, folder, other.matchmaker.census)
         assert live == 2 and [near for _, near in reads] == [True] and other.matchmaker.census.size == 2
+        # and the commitments it read, which the leader order of the next epoch is drawn from (leaders.py)
+        assert other.matchmaker.census.commit(me.peer_id, epoch + 1) is not None
+        counted = other.matchmaker.census.counts()["reads"]
+        assert net_loop.run(other.matchmaker.census.members(epoch), 10) == {m.peer_id for m in mergers}
+        if epoch == epoch_of(get_dht_time(), swarm.merge.epoch_s):  # the wait's read is the epoch's view
+            assert other.matchmaker.census.counts()["reads"] == counted
 
         short = _startup(swarm, wait_for_peers_s=2.0)
         for folder in (None, tmp_path / "removed"):  # no folder, or one that is gone: the census all along the 2 s

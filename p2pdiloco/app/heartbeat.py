@@ -8,6 +8,7 @@ import time
 
 from hivemind.utils.timed_storage import get_dht_time
 
+from p2pdiloco.network.dht_store import DHT_REPLICAS
 from p2pdiloco.network.swarm import (
     CONFIG_TTL_S,
     config_key,
@@ -19,6 +20,10 @@ from p2pdiloco.network.swarm import (
 
 FINISHED_RECORD_S = 3600.0
 """How long a finished peer's 'left' record stays in the DHT."""
+
+RECORD_BEATS = DHT_REPLICAS + 1
+"""A heartbeat record lives this many heartbeats. Each beat refreshes it on one of its key's `DHT_REPLICAS` nearest
+nodes in turn, so every node's copy is refreshed every `DHT_REPLICAS` beats and expires a beat after that."""
 
 
 def swarm_finished(records: dict[str, dict], me: str, total_steps: int) -> tuple[str, int] | None:
@@ -34,8 +39,13 @@ def swarm_finished(records: dict[str, dict], me: str, total_steps: int) -> tuple
 
 
 class Heartbeat:
-    """This peer's record in the DHT: refreshed every `period` seconds, expiring after three missed beats,
-    and replaced by a 'left' record when the peer exits cleanly, so others stop counting on it at once.
+    """This peer's record in the DHT: refreshed every `period` seconds, expiring `RECORD_BEATS` periods after the
+    last beat, and replaced by a 'left' record when the peer exits cleanly, so others stop counting on it at once.
+
+    The first beat and the 'left' record go to every one of the key's nearest nodes; the beats between, to one of
+    them in turn (`store_near`'s `turn`): a third of the bytes of storing each beat on all three. A reader's walk
+    (`swarm.read_subkeys`, as `read_peers` reads) visits them all and keeps the newest copy; a copy on one node is
+    at most `DHT_REPLICAS` beats old, and outlives one node that leaves by as long.
 
     Each record carries `time`, the DHT time (Unix seconds) it was written, so that readers can tell how
     fresh it is and place its values on a time axis."""
@@ -45,17 +55,25 @@ class Heartbeat:
         self.key, self.config_key = peers_key(run_id, peer_shard(peer_id)), config_key(run_id)
         self._expiration = 0.0
         self._config_written = -math.inf
+        self.beats = 0
+        """Records written (the 'left' one included)."""
 
-    async def _write(self, value: dict, ttl: float | None = None) -> None:
+    async def _write(self, value: dict, ttl: float | None = None, every_node: bool = False) -> None:
         # a newer record must expire later than the one it replaces, or the DHT keeps the old one
-        self._expiration = max(get_dht_time() + (ttl or 3 * self.period), self._expiration + 1e-3)
-        await write_subkey(self.dht, self.key, self.peer_id, value, self._expiration)
+        self._expiration = max(get_dht_time() + (ttl or RECORD_BEATS * self.period), self._expiration + 1e-3)
+        turn = None if every_node or self.beats == 0 else self.beats
+        self.beats += 1
+        await write_subkey(self.dht, self.key, self.peer_id, value, self._expiration, turn=turn)
+
+    async def beat(self) -> None:
+        """Write this peer's record once (`run` does, every `period`)."""
+        await self._write({**self.record(), "time": get_dht_time()})
 
     async def run(self, fingerprint: dict) -> None:
         """Beat until cancelled; the config's full fingerprint goes in a record of its own, renewed rarely, since
         only a joiner reads it."""
         while True:
-            await self._write({**self.record(), "time": get_dht_time()})
+            await self.beat()
             if time.monotonic() - self._config_written >= CONFIG_TTL_S / 2:
                 if await write_subkey(self.dht, self.config_key, self.peer_id, {"fingerprint": fingerprint},
                                       get_dht_time() + CONFIG_TTL_S):
@@ -66,7 +84,7 @@ class Heartbeat:
         """Replace the record by a 'left' one; a peer that finished the run says so, for an hour, so that a peer
         restarted after the swarm finished does not train on alone (see `swarm_finished`)."""
         if finished_at is None:
-            await self._write({"left": True, "time": get_dht_time()})
+            await self._write({"left": True, "time": get_dht_time()}, every_node=True)
         else:
             await self._write({"left": True, "finished": True, "step": finished_at, "time": get_dht_time()},
-                              ttl=FINISHED_RECORD_S)
+                              ttl=FINISHED_RECORD_S, every_node=True)

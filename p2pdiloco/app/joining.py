@@ -66,11 +66,14 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
     vouch for it alone.
 
     Args:
-        every: the swarm's peer records as read at this peer's start (`read_peers`), or None to read them here.
+        every: the swarm's peer records as read at this peer's start (`read_peers`, one node's copy of each shard),
+            or None to read them here. If live peers are ahead of this one, they are read again by walks, which
+            find every copy and the newest, before a state is chosen.
         sampler: this peer's batches, from which the check's windows are drawn (None: no check)."""
     say("joining the swarm %s: %s its peer records", cfg.swarm.run_id, "reading" if every is None else "checking",
         tag=short_id(peer_id))
-    if every is None:
+    walked = every is None
+    if walked:
         every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
     finished = swarm_finished(every, peer_id, cfg.run.total_steps)
     if finished is not None:  # training on alone would only move this peer's model away from the swarm's result
@@ -84,6 +87,8 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
              if p != peer_id and float(r.get("global_tokens") or 0) > learner.c.global_tokens}
     if not ahead:
         return
+    if not walked:  # a state is chosen from every live record, as fresh as they come
+        records = live_records(loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30))
     say("joining: downloading the swarm's state (%d live peer(s) ahead of this one)", len(ahead), tag=short_id(peer_id))
     t0 = time.monotonic()
 

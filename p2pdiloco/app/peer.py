@@ -275,10 +275,10 @@ def build_peer(cfg: Config, stop: StopFlag, unit: UnitContext, device: torch.dev
         announce(f"  {m}")
     announce("others can join with: p2pdiloco peer --initial-peers " + join_address(maddrs))
     fingerprint = cfg.fingerprint(tokenizer=tokenizer.digest)
-    # one read of every peer record serves both the config check and the join: a second read would walk all 8
-    # shards again, each over the nodes holding it (docs/benchmarks.md, Scale, start-up DHT bytes). One
-    # node's copy of each shard instead cost more: a fresh peer first looks up each shard's nearest nodes
-    every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
+    # one read of every peer record serves both the config check and the first look at the swarm's progress (the
+    # join reads again, by walks, only when live peers are ahead of this one): one node's copy of each shard, the
+    # shards' nearest nodes found by one walk, where walking each shard merges ~3 copies (docs/benchmarks.md, Scale)
+    every = loop.run(read_peers(dht, cfg.swarm.run_id, near=True), timeout=30)
     if configs_differ(every, fingerprint_digest(fingerprint)):
         check_fingerprint(fingerprint, loop.run(live_configs(dht, cfg.swarm.run_id, every), timeout=30))
 

@@ -103,7 +103,7 @@ def run_dht(n: int, seconds: float, baseline: bool) -> dict:
     dhts, loop = [], BackgroundLoop("bench-dht")
     patched = swarm.store_near, swarm.DHT_READ_BEAM, census_module.read_near_subkeys
     if baseline:
-        swarm.store_near = lambda dht, key, subkey, value, expiration: dht.store(
+        swarm.store_near = lambda dht, key, subkey, value, expiration, turn=None: dht.store(
             key, value, expiration, subkey=subkey, return_future=True)
         swarm.DHT_READ_BEAM = DHT_BUCKET_SIZE  # hivemind's default beam, the bucket size
         census_module.read_near_subkeys = swarm.read_subkeys  # the census read by a walk too

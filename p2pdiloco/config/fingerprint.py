@@ -30,8 +30,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from p2pdiloco.config.schema import Config
 
-PROTOCOL_VERSION = 2
-"""The wire protocol this code speaks (see the module's docstring): raise it with any change to what peers send."""
+PROTOCOL_VERSION = 3
+"""The wire protocol this code speaks (see the module's docstring): raise it with any change to what peers send.
+
+2: the leader of a group is drawn from nonces committed in the census and revealed in ready words (leaders.py),
+where version 1 ranked ready mates by the public hash alone (peers of the two versions drew different leaders).
+3: peer records in `swarm.PEER_SHARDS` = 4 shards, where version 2 wrote and read 8 (a reader of one version misses
+the records the other writes under the shards it does not read)."""
 
 
 def protocol_fields(version: int | None = None) -> dict[str, int]:

@@ -140,7 +140,7 @@ def census_of(records: dict[str, object], epoch: int) -> set[str]:
 
 
 async def registered_now(dht: hivemind.DHT, run_id: str, timeout: float = 5.0, epoch_s: float = EPOCH_S,
-                         near: bool = False) -> set[str]:
+                         near: bool = False, epoch: int | None = None) -> set[str]:
     """The peers registered for the current epoch, as one read of its census (a small key: one short record a
     peer). `wait_for_peers` polls this before training starts instead of every shard of the heartbeat records,
     which would be most of a peer's start-up DHT bytes in a large swarm.
@@ -149,9 +149,15 @@ async def registered_now(dht: hivemind.DHT, run_id: str, timeout: float = 5.0, e
         near: read the copy of the key's nearest node only (`swarm.read_near_subkeys`, a third of a walk's bytes),
             which may lack registrations stored elsewhere: for a peer looking for its own registration, which it
             stored on those very nodes (`dht_store`), or for a count that a short copy sends to a walk
-            (`together.wait_for_peers`)."""
-    read = read_near_subkeys if near else read_subkeys
-    return census_of(await read(dht, census_key(run_id), timeout), epoch_of(get_dht_time(), epoch_s))
+            (`together.wait_for_peers`).
+        epoch: the epoch whose peers are wanted (None: the current one when the read ends)."""
+    records = await read_census(dht, run_id, timeout, near)
+    return census_of(records, epoch_of(get_dht_time(), epoch_s) if epoch is None else epoch)
+
+
+async def read_census(dht: hivemind.DHT, run_id: str, timeout: float = 5.0, near: bool = False) -> dict[str, object]:
+    """The census key's records, by a walk or (`near`) from its nearest node's copy (see `registered_now`)."""
+    return await (read_near_subkeys if near else read_subkeys)(dht, census_key(run_id), timeout)
 
 
 class Census:
@@ -189,7 +195,7 @@ class Census:
         if epoch + 1 not in self._registered:
             self.writes += 1
             now = get_dht_time()
-            record = {"t": now, "epoch": epoch + 1, "commit": commitment(self.nonce(epoch + 1)),
+            record = {"epoch": epoch + 1, "commit": commitment(self.nonce(epoch + 1)),
                       **({"prev": commitment(self.nonce(epoch))} if epoch in self._ahead else {})}
             if await write_subkey(self.dht, census_key(self.run_id), self.peer_id, record,
                                   registration_expiry(epoch + 1, now, self.epoch_s)):
@@ -231,12 +237,25 @@ class Census:
                 if peer not in seen and (c := commit_of(value, e)) is not None:
                     seen[peer] = c
 
-    def expect(self, size: int) -> None:
+    def expect(self, size: int, epoch: int | None = None, records: dict[str, object] | None = None) -> None:
         """A read made elsewhere (`together.wait_for_peers`: a walk, or one node's copy that held every awaited peer)
         counted `size` peers in the census, this one included: the first read of an epoch may then take one node's
         copy when that copy holds as many (`_whole`), instead of walking again (a walk costs a few times one node's
-        copy: docs/benchmarks.md, Scale, start-up DHT bytes)."""
+        copy: docs/benchmarks.md, Scale, start-up DHT bytes).
+
+        Args:
+            epoch, records: the epoch that read was of, and the records it read: this peer's view of that epoch
+                (and the commitments they make), if it has none yet, so that its first search there reads nothing
+                (the read that let the peers start together and the first search's were one after the other)."""
         self._last_size = max(self._last_size, size)
+        if epoch is not None and records is not None and epoch not in self._views:
+            self._note_commits(records, epoch)
+            self._views[epoch] = (time.monotonic(), frozenset(census_of(records, epoch) | {self.peer_id}))
+
+    def stored(self, epoch: int) -> bool:
+        """Whether this peer's registration for `epoch` was stored (on one of the census key's nearest nodes at
+        least, where every near read of it asks first)."""
+        return epoch in self._registered
 
     def counts(self) -> dict[str, int]:
         """DHT requests made, for a peer's summary."""

@@ -37,19 +37,25 @@ _NEAREST: dict[DHTID, tuple[float, dict]] = {}
 
 
 async def _nearest(node, key_id: DHTID) -> dict:
+    return (await _nearest_many(node, [key_id]))[key_id]
+
+
+async def _nearest_many(node, key_ids: list[DHTID]) -> dict[DHTID, dict]:
+    """The nearest nodes of each key, from the cache or by one walk for all the keys not in it."""
     now = time.monotonic()
-    cached = _NEAREST.get(key_id)
-    if cached is not None and now - cached[0] < NEAREST_TTL_S:
-        return cached[1]
-    # The walk asks for `beside(key_id)`, where nothing is stored: every node it visits answers with contacts only,
-    # where asking for the key itself returned its whole value (all subkeys) from each of them.
-    query = beside(key_id)
-    found = await node.find_nearest_nodes([query], k_nearest=node.num_replicas, beam_size=node.num_replicas,
-                                          exclude_self=node.protocol.client_mode)  # a client serves no records
-    for stale in [k for k, (t, _) in _NEAREST.items() if now - t >= NEAREST_TTL_S]:
-        del _NEAREST[stale]
-    _NEAREST[key_id] = (now, found[query])
-    return found[query]
+    missing = [k for k in key_ids if (cached := _NEAREST.get(k)) is None or now - cached[0] >= NEAREST_TTL_S]
+    if missing:
+        # The walk asks for `beside(key_id)`, where nothing is stored: every node it visits answers with contacts
+        # only, where asking for the key itself returned its whole value (all subkeys) from each of them. The keys'
+        # queries share one walk, so that a node on the way answers for several at once.
+        queries = {beside(k): k for k in missing}
+        found = await node.find_nearest_nodes(list(queries), k_nearest=node.num_replicas, beam_size=node.num_replicas,
+                                              exclude_self=node.protocol.client_mode)  # a client serves no records
+        for stale in [k for k, (t, _) in _NEAREST.items() if now - t >= NEAREST_TTL_S]:
+            del _NEAREST[stale]
+        for query, key_id in queries.items():
+            _NEAREST[key_id] = (now, found[query])
+    return {k: _NEAREST[k][1] for k in key_ids}
 
 
 def beside(key_id: DHTID) -> DHTID:
@@ -59,9 +65,19 @@ def beside(key_id: DHTID) -> DHTID:
     return DHTID(key_id ^ 1)
 
 
-async def _store_near(dht: hivemind.DHT, node, key: str, subkey: str, value: dict, expiration: float) -> bool:
+def one_in_turn(nearest: dict, turn: int | None) -> dict:
+    """The nodes of `nearest` (a key's nearest nodes, nearest first) that a store in `turn` goes to: all of them for
+    None, else the `turn`-th in rotation (counting from the nearest)."""
+    if turn is None or not nearest:
+        return nearest
+    node_id = list(nearest)[turn % len(nearest)]
+    return {node_id: nearest[node_id]}
+
+
+async def _store_near(dht: hivemind.DHT, node, key: str, subkey: str, value: dict, expiration: float,
+                      turn: int | None = None) -> bool:
     key_id = DHTID.generate(source=key)
-    nearest = await _nearest(node, key_id)
+    nearest = one_in_turn(await _nearest(node, key_id), turn)
     protocol = node.protocol
     record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value),
                        expiration)
@@ -83,10 +99,17 @@ async def _store_near(dht: hivemind.DHT, node, key: str, subkey: str, value: dic
     return any(results)
 
 
-async def store_near(dht: hivemind.DHT, key: str, subkey: str, value: dict, expiration: float) -> bool:
+async def store_near(dht: hivemind.DHT, key: str, subkey: str, value: dict, expiration: float,
+                     turn: int | None = None) -> bool:
     """Store `value` under (key, subkey) until `expiration` (DHT time) on the key's nearest nodes; whether any
-    of them took it (a node refuses a record that expires before the one it holds)."""
-    return await dht.run_coroutine(_Store(key, subkey, value, expiration), return_future=True)
+    of them took it (a node refuses a record that expires before the one it holds).
+
+    Args:
+        turn: None: on every one of the nearest nodes. An int: on one of them only, the `turn`-th in rotation, for
+            a record re-stored every few seconds that lives long enough to be refreshed on each node in turn
+            (`app/heartbeat.Heartbeat`): a reader's walk (`swarm.read_subkeys`) merges the copies of every
+            node it visits and keeps the one that expires last, the newest."""
+    return await dht.run_coroutine(_Store(key, subkey, value, expiration, turn), return_future=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,46 +120,64 @@ class _Store:
     subkey: str
     value: dict
     expiration: float
+    turn: int | None = None
 
     async def __call__(self, dht: hivemind.DHT, node) -> bool:
-        return await _store_near(dht, node, self.key, self.subkey, self.value, self.expiration)
+        return await _store_near(dht, node, self.key, self.subkey, self.value, self.expiration, self.turn)
 
 
-async def _read_near(node, key: str) -> dict[str, tuple[object, float]]:
-    key_id = DHTID.generate(source=key)
+async def _read_near(node, keys: list[str]) -> dict[str, dict[str, tuple[object, float]]]:
+    key_ids = {DHTID.generate(source=key): key for key in keys}
+    nearest = {k: list(v.items()) for k, v in (await _nearest_many(node, list(key_ids))).items()}
     protocol = node.protocol
-    found = _SearchState(key_id, float("inf"), serializer=protocol.serializer, record_validator=protocol.record_validator)
-    for node_id, peer_id in (await _nearest(node, key_id)).items():
-        if node_id == node.node_id:
-            found.add_candidate(protocol.storage.get(key_id), source_node_id=node_id)
-            break
-        answer = await protocol.call_find(peer_id, [key_id])  # records checked by the validators on arrival
-        if answer is not None:
-            found.add_candidate(answer[key_id][0], source_node_id=node_id)
-            break
-        _NEAREST.pop(key_id, None)  # it did not answer (it left?): look the key up again next time, ask the next
-    found.finish_search()
-    result = found.future.result()
-    if result is None or not isinstance(result.value, dict):
-        return {}
-    return {k: (v.value, v.expiration_time) for k, v in result.value.items()}
+    found = {k: _SearchState(k, float("inf"), serializer=protocol.serializer, record_validator=protocol.record_validator)
+             for k in key_ids}
+    pending = set(key_ids)
+    for turn in range(max(map(len, nearest.values()), default=0)):  # the nearest first, the next where it is silent
+        asked: dict[tuple, list[DHTID]] = {}  # one request a node, for every key it is asked for
+        for key_id in pending:
+            if turn < len(nearest[key_id]):
+                asked.setdefault(nearest[key_id][turn], []).append(key_id)
+
+        async def ask(node_id: DHTID, peer_id, ids: list[DHTID]) -> None:
+            if node_id == node.node_id:
+                answer = {k: (protocol.storage.get(k), None) for k in ids}
+            else:  # records checked by the validators on arrival
+                answer = await protocol.call_find(peer_id, ids)
+            if answer is None:  # it did not answer (it left?): look the keys up again next time, ask the next
+                for k in ids:
+                    _NEAREST.pop(k, None)
+                return
+            for k in ids:
+                found[k].add_candidate(answer[k][0], source_node_id=node_id)
+                pending.discard(k)
+
+        await asyncio.gather(*(ask(n, p, ids) for (n, p), ids in asked.items()))
+    out = {}
+    for key_id, state in found.items():
+        state.finish_search()
+        result = state.future.result()
+        out[key_ids[key_id]] = {} if result is None or not isinstance(result.value, dict) else {
+            k: (v.value, v.expiration_time) for k, v in result.value.items()}
+    return out
 
 
-async def read_near(dht: hivemind.DHT, key: str) -> dict[str, tuple[object, float]]:
-    """Every record under `key` as {subkey: (value, expiration)}, read from the first of the key's nearest nodes
-    that answers (this node's own storage when it is that node), not from every node of a walk: one copy of the
-    key's records where a walk (`DHT.get`) merges the whole value from each of the ~3 nodes holding it.
+async def read_near_many(dht: hivemind.DHT, keys: list[str]) -> dict[str, dict[str, tuple[object, float]]]:
+    """Every record under each of `keys` as {key: {subkey: (value, expiration)}}, read from the first of the key's
+    nearest nodes that answers (this node's own storage when it is that node), not from every node of a walk: one
+    copy of the key's records where a walk (`DHT.get`) merges the whole value from each of the ~3 nodes holding it.
+    The keys' nearest nodes not known yet are looked up by one walk, and each node is asked once, for all its keys.
 
     What that one node holds may be less than what a walk finds (a writer whose routing table was still filling
     stored on other nodes), so a reader must check the answer before trusting it (`census.Census.members`)."""
-    return await dht.run_coroutine(_Read(key), return_future=True)
+    return await dht.run_coroutine(_Read(tuple(keys)), return_future=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Read:
     """`_read_near`'s argument, picklable, for `DHT.run_coroutine`."""
 
-    key: str
+    keys: tuple[str, ...]
 
     async def __call__(self, dht: hivemind.DHT, node) -> dict:
-        return await _read_near(node, self.key)
+        return await _read_near(node, list(self.keys))

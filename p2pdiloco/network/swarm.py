@@ -32,7 +32,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig, fingerprint_diff, protocol_of
-from p2pdiloco.network.dht_store import DHT_BUCKET_SIZE, DHT_REPLICAS, read_near, store_near
+from p2pdiloco.network.dht_store import DHT_BUCKET_SIZE, DHT_REPLICAS, read_near_many, store_near
 from p2pdiloco.network.identity import (
     IdentityError,
     PeerIdentity,
@@ -236,11 +236,10 @@ DHT_READ_BEAM = DHT_REPLICAS
 """Nodes a read keeps in its beam: those of `store_near`'s walk, where the records were stored (hivemind: the
 bucket size, 8 here)."""
 
-PEER_SHARDS = 8
-"""Peer records are spread over this many DHT keys: every store or read of a key moves all its records (hivemind
-returns a key's every subkey from each node on the way), so one key for the whole swarm made each peer's
-heartbeat cost grow with the swarm. Only whole-swarm readers (`status`, the dashboard, a joiner)
-read every shard."""
+PEER_SHARDS = 4
+"""Peer records are spread over this many DHT keys. A heartbeat moves only its own record (`store_near`): shards
+share out the holders' load (a shard's beats and reads), and each costs a whole-swarm reader (`status`, the
+dashboard, a starting peer) a walk to its nearest nodes, ~3 kB from a fresh node at 32 peers, more than its copy."""
 
 CONFIG_TTL_S = 600.0
 """A peer's config record (its full fingerprint, for a joiner's check) lives this long, renewed at half of it."""
@@ -259,9 +258,12 @@ def config_key(run_id: str) -> str:
     return f"{run_id}_config"
 
 
-async def read_peers(dht: hivemind.DHT, run_id: str, timeout: float = 5.0) -> dict[str, dict]:
-    """Every peer record of the swarm: all shards, read at once."""
-    parts = await asyncio.gather(*(read_subkeys(dht, peers_key(run_id, s), timeout) for s in range(PEER_SHARDS)))
+async def read_peers(dht: hivemind.DHT, run_id: str, timeout: float = 5.0, near: bool = False) -> dict[str, dict]:
+    """Every peer record of the swarm: all shards, read at once. `near`: one node's copy of each shard
+    (`read_near_subkeys`), which may be a few heartbeats old or lack a record stored elsewhere: a first look."""
+    keys = [peers_key(run_id, s) for s in range(PEER_SHARDS)]
+    parts = [await read_near_subkeys(dht, keys, timeout)] if near else await asyncio.gather(
+        *(read_subkeys(dht, key, timeout) for key in keys))
     return {peer: record for part in parts for peer, record in part.items()}
 
 
@@ -283,28 +285,31 @@ async def read_subkeys(dht: hivemind.DHT, key: str, timeout: float = 5.0) -> dic
     return out
 
 
-async def read_near_subkeys(dht: hivemind.DHT, key: str, timeout: float = 5.0) -> dict[str, dict]:
-    """As `read_subkeys`, from the key's nearest node only (`dht_store.read_near`); {} if none or on timeout."""
+async def read_near_subkeys(dht: hivemind.DHT, key: str | list[str], timeout: float = 5.0) -> dict[str, dict]:
+    """As `read_subkeys`, from the key's nearest node only (`dht_store.read_near_many`); {} if none or on timeout. A list
+    of keys: their records together, their nearest nodes found by one walk (`dht_store.read_near_many`)."""
     try:
-        found = await asyncio.wait_for(read_near(dht, key), timeout)
+        found = await asyncio.wait_for(read_near_many(dht, [key] if isinstance(key, str) else key), timeout)
     except TimeoutError:
         logger.debug("DHT read of %s timed out", key)
         return {}
     now = get_dht_time()
-    return {k: v for k, (v, expiration) in found.items()
+    return {k: v for part in found.values() for k, (v, expiration) in part.items()
             if isinstance(k, str) and isinstance(v, dict) and expiration > now}
 
 
 async def write_subkey(
-    dht: hivemind.DHT, key: str, subkey: str, value: dict, expiration: float, timeout: float = 5.0
+    dht: hivemind.DHT, key: str, subkey: str, value: dict, expiration: float, timeout: float = 5.0,
+    turn: int | None = None,
 ) -> bool:
-    """Store `value` under (key, subkey) until `expiration` (DHT time), on the key's nearest nodes (`store_near`).
+    """Store `value` under (key, subkey) until `expiration` (DHT time), on the key's nearest nodes (`store_near`;
+    `turn`: on one of them, in rotation).
 
     The DHT keeps whichever value expires last, so a record meant to replace an earlier one must be given a
     later expiration than it, or the store is silently refused.
     """
     try:
-        return bool(await asyncio.wait_for(store_near(dht, key, subkey, value, expiration), timeout))
+        return bool(await asyncio.wait_for(store_near(dht, key, subkey, value, expiration, turn=turn), timeout))
     except TimeoutError:
         logger.warning("DHT store %s timed out", key)
         return False

@@ -75,7 +75,7 @@ class SwarmHistory:
         max_events: joins and leaves kept.
         max_peers: peers kept once gone (live peers are always kept); the ones gone longest are forgotten first.
         lost_after_s: a peer whose records stop coming for this long is marked lost (a record expires after
-            three heartbeats; one failed DHT read must not make every peer leave and join again).
+            four heartbeats; one failed DHT read must not make every peer leave and join again).
     """
 
     def __init__(self, run_id: str, max_points: int = 400, max_events: int = 200, max_peers: int = 200,
