@@ -47,6 +47,22 @@ def test_pack_unpack_verifies_everything():
         unpack_state(*nan, 1000)
 
 
+def test_a_copy_of_the_records_counts_as_fresh_only_if_every_other_live_record_is_from_the_last_heartbeat():
+    """A starting peer's first read is one node's copy, refreshed every few beats: a joiner 12 s into a run read
+    the swarm's first beats there (nobody ahead) and trained alone from step 0. It reads again by walks unless
+    every other live record is younger than one heartbeat."""
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from p2pdiloco.app.joining import _fresh
+
+    now = get_dht_time()
+    fresh = {"a": {"time": now - 1.0, "global_tokens": 0}, "b": {"time": now - 4.0}}
+    assert _fresh(fresh, "me", 5.0) and _fresh({}, "me", 5.0)
+    assert not _fresh({**fresh, "c": {"time": now - 12.0, "global_tokens": 0}}, "me", 5.0)  # a beat may be newer
+    assert not _fresh({**fresh, "c": {"global_tokens": 9}}, "me", 5.0)  # no time: not known fresh
+    assert _fresh({**fresh, "me": {"time": now - 60.0}, "gone": {"left": True, "time": now - 60.0}}, "me", 5.0)
+
+
 def test_donor_order_most_agreed_first_and_spread():
     records = {"a": {"global_digest": "x"}, "b": {"global_digest": "x"}, "c": {"global_digest": "y", "round": 99},
                "d": {"global_digest": ""}, "me": {"global_digest": "x"}}

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.app.heartbeat import swarm_finished
 from p2pdiloco.app.startup import say
@@ -52,6 +53,15 @@ def own_check(learner: Learner, sampler: BatchSampler | None, n_batches: int) ->
     return state_check(learner.model, learner.g.params, probe, learner.device, learner.cfg.run.precision)
 
 
+def _fresh(records: dict[str, dict], peer_id: str, period: float) -> bool:
+    """Whether every other live record of `records` was written within the last heartbeat `period` (its `time`, DHT
+    time): then no newer beat of it can be on another node. A record's time is its own claim; one that lies can
+    only spare this peer a walk that the other records would still call for."""
+    now = get_dht_time()
+    return all(isinstance(t := r.get("time"), (int, float)) and now - t <= period
+               for p, r in live_records(records).items() if p != peer_id)
+
+
 def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dht, cfg: Config, peer_id: str,
                      metrics: MetricsLog, every: dict[str, dict] | None = None,
                      sampler: BatchSampler | None = None) -> None:
@@ -67,13 +77,14 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
 
     Args:
         every: the swarm's peer records as read at this peer's start (`read_peers`, one node's copy of each shard),
-            or None to read them here. If live peers are ahead of this one, they are read again by walks, which
-            find every copy and the newest, before a state is chosen.
+            or None to read them here. A node's copy is refreshed every few heartbeats (`heartbeat.RECORD_BEATS`):
+            unless every other live record in it is from the last heartbeat, they are read again by walks, which
+            find every copy and the newest, before this peer decides whether anyone is ahead (a copy of a swarm's
+            first beats showed nobody ahead of a joiner 12 s into a run, and it trained alone from step 0).
         sampler: this peer's batches, from which the check's windows are drawn (None: no check)."""
     say("joining the swarm %s: %s its peer records", cfg.swarm.run_id, "reading" if every is None else "checking",
         tag=short_id(peer_id))
-    walked = every is None
-    if walked:
+    if every is None or not _fresh(every, peer_id, cfg.swarm.heartbeat_s):
         every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
     finished = swarm_finished(every, peer_id, cfg.run.total_steps)
     if finished is not None:  # training on alone would only move this peer's model away from the swarm's result
@@ -87,8 +98,6 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
              if p != peer_id and float(r.get("global_tokens") or 0) > learner.c.global_tokens}
     if not ahead:
         return
-    if not walked:  # a state is chosen from every live record, as fresh as they come
-        records = live_records(loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30))
     say("joining: downloading the swarm's state (%d live peer(s) ahead of this one)", len(ahead), tag=short_id(peer_id))
     t0 = time.monotonic()
 
