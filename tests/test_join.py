@@ -323,9 +323,11 @@ def test_a_peer_restarted_after_the_swarm_finished_does_not_train_on_alone(boots
         join_swarm_state(learner, None, net_loop, late, cfg, me, learner.report.metrics)
         summary = learner.run()
         assert summary["arrived_after_end"] is True and summary["inner_steps"] == 0
-        # a peer decides by the records it read once at its start (for its config check too), with no DHT to read
+        # a peer decides by the records it read once at its start (for its config check too), with no DHT to read,
+        # where every live record in them is from the last heartbeat
         records = net_loop.run(read_peers(late, "fin"), 10)
-        for given, over in ((records, True), ({done.peer_id.to_base58(): {"step": 50, "global_tokens": 0}}, False)):
+        live = {done.peer_id.to_base58(): {"step": 50, "global_tokens": 0, "time": get_dht_time()}}
+        for given, over in ((records, True), (live, False)):
             (tmp_path / f"again{over}").mkdir()
             again = _learner(cfg, InMemoryMerger(me, {"group_size": 2}), tmp_path / f"again{over}", 0)
             join_swarm_state(again, None, net_loop, None, cfg, me, again.report.metrics, every=given)
