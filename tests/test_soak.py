@@ -24,7 +24,7 @@ during a merge holds a few more descriptors than one taken between merges (30 ag
 @pytest.mark.timeout(900)
 def test_counts_return_to_their_level_after_each_kill_and_stop(tmp_path):
     quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115 - closed with the test process
-    r = bench_soak(tmp_path, minutes=2, peers=3, event_s=24, sample_s=8, console=quiet)
+    r = bench_soak(tmp_path, minutes=2, peers=3, event_s=20, sample_s=8, console=quiet)
     cycles = [lv for lv in r["levels"] if "growth" in lv]
     assert {lv["event"] for lv in cycles} == {"kill", "term"}, r["levels"]  # each kind came back at least once
     for lv in cycles:

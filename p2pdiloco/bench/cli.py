@@ -185,9 +185,9 @@ BENCHES: dict[str, tuple[str, str, dict[str, str | tuple[str, str]]]] = {
     "soak": (
         "a peer's memory, fds, threads, sockets, disk and DHT records over an hour of churn",
         "A swarm under churn (a peer SIGKILLed and restarted, one stopped with SIGTERM and resumed, a fresh peer "
-        "joining, one event every twelfth of the run) sampled every 30 s: per process of each peer PSS, USS, open "
-        "fds, threads and child processes; socket files in /tmp, the run folder's bytes, the DHT records a node "
-        "holds. Slopes after a warm-up beside their limits, one plot per figure, the share of group merges early "
+        "joining, one event every twelfth of the run, none in its last 30 s) sampled every 30 s: per process of "
+        "each peer PSS, USS, open fds, threads and child processes; socket files in /tmp, the run folder's bytes, "
+        "the DHT records a node holds. Slopes after a warm-up beside their limits, one plot per figure, the share of group merges early "
         "and late, and whether the final models are identical.",
         {"--minutes": "length of the run (default 60; the warm-up is 10 minutes, a sixth of shorter runs)",
          "--peers": ("N", "peers at the start (default 4; peer0 is never disturbed)")}),
