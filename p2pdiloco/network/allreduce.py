@@ -31,7 +31,7 @@ from p2pdiloco.network.admission import Request
 from p2pdiloco.network.group import Group, check_terms
 from p2pdiloco.network.merger import FaultHook
 from p2pdiloco.network.peer_tag import short_id
-from p2pdiloco.network.rpc import MergeFailed, Rpc
+from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed, Rpc
 from p2pdiloco.network.session import MergeSession
 from p2pdiloco.network.wire import WireError
 from p2pdiloco.util.numbers import finite_number
@@ -135,6 +135,10 @@ class PlainReducer:
 
     def accept(self, group: Group, owner: int, averaged: torch.Tensor, mine: torch.Tensor) -> None:
         pass
+
+
+class AverageRefused(MergeFailed):
+    """This peer's guards refused the average an owner returned for its slice (`SliceReducer.accept`)."""
 
 
 @dataclass
@@ -252,12 +256,31 @@ class AllReduce:
                 raise MergeFailed(f"member {short_id(group.members[j])} returned an undecodable slice: {e}") from None
             if not torch.isfinite(averaged).all():
                 raise MergeFailed(f"member {short_id(group.members[j])} returned non-finite values")
-            self.reducer.accept(group, j, averaged, slices[k])  # the owner of a slice could return anything
+            try:
+                self.reducer.accept(group, j, averaged, slices[k])  # the owner of a slice could return anything
+            except MergeFailed as e:
+                raise AverageRefused(str(e)) from None
             return averaged, _share(reply.get("share"))
 
-        results = await asyncio.gather(*(exchange(j) for j in owned))
+        try:
+            results = await asyncio.gather(*(exchange(j) for j in owned))
+        except AverageRefused:
+            if me in owned:
+                await self._serve_out(slot)
+            raise
         by_slice = sorted(zip(owned.values(), results, strict=True), key=lambda x: x[0])
         return torch.cat([a for _, (a, _) in by_slice]), torch.cat(sent), [share for _, (_, share) in by_slice]
+
+    async def _serve_out(self, slot: _Slot) -> None:
+        """Before this peer gives up a merge because its guards refused one owner's average, let the slice it owns be
+        served: its mates may accept that average, and still merge without this peer. Leaving at once made every
+        member whose part was still on its way fail too ("unknown group"), and every member waiting on the slice wait
+        out the merge timeout. Only for a refusal: any other failure (an owner's error, a broken stream) ends the
+        merge at once, as the group is broken for all. Waits at most `RPC_TIMEOUT_S` for the parts still to come."""
+        try:
+            await asyncio.wait_for(asyncio.shield(slot.result), RPC_TIMEOUT_S)
+        except (MergeFailed, TimeoutError):
+            pass  # its mates learn of it from their own request
 
     def _own_part(self, tag: str, part: torch.Tensor) -> torch.Tensor:
         """This peer's part of the slice it owns, as it enters the slice's reduction: exact for a pseudo-gradient
