@@ -17,7 +17,7 @@ import torch
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.network import census as census_module
-from p2pdiloco.network.census import Census, commit_of, commitment, epoch_of, leader_rank
+from p2pdiloco.network.census import Census, commit_of, commitment, epoch_of, leader_rank, secret_of
 from p2pdiloco.network.identity import PeerIdentity
 from p2pdiloco.network.leaders import REVEAL_WAIT_S, SILENT_ROUNDS, Leaders
 from p2pdiloco.network.merger import Contribution
@@ -135,6 +135,41 @@ def test_at_an_epoch_turn_a_ready_mate_whose_reveal_is_on_its_way_is_followed_fi
     late._began = (6, time.monotonic() - REVEAL_WAIT_S)
     assert late.order(mates, set(mates), 6) == ["a", "b"]  # b reveals nothing: it leads last
     assert me.order(mates, {"b"}, 6) == ["b"]
+
+
+def test_a_peer_resumed_from_its_identity_keeps_its_nonces_and_its_mates_draw_its_order(monkeypatch, tmp_path):
+    """Mates count the first commitment they read for an id. A peer killed and resumed under its id that drew new
+    nonces revealed one nobody could check, yet checked it itself: it ranked itself by a mix its mates did not
+    draw, and led beside the leader they followed for a whole epoch (3-peer soaks, after a SIGKILL and restart).
+    Its nonces' key now comes from its identity file, the same in every process resumed from it."""
+    identity = tmp_path / "identity.key"
+    identity.write_bytes(os.urandom(68))
+    assert secret_of(identity) == secret_of(identity) and secret_of(tmp_path / "missing") is None
+
+    def lives(secret_of_second):
+        first = _census("r", monkeypatch, [])
+        first._secret = secret_of(identity)
+        mate = _census("m", monkeypatch, [])
+        for c in (first, mate):
+            asyncio.run(c.register(5))  # each commits to its nonce for epoch 6
+        records = {"r": {"epoch": 6, "commit": commitment(first.nonce(6))},
+                   "m": {"epoch": 6, "commit": commitment(mate.nonce(6))}}
+        second = Census(None, "run", "r", secret=secret_of_second)  # the process resumed in epoch 5
+        asyncio.run(second.register(5))
+        for c in (mate, second):
+            c.records = records  # the mate read the first process's commitment; the second stored its own later
+            asyncio.run(c.register(6))
+            asyncio.run(c.members(6))
+        views = {"m": Leaders("run", mate), "r": Leaders("run", second)}
+        views["m"].heard("r", {"epoch": 6, **views["r"].reveal(6)})
+        views["r"].heard("m", {"epoch": 6, **views["m"].reveal(6)})
+        return views
+
+    kept = lives(secret_of(identity))
+    assert kept["m"].nonce("r", 6) is not None  # its reveal matches the commitment its mate counts
+    assert kept["m"].order(["m", "r"], {"m", "r"}, 6) == kept["r"].order(["m", "r"], {"m", "r"}, 6)
+    drawn = lives(None)  # new nonces: the mate cannot check its reveal, while it counts its own as checked
+    assert drawn["m"].nonce("r", 6) is None and drawn["r"].nonce("r", 6) is not None
 
 
 def test_an_id_ground_to_rank_first_leads_only_its_share_of_epochs():

@@ -24,6 +24,7 @@ from p2pdiloco.app.reach import start_reachability
 from p2pdiloco.app.startup import StartupClock, process_started_monotonic, say
 from p2pdiloco.app.together import wait_for_peers
 from p2pdiloco.config import Config, fingerprint_digest
+from p2pdiloco.network.census import secret_of
 from p2pdiloco.network.p2p_merger import P2PMerger
 from p2pdiloco.network.peer_tag import short_id
 from p2pdiloco.network.state_sync import StateSync
@@ -289,8 +290,8 @@ def build_peer(cfg: Config, stop: StopFlag, unit: UnitContext, device: torch.dev
     closing.callback(metrics.close)  # after the merger's close, whose last results the learner may still log
     auth = swarm_auth(cfg.swarm)
     hooks = peer_hooks(cfg)  # no faults and no hostile wrapper unless a test or benchmark asked for them
-    merger = P2PMerger(dht, cfg, loop, count_params(model), auth=auth, guard=cfg.guard,
-                       fingerprint=fingerprint_digest(fingerprint), faults=hooks.faults)
+    merger = P2PMerger(dht, cfg, loop, count_params(model), auth=auth, guard=cfg.guard, faults=hooks.faults,
+                       fingerprint=fingerprint_digest(fingerprint), census_secret=secret_of(run_dir / IDENTITY_FILE))
     closing.callback(merger.close)
     say("merger ready in %.1f s (codec %s)", startup.lap("merger"), cfg.codec.name, tag=short_id(peer_id))
     learner = Learner(cfg, model, sampler.next_batch, val, hooks.wrap_merger(merger), device, metrics,

@@ -30,6 +30,7 @@ import random
 import secrets
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
@@ -76,6 +77,16 @@ def lead_rank(run_id: str, peer: str, epoch: int, mix: bytes) -> bytes:
 def commitment(nonce: bytes) -> bytes:
     """The hash of `nonce` that a census record carries before the nonce is revealed."""
     return hashlib.blake2b(b"p2pdiloco-commit\x00" + nonce, digest_size=COMMIT_BYTES).digest()
+
+
+def secret_of(identity_file: Path) -> bytes | None:
+    """A census secret (`Census`) that is the same in every process of a peer resumed from `identity_file` (its
+    private key, which nobody else holds): a keyed hash of the file; None where it cannot be read."""
+    try:
+        key = identity_file.read_bytes()
+    except OSError:
+        return None
+    return hashlib.blake2b(key, key=b"p2pdiloco-census-secret", digest_size=COMMIT_BYTES).digest()
 
 
 def commit_of(value: object, epoch: int) -> bytes | None:
@@ -168,9 +179,13 @@ class Census:
         run_id: the swarm's run id.
         peer_id: this peer's id (it is in every view of an epoch it registered for).
         epoch_s: seconds of DHT time an epoch lasts (`merge.epoch_s`, the same on every peer of a swarm).
+        secret: the key of this peer's nonces (`nonce`); None: drawn now. A peer resumed under its id must keep it:
+            its mates hold the commitments its last process stored, and a resumed peer with new nonces ranked
+            itself by a nonce nobody else could check, leading beside the leader its mates followed all epoch.
     """
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, peer_id: str, epoch_s: float = EPOCH_S):
+    def __init__(self, dht: hivemind.DHT, run_id: str, peer_id: str, epoch_s: float = EPOCH_S,
+                 secret: bytes | None = None):
         self.dht, self.run_id, self.peer_id, self.epoch_s = dht, run_id, peer_id, epoch_s
         self._registered: dict[int, float] = {}
         """Epochs this peer is in the census of -> when it registered (monotonic)."""
@@ -181,7 +196,7 @@ class Census:
         swarm)."""
         self._last_size = 0
         """Peers in the last view read (this one included); 0 before the first."""
-        self._secret = secrets.token_bytes(COMMIT_BYTES)
+        self._secret = secrets.token_bytes(COMMIT_BYTES) if secret is None else secret
         self._ahead: set[int] = set()
         """Epochs whose commitment this peer stored in the epoch before: only their nonces are revealed."""
         self._commits: dict[int, dict[str, bytes]] = {}
@@ -207,7 +222,8 @@ class Census:
         self._ahead = {e for e in self._ahead if e >= epoch}
 
     def nonce(self, epoch: int) -> bytes:
-        """This peer's secret nonce for `epoch` (a keyed hash of a secret drawn at start: nothing to store)."""
+        """This peer's secret nonce for `epoch` (a keyed hash of its secret, `secret_of` its identity file: nothing
+        to store, and the same in a process resumed under its id)."""
         return hashlib.blake2b(str(epoch).encode(), key=self._secret, digest_size=COMMIT_BYTES).digest()
 
     def reveal(self, epoch: int) -> bytes | None:

@@ -59,22 +59,22 @@ class Matchmaker:
         guard: guard settings (whether stale members are left out, and how far behind is stale).
         fingerprint: digest of the run config; invites from leaders with another one are declined.
         lengths: vector length per tag, the same on every peer (see `Group.lengths`).
+        census_secret: the key of this peer's census nonces (`Census`); None: drawn at start.
     """
 
     def __init__(self, dht: hivemind.DHT, cfg: Config, rpc: Rpc, book: GuardBook, guard: GuardConfig,
-                 fingerprint: str, lengths: dict[str, int]):
+                 fingerprint: str, lengths: dict[str, int], census_secret: bytes | None = None):
         self.dht, self.cfg, self.rpc, self.book, self.guard = dht, cfg, rpc, book, guard
         self.fingerprint, self.lengths, self.peer_id = fingerprint, lengths, rpc.peer_id
         self.log = PeerLog(logger, self.peer_id)
         self._search: Search | None = None
         self._groups: dict[str, asyncio.Future] = {}
-        self._closed = False
+        self._closed = self._warned_epochs = False
         self.window = Window(cfg)
         """How long this peer's searches wait for mates, from what its last rounds and merges took."""
-        self._warned_epochs = False
         self._other_protocol: set[str] = set()  # leaders of another protocol version, declined and said so once
         self._tasks: set[asyncio.Task] = set()
-        self.census = Census(dht, cfg.swarm.run_id, self.peer_id, cfg.merge.epoch_s)
+        self.census = Census(dht, cfg.swarm.run_id, self.peer_id, cfg.merge.epoch_s, census_secret)
         self.leaders = Leaders(cfg.swarm.run_id, self.census, rpc.gate.refusing)
         self._ready: dict[str, float] = {}
         """Mates that told us they are looking for a group: peer id -> until when (DHT time)."""

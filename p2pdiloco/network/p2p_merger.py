@@ -77,11 +77,12 @@ class P2PMerger:
         guard: checks on received contributions and the aggregation rule (None: defaults).
         fingerprint: digest of the run config; invites from leaders with another one are declined.
         faults: test hook: faults to inject at stages 'exchange' and 'serve_part' (None: none).
+        census_secret: the key of this peer's census nonces, the same across its restarts (`Census`); None: drawn.
     """
 
     def __init__(self, dht: hivemind.DHT, cfg: Config, loop: BackgroundLoop, n_params: int,
                  auth: SwarmAuth | None = None, guard: GuardConfig | None = None, fingerprint: str = "",
-                 faults: FaultHook | None = None):
+                 faults: FaultHook | None = None, census_secret: bytes | None = None):
         self.dht, self.cfg, self._loop, self.n_params = dht, cfg, loop, n_params
         self.peer_id = dht.peer_id.to_base58()
         self.log = PeerLog(logger, self.peer_id)
@@ -100,7 +101,7 @@ class P2PMerger:
         one first (`_agree`)."""
         self.rpc = Rpc(dht, cfg.swarm.run_id, self.auth, self.counter)
         self.matchmaker = Matchmaker(dht, cfg, self.rpc, self.book, self.guard, fingerprint,
-                                     {"d": n_params, "s": 2 * n_params, "a": 2 * n_params})
+                                     {"d": n_params, "s": 2 * n_params, "a": 2 * n_params}, census_secret)
         self.sessions = Sessions(self.matchmaker.expected_group, self.matchmaker.forget,
                                  self.matchmaker.leaders.distrust_leader_of)
         """This peer's merges in progress, by group id: where the stream handlers find theirs (session.py)."""
