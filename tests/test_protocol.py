@@ -20,6 +20,7 @@ from p2pdiloco.config import (
 from p2pdiloco.config import fingerprint as fingerprint_module
 from p2pdiloco.network.admission import Request, StreamGate
 from p2pdiloco.network.matchmaking import Matchmaker
+from p2pdiloco.network.search import OTHER_PROTOCOLS
 from p2pdiloco.network.swarm import SwarmError, check_fingerprint
 from tests.conftest import merge_config
 
@@ -86,3 +87,13 @@ def test_an_invite_from_a_leader_of_another_version_is_declined_and_said_once(ca
     assert replies[3].get("error") != replies[0]["error"]  # its own version: not declined for it (no search here)
     assert caplog.text.count("declined the invites of leader") == 1
     assert f"it speaks wire protocol {PROTOCOL_VERSION + 1}, this peer {PROTOCOL_VERSION}" in caplog.text
+
+    # leaders made up by the thousand are all declined, and the ones said so are bounded
+    async def strangers():
+        for i in range(OTHER_PROTOCOLS + 200):
+            await m.on_invite(Request("invite", f"12D3KooWmadeup{i}", newer), None, None)
+
+    replies.clear()
+    asyncio.run(strangers())
+    assert [r["why"] for r in replies] == ["protocol"] * (OTHER_PROTOCOLS + 200)
+    assert len(m._other_protocol) == OTHER_PROTOCOLS

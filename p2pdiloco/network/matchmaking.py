@@ -36,7 +36,7 @@ from p2pdiloco.network.leaders import Leaders
 from p2pdiloco.network.merger import Contribution
 from p2pdiloco.network.peer_tag import PeerLog, short_id
 from p2pdiloco.network.rpc import RPC_TIMEOUT_S, MergeFailed, Rpc
-from p2pdiloco.network.search import DECLINES, Search, Window, decline_reason, leader_refusal
+from p2pdiloco.network.search import DECLINES, OTHER_PROTOCOLS, Search, Window, decline_reason, leader_refusal
 from p2pdiloco.util.numbers import finite_number
 
 logger = logging.getLogger(__name__)
@@ -338,7 +338,7 @@ class Matchmaker:
             reply["why"], reply["error"] = refusal
         elif (theirs := protocol_of(header)) != PROTOCOL_VERSION:
             reply["error"], reply["why"] = f"wire protocol {theirs} differs from this peer's {PROTOCOL_VERSION}", "protocol"
-            if leader not in self._other_protocol:  # once per leader: it invites every round
+            if leader not in self._other_protocol and len(self._other_protocol) < OTHER_PROTOCOLS:  # once each
                 self._other_protocol.add(leader)
                 self.log.warning("declined the invites of %s: it speaks wire protocol %s, this peer %d",
                                  short_id(leader), theirs, PROTOCOL_VERSION)

@@ -21,6 +21,10 @@ wire protocol or config; or the invitee, about its last merges, follows only a l
 alone with the cause `declined:` and the words (plus `unreachable` for an invite unanswered, `stale` for a member
 left out as too far behind)."""
 
+OTHER_PROTOCOLS = 64
+"""Leaders of another wire protocol whose invites are declined with a warning, once each (each invites every round);
+invites of further ones are declined without one, so that ids made up by the thousand take no memory."""
+
 ALONE_CAUSES = ("declined", "not_invited", "no_notice", "no_mate_ready", "no_mate", "no_leader", "closed")
 """Why a search ended without a group (`Matchmaker.alone_cause`): its invites were all declined (see `DECLINES`); the
 mate it followed as leader never invited it; the leader whose invite it accepted never sent the group's notice; it
