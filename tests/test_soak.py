@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from p2pdiloco.bench.soak import Soak, bench_soak
+from p2pdiloco.bench.soak import EVENTS, Schedule, Soak, bench_soak
 from p2pdiloco.bench.soakprobe import COUNT_LIMIT
 
 P2PD_SLACK = {"p2pd.threads": 4, "p2pd.fds": 4}
@@ -51,3 +51,16 @@ def test_a_peer_that_ends_outside_the_schedule_is_noted_once_and_counted_as_gone
     soak._unscheduled_exits()
     soak._unscheduled_exits()
     assert [(e["event"], e["peer"], e.get("returncode")) for e in soak.events[1:]] == [("exit", "peer2", -9)]
+
+
+def test_an_hour_of_events_has_several_leaves_each_of_a_live_joiner_and_still_kills_stops_and_joins():
+    schedule = Schedule.for_minutes(60)
+    n_events = int(schedule.total_s // schedule.event_s) - 1  # the first at one event_s, none at the end
+    hour = [EVENTS[k % len(EVENTS)] for k in range(n_events)]
+    live_joiners = 0
+    for kind in hour:
+        if kind == "leave":
+            assert live_joiners > 0, hour  # a leave stops a joiner, never nothing
+        live_joiners += {"join": 1, "leave": -1}.get(kind, 0)
+    assert hour.count("leave") >= 4 and hour.count("kill") >= 2 and "term" in hour, hour
+    assert {"kill", "term"} <= set(EVENTS[:4])  # the 2-minute soak's 4 events bring back a kill and a stop
