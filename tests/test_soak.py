@@ -6,13 +6,14 @@ run nothing of it is left.
 A few minutes long: marked `soak`, skipped in the default run and run by .ci/run in a step of its own."""
 
 import os
+import random
 from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
-from p2pdiloco.bench.soak import Soak, bench_soak
-from p2pdiloco.bench.soakprobe import COUNT_LIMIT
+from p2pdiloco.bench.soak import EVENTS, Schedule, Soak, bench_soak
+from p2pdiloco.bench.soakprobe import COUNT_LIMIT, robust_slope_per_hour, slope_per_hour
 
 P2PD_SLACK = {"p2pd.threads": 4, "p2pd.fds": 4}
 """p2pd's counts move with its traffic. It is a Go program: the runtime starts an OS thread for each goroutine blocked
@@ -51,3 +52,36 @@ def test_a_peer_that_ends_outside_the_schedule_is_noted_once_and_counted_as_gone
     soak._unscheduled_exits()
     soak._unscheduled_exits()
     assert [(e["event"], e["peer"], e.get("returncode")) for e in soak.events[1:]] == [("exit", "peer2", -9)]
+
+
+def test_an_hour_of_events_has_several_leaves_each_of_a_live_joiner_and_still_kills_stops_and_joins():
+    schedule = Schedule.for_minutes(60)
+    n_events = int(schedule.total_s // schedule.event_s) - 1  # the first at one event_s, none at the end
+    hour = [EVENTS[k % len(EVENTS)] for k in range(n_events)]
+    live_joiners = 0
+    for kind in hour:
+        if kind == "leave":
+            assert live_joiners > 0, hour  # a leave stops a joiner, never nothing
+        live_joiners += {"join": 1, "leave": -1}.get(kind, 0)
+    assert hour.count("leave") >= 4 and hour.count("kill") >= 2 and "term" in hour, hour
+    assert {"kill", "term"} <= set(EVENTS[:4])  # the 2-minute soak's 4 events bring back a kill and a stop
+
+
+def test_the_robust_slope_ignores_a_few_spikes_and_its_interval_covers_the_true_slope_of_swinging_memory():
+    line = [(t * 30.0, 200 + t * 30 / 3600 + (30 if t in (80, 90, 95) else 0)) for t in range(100)]  # 1 MB/h
+    assert robust_slope_per_hour(line)["theil_sen"] == pytest.approx(1.0, abs=1e-6)
+    assert abs(slope_per_hour(line) - 1.0) > 0.1  # the spikes move the least-squares slope
+
+    rng = random.Random(7)
+    covered = naive_covered = 0
+    for _ in range(200):  # memory that swings and stays up or down a while: lag-1 autocorrelation 0.8
+        e, pts = 0.0, []
+        for t in range(100):
+            e = 0.8 * e + rng.gauss(0, 5)
+            pts.append((t * 30.0, 200 + 2.0 * t * 30 / 3600 + e))
+        r = robust_slope_per_hour(pts)
+        covered += abs(slope_per_hour(pts) - 2.0) <= r["ci95"]
+        naive_covered += abs(slope_per_hour(pts) - 2.0) <= r["ci95"] * ((1 - r["lag1"]) / (1 + r["lag1"])) ** 0.5
+    assert covered >= 0.88 * 200, covered  # 9 in 10 or more hold the true slope (r read from 100 points is a little low)
+    assert naive_covered < 0.8 * 200, naive_covered  # unwidened they would hold it far less often
+    assert robust_slope_per_hour(line[:3]) is None

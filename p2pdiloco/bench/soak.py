@@ -5,8 +5,8 @@ records) grows without bound.
 The swarm is `local`'s: a bootstrap node and peers of the benchmark model with padded steps and timed rounds, on
 loopback, started with the public command line. `peer0` (and every original peer past `peer2`) runs the whole time
 untouched; on a fixed schedule `peer1` is SIGKILLed with everything it started (as a machine losing power) and
-restarted 5 s later with --resume, `peer2` is stopped with SIGTERM and resumed, and a fresh peer joins (and a later
-event stops it). An observer DHT node, a `p2pdiloco dashboard` and a `p2pdiloco status --watch 30` watch the swarm
+restarted 5 s later with --resume, `peer2` is stopped with SIGTERM and resumed, and fresh peers join, each leaving
+for good at the next event. An observer DHT node, a `p2pdiloco dashboard` and a `p2pdiloco status --watch 30` watch the swarm
 the whole time and are sampled too. After each kill or stop, the peer's counts are read again once it has merged in a group after its restart:
 they should be back at the level they had before.
 """
@@ -50,9 +50,11 @@ from p2pdiloco.util.processes import stop_process
 
 logger = logging.getLogger(__name__)
 
-EVENTS = ("kill", "join", "kill", "term", "kill", "leave")
-"""What happens at each event time, in turn: kill and restart peer1, a fresh peer joins, SIGTERM and resume peer2,
-the newest joiner leaves (SIGTERM, for good)."""
+EVENTS = ("kill", "join", "leave", "term", "join", "leave", "join", "leave")
+"""What happens at each event time, in turn: kill and restart peer1, a fresh peer joins, the newest joiner leaves
+(SIGTERM, for good), SIGTERM and resume peer2. Each joiner leaves at the next event, so that a departed peer's traces
+in the others (routing tables, connections, records, caches keyed by peer) add up: an hour's 11 events are 4 joins,
+4 leaves, 2 kills and a stop."""
 RESTART_DELAY_S = 5.0
 QUIET_TAIL_S = 30.0
 """No event starts in a run's last seconds: the swarm is stopped with SIGTERM, on which each peer ends on the global
