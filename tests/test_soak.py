@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from p2pdiloco.bench.soak import EVENTS, Schedule, Soak, bench_soak
-from p2pdiloco.bench.soakprobe import COUNT_LIMIT, robust_slope_per_hour, slope_per_hour
+from p2pdiloco.bench.soakprobe import COUNT_LIMIT, flatness, robust_slope_per_hour, slope_per_hour
 
 P2PD_SLACK = {"p2pd.threads": 4, "p2pd.fds": 4}
 """p2pd's counts move with its traffic. It is a Go program: the runtime starts an OS thread for each goroutine blocked
@@ -85,3 +85,25 @@ def test_the_robust_slope_ignores_a_few_spikes_and_its_interval_covers_the_true_
     assert covered >= 0.88 * 200, covered  # 9 in 10 or more hold the true slope (r read from 100 points is a little low)
     assert naive_covered < 0.8 * 200, naive_covered  # unwidened they would hold it far less often
     assert robust_slope_per_hour(line[:3]) is None
+
+
+def test_a_process_restarted_late_is_judged_after_its_own_warm_up():
+    """A resumed peer's new process loads and faults in its pages as the first one did: its warm-up is its own, not
+    the run's, or a restart 20 minutes into an hour reads as a leak of 20+ MB/h."""
+
+    def proc(pid, mb):
+        return {"pid": pid, "pss": mb * 1e6, "uss": mb * 1e6, "anon": mb * 1e6, "fds": 20, "threads": 9, "children": 1}
+
+    def warming(t, born):  # 100 MB flat, after 40 MB taken over its first 10 minutes
+        return 100 + min(t - born, 600) / 600 * 40
+
+    samples = [{"elapsed_s": t, "trees": {"peer0": {"main": proc(1, warming(t, 0))},
+                                          "peer2": {"main": proc(2 if t < 1200 else 3, warming(t, 0 if t < 1200 else 1200))}}}
+               for t in range(0, 3600, 30)]
+    rows = {r["tree"]: r for r in flatness(samples, 600)}
+    assert rows["peer0"]["from_s"] == 600 and rows["peer2"]["from_s"] == 1800
+    for r in rows.values():
+        assert r["judged"] and r["ok"] and r["pss_mb_per_h"] == pytest.approx(0.0, abs=1e-9), r
+    run_wide = [(t, v / 1e6) for t, v in ((s["elapsed_s"], s["trees"]["peer2"]["main"]["pss"]) for s in samples)
+                if t >= 1200]  # the same process from the run's warm-up on, its own included
+    assert slope_per_hour(run_wide) > 20

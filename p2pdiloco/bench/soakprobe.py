@@ -175,10 +175,11 @@ def series(samples: list[dict], tree: str, role: str, key: str) -> list[tuple[fl
 
 
 def flatness(samples: list[dict], warmup_s: float) -> list[dict]:
-    """Per tree and role, over the samples after `warmup_s` of the process alive at the end (a restarted peer's
-    last incarnation): PSS and USS slopes in MB/h and the growth of each count from the first such sample to the
-    last (each end the median of its `EDGE` samples). A process that lived less than half the time after the
-    warm-up is reported without a verdict."""
+    """Per tree and role, over the samples of the process alive at the end (a restarted peer's last incarnation)
+    after its own warm-up (`warmup_s` from the run's start, or from its first sample if it started later: a resumed
+    process loads and faults in its pages as the first one did): PSS and USS slopes in MB/h and the growth of each
+    count from the first such sample to the last (each end the median of its `EDGE` samples). A process judged over
+    less than half the time after the run's warm-up is reported without a verdict."""
     if not samples:
         return []
     end = samples[-1]["elapsed_s"]
@@ -189,19 +190,21 @@ def flatness(samples: list[dict], warmup_s: float) -> list[dict]:
             if not pss:
                 continue
             last_pid = pss[-1][1]
-            after = [(t, v) for t, pid, v in pss if t >= warmup_s and pid == last_pid]
+            born = min(t for t, pid, _ in pss if pid == last_pid)
+            since = max(warmup_s, born - samples[0]["elapsed_s"] + warmup_s)  # its own warm-up if it started later
+            after = [(t, v) for t, pid, v in pss if t >= since and pid == last_pid]
             if not after:
                 continue
             span = after[-1][0] - after[0][0]
-            row = {"tree": tree, "role": role, "pid": last_pid, "samples": len(after), "span_s": span,
+            row = {"tree": tree, "role": role, "pid": last_pid, "samples": len(after), "span_s": span, "from_s": since,
                    "judged": span >= (end - warmup_s) / 2 and len(after) >= 3}
             for key in ("pss", "uss", "anon"):
-                pts = [(t, v / 1e6) for t, pid, v in series(samples, tree, role, key) if t >= warmup_s and pid == last_pid]
+                pts = [(t, v / 1e6) for t, pid, v in series(samples, tree, role, key) if t >= since and pid == last_pid]
                 row[f"{key}_mb_per_h"] = slope_per_hour(pts)
                 row[f"{key}_mb_last"] = pts[-1][1] if pts else None
                 row[f"{key}_robust"] = robust_slope_per_hour(pts)
             for key in COUNTS:
-                vals = [v for t, pid, v in series(samples, tree, role, key) if t >= warmup_s and pid == last_pid]
+                vals = [v for t, pid, v in series(samples, tree, role, key) if t >= since and pid == last_pid]
                 row[f"{key}_first"], row[f"{key}_last"] = statistics.median_low(vals[:EDGE]), statistics.median_low(vals[-EDGE:])
                 row[f"{key}_growth"] = row[f"{key}_last"] - row[f"{key}_first"]
             slope = row["pss_mb_per_h"]
