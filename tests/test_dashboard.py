@@ -104,3 +104,51 @@ def test_dashboard_serves_its_page_and_api_from_the_records(net_loop):
         assert ctype.startswith("application/json") and json.loads(status)["peers"][0]["name"] == "alice"
     finally:
         net_loop.run(dashboard.stop(), timeout=10)
+
+
+class KeyedFakeDHT:
+    """A fake DHT with a dictionary per key (the peer records' shards, the config key), counting reads per key."""
+
+    def __init__(self):
+        self.keys: dict[str, dict] = {}
+        self.reads: dict[str, int] = {}
+
+    def get(self, key, latest=False, return_future=False, **kwargs):
+        self.reads[key] = self.reads.get(key, 0) + 1
+
+        async def found():
+            exp = get_dht_time() + 30
+            items = {k: SimpleNamespace(value=v, expiration_time=exp) for k, v in self.keys.get(key, {}).items()}
+            return SimpleNamespace(value=items, expiration_time=exp)
+
+        return found()
+
+
+def test_the_dashboard_reads_what_peers_say_about_themselves_when_a_peer_is_new_not_every_poll(net_loop):
+    from p2pdiloco.network.swarm import config_key, peer_shard, peers_key
+
+    dht = KeyedFakeDHT()
+
+    def live(peer: str, step: int) -> None:
+        record = _rec(step, time.time())
+        del record["name"]  # in the config record, not in a heartbeat
+        dht.keys.setdefault(peers_key("r", peer_shard(peer)), {})[peer] = record
+
+    live("12D3KooWa", 1)
+    dht.keys[config_key("r")] = {"12D3KooWa": {"fingerprint": {}, "name": "alice", "device": "cpu"}}
+    dashboard = Dashboard(dht, "r", "127.0.0.1", 0, refresh_s=0.2)
+
+    def poll() -> dict:
+        net_loop.run(dashboard.poll_once(), 10)
+        return {p["peer_id"]: p for p in dashboard.history.status["peers"]}
+
+    for step in (1, 2, 3):
+        live("12D3KooWa", step)
+        assert poll()["12D3KooWa"]["name"] == "alice"
+    assert dht.reads[config_key("r")] == 1 and dht.reads[peers_key("r", peer_shard("12D3KooWa"))] == 3
+    live("12D3KooWb", 1)  # a new peer, whose config record is not there yet: read at once, then again later
+    assert poll()["12D3KooWb"]["name"] == "" and dht.reads[config_key("r")] == 2
+    dht.keys[config_key("r")]["12D3KooWb"] = {"name": "bob", "device": "cpu"}
+    assert poll()["12D3KooWb"]["name"] == "" and dht.reads[config_key("r")] == 2
+    dashboard._about_read -= 10.0  # as if ABOUT_RETRY_S had passed
+    assert poll()["12D3KooWb"]["name"] == "bob" and dht.reads[config_key("r")] == 3

@@ -315,6 +315,8 @@ def test_a_peer_restarted_after_the_swarm_finished_does_not_train_on_alone(boots
         # what the restarted peer does with it: trains nothing, and says so in its summary, so that the run's
         # summary leaves its model out of the final models (`local --chaos` reported such runs "apart")
         from p2pdiloco.app.joining import join_swarm_state
+        from p2pdiloco.network.peer_records import PeerSample
+        from p2pdiloco.network.swarm import PEER_SHARDS
         from p2pdiloco.testing.inmemory import InMemoryMerger
         from tests.test_learner import _cfg, _learner
 
@@ -330,7 +332,8 @@ def test_a_peer_restarted_after_the_swarm_finished_does_not_train_on_alone(boots
         for given, over in ((records, True), (live, False)):
             (tmp_path / f"again{over}").mkdir()
             again = _learner(cfg, InMemoryMerger(me, {"group_size": 2}), tmp_path / f"again{over}", 0)
-            join_swarm_state(again, None, net_loop, None, cfg, me, again.report.metrics, every=given)
+            every = PeerSample(given, tuple(range(PEER_SHARDS)))
+            join_swarm_state(again, None, net_loop, None, cfg, me, again.report.metrics, every=every)
             assert again.ended_with_swarm is over and again.report.arrived_after_end is over
     finally:
         for d in (done, late):

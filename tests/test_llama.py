@@ -124,7 +124,7 @@ def test_config_fields_checks_and_fingerprint() -> None:
     # merge with these) and how members agree on (θg, momentum) (p2p_merger._agree, network/catch_up.py: peers that
     # send fp32 states, or average where these fetch the majority's model, must not either), and the wire protocol
     # (config/fingerprint.PROTOCOL_VERSION)
-    assert fingerprint_digest(load_config(None, []).fingerprint()) == "84582c15a8aa5988"
+    assert fingerprint_digest(load_config(None, []).fingerprint()) == "9c9b86417d620e15"
     llama = load_config(None, [{"model": {"arch": "llama"}}])
     assert llama.fingerprint()["model"]["arch"] == "llama"
     untied = load_config(None, [{"model": {"arch": "llama", "tie_embeddings": "false"}}])

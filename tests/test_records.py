@@ -75,6 +75,22 @@ def test_own_record_round_trips_and_every_tampering_is_refused(kind, rsa_identit
         assert not validator.validate(bad)
 
 
+@pytest.mark.parametrize("kind", ["ed25519", "rsa"])
+def test_a_signed_record_over_the_size_cap_is_refused_and_one_under_it_kept(kind, rsa_identity):
+    from p2pdiloco.network.identity import MAX_RECORD_BYTES
+
+    me = PeerIdentity.generate() if kind == "ed25519" else rsa_identity
+    validator = PeerRecordValidator(me)
+    def padded(size: int):  # a signed record of `size` bytes (msgpack's header of a long string is 3 bytes)
+        return _signed(validator, _record(me.peer_id, {"pad": "x" * (size - len(_signed(validator, _record(
+            me.peer_id, {"pad": ""})).value) - 2)}))
+
+    at_cap, over = padded(MAX_RECORD_BYTES), padded(MAX_RECORD_BYTES + 1)
+    assert len(at_cap.value) == MAX_RECORD_BYTES and len(over.value) == MAX_RECORD_BYTES + 1
+    assert validator.validate(at_cap) and not validator.validate(over)  # its owner's signature does not save it
+    assert not PeerRecordValidator(PeerIdentity.generate()).validate(over)
+
+
 def test_the_signature_cache_keeps_digests_of_a_bounded_number_of_records(monkeypatch):
     monkeypatch.setattr(identity_module, "_verified_cache", collections.OrderedDict())
     monkeypatch.setattr(identity_module, "VERIFIED_CACHE", 8)
@@ -269,7 +285,7 @@ def test_the_walk_before_a_first_store_does_not_download_the_keys_records(swarm,
     from p2pdiloco.network.traffic import Traffic
 
     reader, victim = swarm["reader"], swarm["victim"]
-    key, blob = "rec_walk", "x" * 6_000
+    key, blob = "rec_walk", "x" * 3_500  # under MAX_RECORD_BYTES, over what the walk may move
     assert net_loop.run(write_subkey(reader, key, reader.peer_id.to_base58(), {"blob": blob}, get_dht_time() + 60), 10)
     wait_for(lambda: len(net_loop.run(read_subkeys(swarm["boot"], key), 10)) == 1, 20, what="the large record")
     counts = Traffic()
@@ -282,7 +298,7 @@ def test_the_walk_before_a_first_store_does_not_download_the_keys_records(swarm,
     victim_id = victim.peer_id.to_base58()
     assert net_loop.run(write_subkey(victim, key, victim_id, {"step": 1}, get_dht_time() + 60), 10)
     walked = find_bytes() - before
-    assert 0 < walked < 3_000  # the walk happened, and moved no copy of the 6 kB record
+    assert 0 < walked < 3_000  # the walk happened, and moved no copy of the 3.5 kB record
     got = net_loop.run(read_subkeys(swarm["boot"], key), 10)  # stored where readers look
     assert got[victim_id] == {"step": 1} and got[reader.peer_id.to_base58()] == {"blob": blob}
 
@@ -383,7 +399,7 @@ def test_a_read_sends_no_copy_of_what_it_found_back_into_the_dht(swarm, net_loop
 
     # a key whose 3 nearest nodes are the other three: the victim holds none of it and reads it from them
     key = next(k for k in (f"rec_cache_{i}" for i in range(200)) if farthest(k) == 1)
-    blob = "x" * 6_000
+    blob = "x" * 3_500  # under MAX_RECORD_BYTES
     now = get_dht_time()
     assert net_loop.run(write_subkey(reader, key, reader.peer_id.to_base58(), {"blob": blob}, now + 120), 10)
     wait_for(lambda: len(net_loop.run(read_subkeys(boot, key), 10)) == 1, 20, what="the large record")
@@ -395,7 +411,7 @@ def test_a_read_sends_no_copy_of_what_it_found_back_into_the_dht(swarm, net_loop
 
     before = store_bytes()
     assert set(net_loop.run(read_subkeys(victim, key), 10)) == {reader.peer_id.to_base58()}
-    assert store_bytes() - before < 1_000  # no copy of the 6 kB record went anywhere
+    assert store_bytes() - before < 1_000  # no copy of the 3.5 kB record went anywhere
     boot_id = boot.peer_id.to_base58()
     assert net_loop.run(write_subkey(boot, key, boot_id, {"step": 1}, now + 60), 10)
     got = wait_for(lambda: (r := net_loop.run(read_subkeys(victim, key), 10)).get(boot_id) and r, 10,

@@ -1,10 +1,12 @@
-"""A peer's records in the DHT: its heartbeat, its config record, and the 'left' or 'finished' record it leaves."""
+"""A peer's records in the DHT: its heartbeat, its config record (its fingerprint and what it says about itself), and
+the 'left' or 'finished' record it leaves."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import time
+from collections.abc import Callable
 
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -55,6 +57,8 @@ class Heartbeat:
         self.key, self.config_key = peers_key(run_id, peer_shard(peer_id)), config_key(run_id)
         self._expiration = 0.0
         self._config_written = -math.inf
+        self._config: dict | None = None
+        """The config record last written."""
         self.beats = 0
         """Records written (the 'left' one included)."""
 
@@ -69,15 +73,17 @@ class Heartbeat:
         """Write this peer's record once (`run` does, every `period`)."""
         await self._write({**self.record(), "time": get_dht_time()})
 
-    async def run(self, fingerprint: dict) -> None:
-        """Beat until cancelled; the config's full fingerprint goes in a record of its own, renewed rarely, since
-        only a joiner reads it."""
+    async def run(self, fingerprint: dict, about: Callable[[], dict] = dict) -> None:
+        """Beat until cancelled. The config's full fingerprint and what `about` returns (this peer's
+        `peer_records.ABOUT_FIELDS`) go in a record of their own, the config record: written at the first beat,
+        again when `about` changes (the dial-back's verdict), and renewed at half its life, since only `status`, the
+        dashboard and a joiner read them, where every heartbeat moves its record."""
         while True:
             await self.beat()
-            if time.monotonic() - self._config_written >= CONFIG_TTL_S / 2:
-                if await write_subkey(self.dht, self.config_key, self.peer_id, {"fingerprint": fingerprint},
-                                      get_dht_time() + CONFIG_TTL_S):
-                    self._config_written = time.monotonic()
+            config = {"fingerprint": fingerprint, **about()}
+            if config != self._config or time.monotonic() - self._config_written >= CONFIG_TTL_S / 2:
+                if await write_subkey(self.dht, self.config_key, self.peer_id, config, get_dht_time() + CONFIG_TTL_S):
+                    self._config, self._config_written = config, time.monotonic()
             await asyncio.sleep(self.period)
 
     async def leave(self, finished_at: int | None = None) -> None:

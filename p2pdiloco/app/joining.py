@@ -16,6 +16,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2pdiloco.app.heartbeat import swarm_finished
 from p2pdiloco.app.startup import say
 from p2pdiloco.config import Config
+from p2pdiloco.network.peer_records import PeerSample
 from p2pdiloco.network.peer_tag import short_id
 from p2pdiloco.network.state_sync import BUSY_WAIT_S, StateSync
 from p2pdiloco.network.swarm import BackgroundLoop, live_records, read_peers
@@ -62,8 +63,31 @@ def _fresh(records: dict[str, dict], peer_id: str, period: float) -> bool:
                for p, r in live_records(records).items() if p != peer_id)
 
 
+def _ahead(records: dict[str, dict], peer_id: str, global_tokens: float) -> dict[str, dict]:
+    """The live peers of `records` whose global models absorbed more tokens than `global_tokens`."""
+    return {p: r for p, r in live_records(records).items()
+            if p != peer_id and float(r.get("global_tokens") or 0) > global_tokens}
+
+
+def _look(loop: BackgroundLoop, dht, cfg: Config, peer_id: str, every: PeerSample | None,
+          global_tokens: float) -> dict[str, dict]:
+    """The peer records a starting peer decides by (see `join_swarm_state`): `every` if its copies are fresh,
+    else its shards read again by walks; and every shard, by walks, where a sample of some shards shows a peer
+    ahead (a joiner picks its donor and checks the state among all live peers) or no live peer at all (whether the
+    swarm finished is read from every shard)."""
+    if every is None:
+        return loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
+    records = every.records
+    if not _fresh(records, peer_id, cfg.swarm.heartbeat_s):
+        records = loop.run(read_peers(dht, cfg.swarm.run_id, shards=every.shards), timeout=30)
+    alone = not any(p != peer_id for p in live_records(records))
+    if not every.whole and (alone or _ahead(records, peer_id, global_tokens)):
+        records = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
+    return records
+
+
 def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dht, cfg: Config, peer_id: str,
-                     metrics: MetricsLog, every: dict[str, dict] | None = None,
+                     metrics: MetricsLog, every: PeerSample | None = None,
                      sampler: BatchSampler | None = None) -> None:
     """If live peers' global models have absorbed more tokens than ours, download the freshest one first,
     so that a joiner (or a resumed peer that fell behind) continues the swarm's run instead of pulling it back.
@@ -76,16 +100,17 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
     vouch for it alone.
 
     Args:
-        every: the swarm's peer records as read at this peer's start (`read_peers`, one node's copy of each shard),
-            or None to read them here. A node's copy is refreshed every few heartbeats (`heartbeat.RECORD_BEATS`):
-            unless every other live record in it is from the last heartbeat, they are read again by walks, which
-            find every copy and the newest, before this peer decides whether anyone is ahead (a copy of a swarm's
-            first beats showed nobody ahead of a joiner 12 s into a run, and it trained alone from step 0).
+        every: the peer records read at this peer's start (`peer_records.sample_peers`: one node's copy of some
+            shards), or None to read them all here. A node's copy is refreshed every few heartbeats
+            (`heartbeat.RECORD_BEATS`): unless every other live record in it is from the last heartbeat, those
+            shards are read again by walks, which find every copy and the newest, before this peer decides whether
+            anyone is ahead (a copy of a swarm's first beats showed nobody ahead of a joiner 12 s into a run, and it
+            trained alone from step 0). A sample of some shards stands for the swarm only where it shows live
+            peers and none of them ahead (peers starting together); else every shard is read (`_look`).
         sampler: this peer's batches, from which the check's windows are drawn (None: no check)."""
     say("joining the swarm %s: %s its peer records", cfg.swarm.run_id, "reading" if every is None else "checking",
         tag=short_id(peer_id))
-    if every is None or not _fresh(every, peer_id, cfg.swarm.heartbeat_s):
-        every = loop.run(read_peers(dht, cfg.swarm.run_id), timeout=30)
+    every = _look(loop, dht, cfg, peer_id, every, learner.c.global_tokens)
     finished = swarm_finished(every, peer_id, cfg.run.total_steps)
     if finished is not None:  # training on alone would only move this peer's model away from the swarm's result
         learner.ended_with_swarm = learner.report.arrived_after_end = True
@@ -94,8 +119,7 @@ def join_swarm_state(learner: Learner, sync: StateSync, loop: BackgroundLoop, dh
                        "keeping this peer's model as it is", short_id(peer_id), short_id(finished[0]), finished[1])
         return
     records = live_records(every)
-    ahead = {p: r for p, r in records.items()
-             if p != peer_id and float(r.get("global_tokens") or 0) > learner.c.global_tokens}
+    ahead = _ahead(records, peer_id, learner.c.global_tokens)
     if not ahead:
         return
     say("joining: downloading the swarm's state (%d live peer(s) ahead of this one)", len(ahead), tag=short_id(peer_id))

@@ -26,6 +26,7 @@ from p2pdiloco.app.together import wait_for_peers
 from p2pdiloco.config import Config, fingerprint_digest
 from p2pdiloco.network.census import secret_of
 from p2pdiloco.network.p2p_merger import P2PMerger
+from p2pdiloco.network.peer_records import PeerSample, sample_peers
 from p2pdiloco.network.peer_tag import short_id
 from p2pdiloco.network.state_sync import StateSync
 from p2pdiloco.network.swarm import (
@@ -35,7 +36,6 @@ from p2pdiloco.network.swarm import (
     check_maddrs,
     configs_differ,
     live_configs,
-    read_peers,
     start_dht,
     swarm_auth,
     visible_maddrs,
@@ -150,8 +150,8 @@ class Peer:
     peer_id: str
     maddrs: list[str]
     fingerprint: dict
-    every: dict[str, dict]
-    """The swarm's peer records as read at the start."""
+    every: PeerSample
+    """The peer records read at the start (some shards, `peer_records.sample_peers`)."""
     dht: DHT
     loop: BackgroundLoop
     merger: P2PMerger
@@ -276,12 +276,11 @@ def build_peer(cfg: Config, stop: StopFlag, unit: UnitContext, device: torch.dev
         announce(f"  {m}")
     announce("others can join with: p2pdiloco peer --initial-peers " + join_address(maddrs))
     fingerprint = cfg.fingerprint(tokenizer=tokenizer.digest)
-    # one read of every peer record serves both the config check and the first look at the swarm's progress (the
-    # join reads again, by walks, only when live peers are ahead of this one): one node's copy of each shard, the
-    # shards' nearest nodes found by one walk, where walking each shard merges ~3 copies (docs/benchmarks.md, Scale)
-    every = loop.run(read_peers(dht, cfg.swarm.run_id, near=True), timeout=30)
-    if configs_differ(every, fingerprint_digest(fingerprint)):
-        check_fingerprint(fingerprint, loop.run(live_configs(dht, cfg.swarm.run_id, every), timeout=30))
+    # one node's copy of a shard (or of every shard, if it holds few live peers) serves the config check and the
+    # first look at the swarm's progress: the join reads every shard only when a live peer is ahead of this one
+    every = loop.run(sample_peers(dht, cfg.swarm.run_id, peer_id), timeout=30)
+    if configs_differ(every.records, fingerprint_digest(fingerprint)):
+        check_fingerprint(fingerprint, loop.run(live_configs(dht, cfg.swarm.run_id, every.records), timeout=30))
 
     run_dir = Path(cfg.run.run_dir)
     if not cfg.run.resume:
@@ -330,25 +329,28 @@ def start_services(peer: Peer, announce, closing: contextlib.ExitStack) -> None:
     if cfg.run.resume:
         resume_from_checkpoint(learner, peer.sampler, merger.remember_trust, Path(cfg.run.run_dir) / "checkpoints", announce)
     join_swarm_state(learner, state_sync, loop, dht, cfg, peer.peer_id, peer.metrics, peer.every, peer.sampler)
-    # public: anyone who knows the run id reads it, so no host name or user (the name is opt-in)
+    # public, so no host name or user (the name is opt-in); in the config record, not in every heartbeat
     static = {
-        "name": cfg.run.name, "version": __version__, "maddrs": peer.maddrs,
+        "name": cfg.run.name[:64], "version": __version__, "maddrs": peer.maddrs[:8],
         "device": str(peer.device) if peer.unit.world_size == 1 else f"{peer.device} x{peer.unit.world_size}",
-        "fingerprint": fingerprint_digest(peer.fingerprint), "started": time.time(),
+        "started": time.time(),
     }
+    digest = fingerprint_digest(peer.fingerprint)
     if cfg.run.metrics_port:
         # aiohttp: imported only by a peer that serves /metrics
         from p2pdiloco.observe.telemetry import MetricsServer
 
-        ids = {**static, "peer_id": peer.peer_id, "run_id": cfg.swarm.run_id}
+        ids = {**static, "fingerprint": digest, "peer_id": peer.peer_id, "run_id": cfg.swarm.run_id}
         metrics_server = MetricsServer(lambda: telemetry_snapshot(learner, ids), cfg.run.metrics_host,
                                        cfg.run.metrics_port)
         closing.callback(stop_metrics_server, loop, metrics_server)
         announce(f"Prometheus metrics at {loop.run(metrics_server.start(), timeout=10)}")
-    record = peer.hooks.wrap_record(lambda: {**static, **reach, **learner.report.record()}, peer.n_params)
+    # what changes, the config's digest (a starting peer's check) and whether others can dial it (a joiner's donors)
+    record = peer.hooks.wrap_record(lambda: {"fingerprint": digest, "reachable": reach["reachable"],
+                                             **learner.report.record()}, peer.n_params)
     heartbeat = Heartbeat(dht, cfg.swarm.run_id, peer.peer_id, record, cfg.swarm.heartbeat_s)
     closing.callback(leave_swarm, peer, heartbeat)
-    loop.submit(heartbeat.run(peer.fingerprint))
+    loop.submit(heartbeat.run(peer.fingerprint, lambda: {**static, "reach_detail": reach["reach_detail"]}))
 
 
 def train(peer: Peer, start_barrier: Path | None) -> dict:

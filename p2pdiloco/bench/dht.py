@@ -43,11 +43,11 @@ SETTLE_S = 10.0
 RUN_ID = "bench-dht"
 
 
-def _record(maddrs: list[str]) -> dict:
+def _record() -> dict:
     """A heartbeat record with the fields and value sizes a training peer writes (reporting.record and peer.py)."""
     now = time.time()
-    return {"name": "", "version": "0.1.0", "maddrs": maddrs, "device": "cpu", "fingerprint": "ab" * 8,
-            "started": now, "step": random.randint(0, 10**5), "round": 3, "tokens": 10**6, "loss": 2.3,
+    return {"fingerprint": "ab" * 8, "reachable": True,
+            "step": random.randint(0, 10**5), "round": 3, "tokens": 10**6, "loss": 2.3,
             "eval_loss": 2.1, "eval_loss_per_byte": 0.6, "tokens_per_s": 1000.0, "global_tokens": 10**7,
             "global_digest": "cd" * 8, "merges": 5, "bytes_sent": 10**6, "bytes_received": 10**6,
             "last_group_size": 4, "last_merge_s": 0.5, "last_merge_time": now, "mfu": 0.01}
@@ -67,9 +67,11 @@ async def _measure(dhts: list, seconds: float) -> dict:
     for dht in dhts:
         peer_id = dht.peer_id.to_base58()
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
-        beat = Heartbeat(dht, RUN_ID, peer_id, lambda m=maddrs: _record(m), SwarmConfig().heartbeat_s)
+        beat = Heartbeat(dht, RUN_ID, peer_id, _record, SwarmConfig().heartbeat_s)
         census = Census(dht, RUN_ID, peer_id)
-        tasks += [asyncio.ensure_future(beat.run({"bench": 1})),
+        about = {"name": "", "version": "0.1.0", "maddrs": maddrs, "device": "cpu", "started": time.time(),
+                 "reach_detail": ""}
+        tasks += [asyncio.ensure_future(beat.run({"bench": 1}, lambda a=about: a)),
                   asyncio.ensure_future(census.keep_registered(lambda: False)),
                   asyncio.ensure_future(_census_reads(census))]
     try:

@@ -30,13 +30,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from p2pdiloco.config.schema import Config
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """The wire protocol this code speaks (see the module's docstring): raise it with any change to what peers send.
 
 2: the leader of a group is drawn from nonces committed in the census and revealed in ready words (leaders.py),
 where version 1 ranked ready mates by the public hash alone (peers of the two versions drew different leaders).
 3: peer records in `swarm.PEER_SHARDS` = 4 shards, where version 2 wrote and read 8 (a reader of one version misses
-the records the other writes under the shards it does not read)."""
+the records the other writes under the shards it does not read).
+4: what does not change while a peer runs (name, version, addresses, device, start time, the dial-back's detail) is
+in its config record (`network/peer_records.ABOUT_FIELDS`), not in every heartbeat, and a peer's records are refused
+over `identity.MAX_RECORD_BYTES` (`status` of version 3 shows a version-4 peer without them)."""
 
 
 def protocol_fields(version: int | None = None) -> dict[str, int]:

@@ -38,6 +38,10 @@ IDENTITY_HASH, SHA256_HASH = 0x00, 0x12  # multihash codes libp2p uses for peer 
 MAX_INLINED_KEY = 42
 """libp2p inlines public keys of up to this many bytes (protobuf-serialized) in the peer id."""
 TRAILER = struct.Struct(">HH")
+MAX_RECORD_BYTES = 4096
+"""The largest owner-signed record a node stores or a reader takes, signature included: a peer's records are a few
+hundred bytes (a config record with its full fingerprint ~1 kB), and every reader of a key moves all its records, so
+a stranger's record is bounded before anyone stores or reads it."""
 _REGULAR_SUBKEY = MSGPackSerializer.dumps(None)  # hivemind's subkey of a value stored without one
 
 
@@ -236,7 +240,8 @@ def _check_signature(owner: str, key: bytes, subkey: bytes, packed_expiration: b
 
 
 class PeerRecordValidator(RecordValidatorBase):
-    """DHT record validator: a record whose subkey is a string must be signed by the peer that string names.
+    """DHT record validator: a record whose subkey is a string must be signed by the peer that string names, and be
+    at most `MAX_RECORD_BYTES` long.
 
     In p2pdiloco every string subkey is a peer id (heartbeats, ready records), on every node (peers, bootstrap,
     `status`), whatever the run id, so all nodes refuse the same records. A string subkey that is not a peer id
@@ -267,6 +272,8 @@ class PeerRecordValidator(RecordValidatorBase):
         owner = self._owner(record)
         if owner is None:
             return True
+        if len(record.value) > MAX_RECORD_BYTES:
+            return False
         # the expiration's bytes, not the float, key the cache: 0.0 == -0.0 but they are signed differently
         return _verified(owner, record.key, record.subkey, struct.pack(">d", record.expiration_time), record.value)
 

@@ -2,8 +2,9 @@
 
 DHT keys are prefixed by the run id, so several swarms can share one bootstrap node:
 ``{run_id}_peers_{shard}`` hold one expiring record per live peer (subkey = peer id; `PEER_SHARDS` keys),
-``{run_id}_config`` one record per peer with its config's fingerprint, and
-``{run_id}_census_{epoch}`` one per peer taking part in matchmaking in that epoch (census.py).
+``{run_id}_config`` one record per peer with its config's fingerprint and what it says about itself that does not
+change while it runs (`peer_records.ABOUT_FIELDS`: name, version, addresses, device, start time), and
+``{run_id}_census`` one per peer taking part in matchmaking, naming the epoch (census.py).
 Only the peer a subkey names can write under it (`PeerRecordValidator`, network/identity.py).
 """
 
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -242,7 +243,8 @@ share out the holders' load (a shard's beats and reads), and each costs a whole-
 dashboard, a starting peer) a walk to its nearest nodes, ~3 kB from a fresh node at 32 peers, more than its copy."""
 
 CONFIG_TTL_S = 600.0
-"""A peer's config record (its full fingerprint, for a joiner's check) lives this long, renewed at half of it."""
+"""A peer's config record (its full fingerprint, for a joiner's check, and `peer_records.ABOUT_FIELDS`) lives this long,
+renewed at half of it and written again when what it holds changes."""
 
 
 def peers_key(run_id: str, shard: int = 0) -> str:
@@ -258,10 +260,12 @@ def config_key(run_id: str) -> str:
     return f"{run_id}_config"
 
 
-async def read_peers(dht: hivemind.DHT, run_id: str, timeout: float = 5.0, near: bool = False) -> dict[str, dict]:
-    """Every peer record of the swarm: all shards, read at once. `near`: one node's copy of each shard
-    (`read_near_subkeys`), which may be a few heartbeats old or lack a record stored elsewhere: a first look."""
-    keys = [peers_key(run_id, s) for s in range(PEER_SHARDS)]
+async def read_peers(dht: hivemind.DHT, run_id: str, timeout: float = 5.0, near: bool = False,
+                     shards: Sequence[int] | None = None) -> dict[str, dict]:
+    """Every peer record of the swarm: all shards (or those of `shards`), read at once. `near`: one node's copy of
+    each shard (`read_near_subkeys`), which may be a few heartbeats old or lack a record stored elsewhere: a first
+    look."""
+    keys = [peers_key(run_id, s) for s in (range(PEER_SHARDS) if shards is None else shards)]
     parts = [await read_near_subkeys(dht, keys, timeout)] if near else await asyncio.gather(
         *(read_subkeys(dht, key, timeout) for key in keys))
     return {peer: record for part in parts for peer, record in part.items()}

@@ -1,6 +1,7 @@
 """The web dashboard: a page with live charts of a swarm, and the JSON API it reads.
 
-The dashboard reads the peers' heartbeat records from the DHT every `refresh_s` seconds and keeps, in
+The dashboard reads the peers' heartbeat records from the DHT every `refresh_s` seconds (and what each peer says
+about itself, its config record's name, device and version, when a new peer shows up) and keeps, in
 memory and bounded, what it has seen: each peer's points over time (loss, tokens/s, bytes), the swarm's
 totals over time, and when peers joined and left. The DHT holds only the latest record of each peer, so
 this history starts when the dashboard does. The page (``dashboard.html``, one self-contained file with
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +26,16 @@ import hivemind
 from aiohttp import web
 
 from p2pdiloco.config import SwarmConfig
-from p2pdiloco.network.swarm import BackgroundLoop, SwarmError, read_peers, start_dht
+from p2pdiloco.network.peer_records import about_of, with_about
+from p2pdiloco.network.swarm import (
+    BackgroundLoop,
+    SwarmError,
+    config_key,
+    live_records,
+    read_peers,
+    read_subkeys,
+    start_dht,
+)
 from p2pdiloco.observe.serve import HttpServer
 from p2pdiloco.observe.status import swarm_status
 from p2pdiloco.util.memory import keep_releasing_memory
@@ -33,6 +44,11 @@ logger = logging.getLogger(__name__)
 
 RELEASE_EVERY_S = 60.0
 """Seconds between two hand-backs of the dashboard's freed memory to the operating system (util/memory)."""
+ABOUT_EVERY_S = 60.0
+"""The peers' config records (what each says about itself, written once) are read again after this long, or when a
+live peer shows up; the heartbeats, every `refresh_s`."""
+ABOUT_RETRY_S = 10.0
+"""A live peer whose config record the last reading lacked (not written yet) is looked for again after this long."""
 POINT_FIELDS = ("time", "step", "tokens", "loss", "eval_loss", "tokens_per_s", "bytes_sent", "bytes_received")
 """The columns of a peer's points in ``/api/state`` (time: Unix seconds, when the dashboard saw it)."""
 
@@ -164,6 +180,9 @@ class Dashboard:
         app.router.add_get("/api/status", self._status)
         self.server = HttpServer(app, host, port, "dashboard")
         self._poller: asyncio.Task | None = None
+        self._about: dict[str, dict] = {}
+        """What each peer says about itself (its config record's `ABOUT_FIELDS`), as last read."""
+        self._about_read = -math.inf
         self._html = resources.files("p2pdiloco.observe").joinpath("dashboard.html").read_text(encoding="utf-8")
 
     async def start(self) -> str:
@@ -179,8 +198,15 @@ class Dashboard:
         await self.server.stop()
 
     async def poll_once(self) -> None:
-        records = await read_peers(self.dht, self.run_id, timeout=max(1.0, self.refresh_s * 2))
-        self.history.observe(records, time.time())
+        timeout = max(1.0, self.refresh_s * 2)
+        records = await read_peers(self.dht, self.run_id, timeout=timeout)
+        live, since = live_records(records), time.monotonic() - self._about_read
+        if (any(p not in self._about for p in live) or since >= ABOUT_EVERY_S
+                or (since >= ABOUT_RETRY_S and not all(self._about[p] for p in live))):
+            configs = await read_subkeys(self.dht, config_key(self.run_id), timeout)
+            self._about = {p: about_of(configs.get(p)) for p in {*configs, *live}}
+            self._about_read = time.monotonic()
+        self.history.observe(with_about(records, self._about), time.time())
 
     async def _poll_forever(self) -> None:
         await keep_releasing_memory(RELEASE_EVERY_S)  # what malloc keeps of the readings' freed buffers grows for hours

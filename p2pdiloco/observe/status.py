@@ -1,7 +1,8 @@
 """`p2pdiloco status`: who is training in a swarm, how fast, and whether the loss is falling.
 
-Reads the peers' heartbeat records (``{run_id}_peers_{shard}`` in the DHT, see `app/heartbeat.Heartbeat`) through a
-read-only DHT client, and turns them into one table: a row per live peer and the swarm's totals. The
+Reads the peers' heartbeat records (``{run_id}_peers_{shard}`` in the DHT, see `app/heartbeat.Heartbeat`) and what
+each says about itself in its config record (name, version, device, addresses: `network/peer_records.ABOUT_FIELDS`)
+through a read-only DHT client, and turns them into one table: a row per live peer and the swarm's totals. The
 dashboard shows the same rows (`swarm_status` is shared).
 """
 
@@ -16,7 +17,8 @@ import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco.config import SwarmConfig
-from p2pdiloco.network.swarm import BackgroundLoop, SwarmError, live_records, read_peers, start_dht
+from p2pdiloco.network.peer_records import read_with_about
+from p2pdiloco.network.swarm import BackgroundLoop, SwarmError, live_records, start_dht
 from p2pdiloco.util.memory import release_free_memory
 from p2pdiloco.util.numbers import finite_number, number_or_none
 
@@ -65,7 +67,8 @@ def swarm_status(records: dict[str, dict], run_id: str, now: float | None = None
     """The swarm as `status --json` prints it: live peers (sorted by name, then id) and their totals.
 
     Args:
-        records: ``{peer_id: heartbeat record}`` as read from the DHT; "left" records are skipped.
+        records: ``{peer_id: heartbeat record}`` as read from the DHT, with what each peer says about itself
+            (`peer_records.with_about`); "left" records are skipped.
         run_id: the swarm's run id.
         now: DHT time (Unix seconds) of the reading.
     """
@@ -148,7 +151,7 @@ def read_status(loop: BackgroundLoop, dht: hivemind.DHT, run_id: str, wait_s: fl
     DHT client may need a moment to reach the nodes that hold them)."""
     deadline = time.monotonic() + wait_s
     while True:
-        records = loop.run(read_peers(dht, run_id, timeout=max(1.0, min(5.0, wait_s))), timeout=30)
+        records = loop.run(read_with_about(dht, run_id, timeout=max(1.0, min(5.0, wait_s))), timeout=30)
         status = swarm_status(records, run_id)
         if status["peers"] or time.monotonic() >= deadline:
             return status
@@ -183,7 +186,7 @@ def watch_status(initial_peers: list[str], run_id: str, every_s: float, emit: Ca
     try:
         while not stop.is_set():
             t0 = time.monotonic()
-            emit(swarm_status(loop.run(read_peers(dht, run_id, timeout=max(1.0, min(5.0, every_s))), timeout=30),
+            emit(swarm_status(loop.run(read_with_about(dht, run_id, timeout=max(1.0, min(5.0, every_s))), timeout=30),
                               run_id))
             if not dht.is_alive():
                 raise SwarmError("the DHT process died; restart the status watcher")

@@ -115,8 +115,8 @@ class Protocol:
     eager: bool = SHIPPED.outer.eager
     """Decoupled: steps in flight start from the eager update, so a merge alone keeps all of them."""
     record_ttl_s: float = 3.0
-    """How long a dead learner still holds --sync peers back. Its DHT record expires 4-6 s after death (3 heartbeats
-    of 2 s); 3 s is fitted to bench churn's --sync goodput (docs/simulation.md)."""
+    """How long a dead learner still holds --sync peers back. Its DHT record expires 6-8 s after death (it lives 4
+    heartbeats of 2 s); 3 s is fitted to bench churn's --sync goodput (docs/simulation.md)."""
     checkpoint_every_steps: int = 100
     """Data-parallel checkpoint interval, steps (bench churn: 100)."""
     checkpoint_s: float = 0.0
