@@ -19,10 +19,8 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Coroutine, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from typing import Any
 
 import hivemind
@@ -41,6 +39,7 @@ from p2pdiloco.network.identity import (
     load_or_create_identity,
     write_temporary_identity,
 )
+from p2pdiloco.network.loop import BackgroundLoop as BackgroundLoop  # where callers have imported it from
 from p2pdiloco.network.sockets import daemon_sockets, remove_stale_sockets
 from p2pdiloco.network.swarm_key import KeyedRecordValidator, SwarmAuth, SwarmKeyError, load_key
 from p2pdiloco.network.traffic import install_dht_counter
@@ -143,30 +142,8 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
     # are long-lived anyway, and any of them that later becomes garbage in a cycle is left to the process's end.
     gc.freeze()
     try:
-        dht = hivemind.DHT(
-            start=True,
-            initial_peers=cfg.initial_peers or None,
-            host_maddrs=host_maddrs(cfg.host, cfg.port),
-            announce_maddrs=cfg.announce or None,
-            identity_path=temporary or identity_path,
-            # hivemind's check that nobody else runs with this key starts a second p2pd (~0.3 s a start) and
-            # cannot read Ed25519 keys; a fresh key is nobody else's, and a reused file is the operator's to keep
-            # to one process
-            check_if_identity_free=False,
-            client_mode=client_mode,
-            startup_timeout=cfg.join_timeout_s,
-            await_ready=True,
-            record_validators=validators,
-            # a DHT request's reply lists up to a bucket of contacts: in a swarm of 16, ~14 KB a request with
-            # hivemind's defaults (20 contacts per reply, 5 replicas), ~4.5 KB with these (BitTorrent's DHT also
-            # keeps 8 per bucket)
-            bucket_size=DHT_BUCKET_SIZE, num_replicas=DHT_REPLICAS,
-            # hivemind's reader keeps what it found (and re-reads it in the background before it expires) and
-            # pushes it to a node near the key: records live on their key's nearest nodes and are read from there
-            # (`read_subkeys`), so neither copy serves anyone, and the push would cost a whole census after each
-            # read (tests/test_records.py)
-            cache_locally=False, cache_nearest=0,
-        )
+        dht = _joined_dht(cfg, t0, identity_path=temporary or identity_path, client_mode=client_mode,
+                          validators=validators)
     except P2PDaemonError as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         if cfg.initial_peers:
@@ -188,6 +165,54 @@ def start_dht(cfg: SwarmConfig, identity_path: str | None = None, client_mode: b
     dht.run_coroutine(functools.partial(keep_releasing_memory, 60.0))  # for hours (util/memory)
     return dht
 
+
+BOOTSTRAP_PING = "none of the initial_peers responded to a ping"
+"""hivemind's error when no initial peer answered its first ping within its request timeout (3 s): on a loaded
+machine (32 peers starting on 2 cores) a bootstrap node can be that slow, and the peer's start failed for it."""
+
+
+def _joined_dht(cfg: SwarmConfig, t0: float, identity_path: str | None, client_mode: bool,
+                validators: list) -> hivemind.DHT:
+    """hivemind's DHT node, started and joined (see `start_dht`); a join whose initial peers answered no ping is
+    tried again, a second later, until `cfg.join_timeout_s` from `t0` has passed.
+
+    Raises:
+        SwarmError: no initial peer answered a ping in that time.
+    """
+    while True:
+        try:
+            return hivemind.DHT(
+                start=True,
+                initial_peers=cfg.initial_peers or None,
+                host_maddrs=host_maddrs(cfg.host, cfg.port),
+                announce_maddrs=cfg.announce or None,
+                identity_path=identity_path,
+                # hivemind's check that nobody else runs with this key starts a second p2pd (~0.3 s a start) and
+                # cannot read Ed25519 keys; a fresh key is nobody else's, and a reused file is the operator's to
+                # keep to one process
+                check_if_identity_free=False,
+                client_mode=client_mode,
+                startup_timeout=cfg.join_timeout_s,
+                await_ready=True,
+                record_validators=validators,
+                # a DHT request's reply lists up to a bucket of contacts: in a swarm of 16, ~14 KB a request with
+                # hivemind's defaults (20 contacts per reply, 5 replicas), ~4.5 KB with these (BitTorrent's DHT
+                # also keeps 8 per bucket)
+                bucket_size=DHT_BUCKET_SIZE, num_replicas=DHT_REPLICAS,
+                # hivemind's reader keeps what it found (and re-reads it in the background before it expires) and
+                # pushes it to a node near the key: records live on their key's nearest nodes and are read from
+                # there (`read_subkeys`), so neither copy serves anyone, and the push would cost a whole census
+                # after each read (tests/test_records.py)
+                cache_locally=False, cache_nearest=0,
+            )
+        except RuntimeError as e:
+            if BOOTSTRAP_PING not in str(e) or isinstance(e, SwarmError):
+                raise
+            if time.monotonic() - t0 + 1.0 >= cfg.join_timeout_s:
+                raise SwarmError(f"no initial peer of {', '.join(cfg.initial_peers)} answered a ping within "
+                                 f"{cfg.join_timeout_s:.0f} s") from None
+            logger.warning("no initial peer answered a ping yet (%.1f s): trying again", time.monotonic() - t0)
+            time.sleep(1.0)  # a back-off before the next join, not a wait for a condition
 
 class Reaper:
     """Ends the DHT process and p2p daemon of this process if it dies without closing them (see reaper.py).
@@ -355,41 +380,3 @@ def check_fingerprint(mine: dict[str, Any], records: dict[str, dict]) -> None:
             diff = "; ".join(fingerprint_diff(mine, theirs)) or "unknown difference"
             raise SwarmError(f"this peer's config differs from the swarm's (peer {peer_id[-8:]}): {diff}")
 
-
-class BackgroundLoop:
-    """An asyncio event loop in a daemon thread, for the network side of a peer.
-
-    The training thread hands it coroutines with `submit` and gets concurrent futures back.
-    """
-
-    def __init__(self, name: str = "p2pdiloco-net"):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def submit(self, coro: Coroutine) -> Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine, timeout: float | None = None) -> Any:
-        return self.submit(coro).result(timeout)
-
-    def close(self, timeout: float = 5.0) -> None:
-        if not self.loop.is_running():
-            return
-
-        async def _cancel_all() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        try:
-            self.run(_cancel_all(), timeout)
-        except Exception as e:  # shutting down: log, never raise
-            logger.debug("cancelling network tasks: %r", e)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout)
