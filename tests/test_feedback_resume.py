@@ -50,6 +50,9 @@ class CodedMerger:
     def take_round_shift(self) -> float:
         return 0.0
 
+    def stop_looking(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

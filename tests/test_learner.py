@@ -389,3 +389,20 @@ def test_a_hung_merger_is_a_merge_alone_that_keeps_its_final(tmp_path):
     merge = [json.loads(line) for line in (tmp_path / "p0.jsonl").read_text().splitlines()][-1]
     assert merge["kind"] == "merge" and merge["failure"] == "merger hung" and merge["final"] is True
     assert merge["group_size"] == 1 and learner.c.merges == 0 and learner.c.round == 1
+
+
+def test_told_to_stop_it_lands_a_group_merge_under_way_and_drops_one_that_found_no_group(tmp_path):
+    """Leaving mid-merge failed its mates' merge on this peer's slice; a merge under way with mates is landed first
+    (within the merge timeout), one that found no group is dropped (applied alone, it would leave this peer's last
+    global model apart from its mates' for nothing)."""
+    cfg = _cfg(**{"emulate.min_step_s": "0.02", "outer.land_wait": "0"})
+    under_way = _learner(cfg, _SlowExchangeMerger("s0", exchange_s=0.3), tmp_path, 0)
+    under_way.should_stop = lambda: under_way.in_flight is not None  # stopped right after its first submit
+    before = under_way.global_params.clone()
+    under_way.run()
+    assert under_way.c.round == 1 and not torch.equal(under_way.global_params, before)  # landed, not cancelled
+    nobody = _learner(cfg, InMemoryMerger("q0", {"group_size": 2, "window_s": 0.2}), tmp_path, 0)
+    nobody.should_stop = lambda: nobody.in_flight is not None
+    before = nobody.global_params.clone()
+    nobody.run()
+    assert nobody.c.round == 0 and torch.equal(nobody.global_params, before) and nobody.in_flight is None

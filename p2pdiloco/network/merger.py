@@ -152,6 +152,10 @@ class Merger(Protocol):
         last merge measured it (phase.py; rounds of a fixed step count only); 0 once taken."""
         ...
 
+    def stop_looking(self) -> None:
+        """This peer is stopping: searches for a group end alone now; a merge whose group formed goes on."""
+        ...
+
     def close(self) -> None:
         """Stop taking part in merges (results of merges still in flight are not applied)."""
         ...

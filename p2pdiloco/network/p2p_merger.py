@@ -170,6 +170,9 @@ class P2PMerger:
         (matchmaking.py)."""
         self.matchmaker.dial.set(dialable)
 
+    def stop_looking(self) -> None:
+        self.matchmaker.close()
+
     def close(self) -> None:
         """Stop looking for groups, and stop serving (`Rpc.close`: the p2p client's socket file goes with it)."""
         self.matchmaker.close()

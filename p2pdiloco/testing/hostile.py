@@ -112,6 +112,9 @@ class HostileMerger:
     def take_round_shift(self) -> float:
         return self.inner.take_round_shift()
 
+    def stop_looking(self) -> None:
+        self.inner.stop_looking()
+
     def close(self) -> None:
         if self._insider is not None:
             self._insider.close()

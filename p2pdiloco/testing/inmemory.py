@@ -87,5 +87,8 @@ class InMemoryMerger:
     def take_round_shift(self) -> float:
         return 0.0
 
+    def stop_looking(self) -> None:
+        pass
+
     def close(self) -> None:
         pass

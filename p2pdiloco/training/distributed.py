@@ -199,6 +199,9 @@ class _NoMerger:
     def take_round_shift(self) -> float:
         return 0.0
 
+    def stop_looking(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

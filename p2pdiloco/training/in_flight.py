@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pdiloco.network.merger import Alone, Contribution, MergeOutcome, MergeStats
+from p2pdiloco.network.merger import Alone, Contribution, Merged, MergeOutcome, Merger, MergeStats
 from p2pdiloco.network.peer_tag import PeerLog
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,19 @@ class InFlight:
         with contextlib.suppress(FutureTimeout, CancelledError):
             self.future.result(timeout=seconds)
         return time.monotonic() - t0
+
+    def at_stop(self, merger: Merger, seconds: float) -> Merged | None:
+        """This peer was told to stop: its searches end (`Merger.stop_looking`), and a merge whose group formed is
+        waited for up to `seconds`, so that its mates' merge does not fail on this peer's leaving. Returns that
+        merge to apply; None (the merge cancelled) if it found no group or did not finish in time: applied alone, its
+        Δ would leave this peer's last global model apart from its mates' for nothing."""
+        merger.stop_looking()
+        self.wait_up_to(seconds)
+        outcome = self.future.result() if self.future.done() and not self.future.cancelled() else None
+        if isinstance(outcome, Merged) and len(outcome.stats.group) > 1:
+            return outcome
+        self.future.cancel()
+        return None
 
     def _overdue(self) -> bool:
         return time.monotonic() - self.submitted_at > self.bound_s

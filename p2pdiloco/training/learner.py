@@ -253,11 +253,11 @@ class Learner:
         return True
 
     def finish(self) -> None:
-        """End of training: land the merge in flight and the last partial round, unless told to stop."""
+        """End of training: land the merge in flight and the last partial round (told to stop: `InFlight.at_stop`)."""
         if self.should_stop():
-            if self.in_flight is not None:
-                self.in_flight.future.cancel()
-                self.in_flight = None
+            if self.in_flight and (m := self.in_flight.at_stop(self.merger, self.cfg.merge.merge_timeout_s)):
+                self._apply_in_flight(m)
+            self.in_flight = None
             return
         if self.wait_merge() and self.c.tokens_in_round > 0 and not self.should_stop() and not self.ended_with_swarm:
             self.submit_round(final=True)
