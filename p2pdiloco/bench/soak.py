@@ -58,7 +58,7 @@ in the others (routing tables, connections, records, caches keyed by peer) add u
 RESTART_DELAY_S = 5.0
 QUIET_TAIL_S = 30.0
 """No event starts in a run's last seconds: the swarm is stopped with SIGTERM, on which each peer ends on the global
-model it holds, and a peer restarted later may not have merged back into its mates' model yet (in 2-minute soaks,
+model it holds (having landed at most a merge under way), and a peer restarted later may not have merged back into its mates' model yet (in 2-minute soaks,
 a resume 16-19 s before the end left the fresh joiner on a model of its own once in four runs)."""
 STATUS_EVERY_S = 30
 """Seconds between the readings of the `status --watch` left running beside the swarm."""
