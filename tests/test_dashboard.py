@@ -36,12 +36,22 @@ def test_history_records_points_joins_leaves_and_lost_peers():
     h.observe({"a": {"left": True, "time": 106.0}}, now=112.0)
     assert h.peers["a"].state == "left" and h.peers["b"].state == "lost"
     assert [(e["peer_id"], e["event"]) for e in h.events[2:]] == [("a", "left"), ("b", "lost")]
-    assert h.events[2]["name"] == ""  # the name of its last live record is kept... unless it had none
+    assert h.events[2]["name"] == "alice"  # the last name its records gave, though its last live record had none
     h.observe({"a": _rec(1, 120.0, name="alice")}, now=121.0)  # came back (same peer id)
     assert h.peers["a"].state == "live" and h.events[-1] == {"time": 121.0, "peer_id": "a", "name": "alice",
                                                              "event": "joined"}
     assert [p[1] for p in h.swarm.points] == [2, 2, 2, 0, 1]  # live peers at each reading
     json.dumps(h.state(), allow_nan=False)
+
+
+def test_a_peer_whose_name_comes_after_its_first_reading_gets_it_on_its_joined_event():
+    h = SwarmHistory("r")  # a peer's name is in its config record, which may be read a poll after its heartbeat
+    h.observe({"a": _rec(1, 100.0), "b": _rec(1, 100.0, name="bob")}, now=101.0)
+    assert sorted((e["peer_id"], e["name"]) for e in h.events) == [("a", ""), ("b", "bob")]
+    h.observe({"a": _rec(2, 102.0, name="alice"), "b": _rec(2, 102.0, name="bob")}, now=103.0)
+    assert sorted((e["peer_id"], e["name"], e["event"]) for e in h.events) == [("a", "alice", "joined"),
+                                                                               ("b", "bob", "joined")]
+    assert sorted(p["name"] for p in h.state()["peers"]) == ["alice", "bob"]
 
 
 def test_history_is_bounded():

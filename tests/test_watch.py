@@ -120,15 +120,18 @@ def test_dashboard_serves_page_and_api_with_live_data(swarm):
     assert response.headers["Content-Type"].startswith("text/html") and 'id="chart-loss"' in page
     state = wait_for(lambda: _live_with_points(swarm, 3), 90, interval=1.0, what="3 readings of every peer")
     assert state["run_id"] == RUN_ID and state["status"]["totals"]["peers"] == N_PEERS
-    assert sorted(e["name"] for e in state["events"] if e["event"] == "joined") == [f"peer{i}" for i in range(N_PEERS)]
+    # a peer's name comes from its config record, which the dashboard may read a poll or more after its first heartbeat
+    names = [f"peer{i}" for i in range(N_PEERS)]
+    wait_for(lambda: sorted(e["name"] for e in swarm.api()["events"] if e["event"] == "joined") == names, 30,
+             interval=1.0, what="every peer's name on its joined event")
     fields = state["point_fields"]
     for peer in state["peers"]:
         steps = [pt[fields.index("step")] for pt in peer["points"]]
         assert steps == sorted(steps) and steps[-1] > steps[0]  # successive heartbeats, advancing
     tps = [pt[state["swarm_fields"].index("tokens_per_s")] for pt in state["swarm"]]
     assert max(tps) > 0
-    status = swarm.api("api/status")
-    assert sorted(p["name"] for p in status["peers"]) == [f"peer{i}" for i in range(N_PEERS)]
+    wait_for(lambda: sorted(p["name"] for p in swarm.api("api/status")["peers"]) == names, 30, interval=1.0,
+             what="every peer's name in /api/status")
 
 
 def test_every_peer_serves_prometheus_metrics(swarm):

@@ -81,6 +81,8 @@ class PeerTrack:
     row: dict = field(default_factory=dict)
     """Its latest record, as `status.peer_row` normalizes it."""
     record_time: float = 0.0
+    name: str = ""
+    """The last name its records gave (its config record may be read a poll or more after its first heartbeat)."""
 
 
 class SwarmHistory:
@@ -105,8 +107,16 @@ class SwarmHistory:
         self.started = time.time()
 
     def _event(self, now: float, track: PeerTrack, what: str) -> None:
-        self.events.append({"time": now, "peer_id": track.peer_id, "name": track.row.get("name", ""), "event": what})
+        self.events.append({"time": now, "peer_id": track.peer_id, "name": track.name, "event": what})
         del self.events[: -self.max_events]
+
+    def _named(self, track: PeerTrack, name: str) -> None:
+        """`track`'s records now give `name`: its events that were taken with no name get it."""
+        if not track.name:
+            for event in self.events:
+                if event["peer_id"] == track.peer_id and not event["name"]:
+                    event["name"] = name
+        track.name = name
 
     def observe(self, records: dict[str, dict], now: float) -> None:
         """Take one reading: ``{peer_id: record}`` from the DHT, at Unix time `now`."""
@@ -116,8 +126,10 @@ class SwarmHistory:
             if track is None:
                 track = PeerTrack(row["peer_id"], now, now, Series(self.max_points))
                 self.peers[row["peer_id"]] = track
+            if row.get("name") and row["name"] != track.name:
+                self._named(track, row["name"])
             if track.state != "live":
-                track.state, track.row = "live", row
+                track.state = "live"
                 self._event(now, track, "joined")
             track.row = row
             if row["time"] != track.record_time:  # a new heartbeat: one point
@@ -152,7 +164,7 @@ class SwarmHistory:
             "point_fields": list(POINT_FIELDS), "swarm_fields": ["time", "peers", "tokens_per_s", "loss"],
             "swarm": self.swarm.points, "events": self.events,
             "peers": [
-                {"peer_id": t.peer_id, "name": t.row.get("name", ""), "device": t.row.get("device", "?"),
+                {"peer_id": t.peer_id, "name": t.name, "device": t.row.get("device", "?"),
                  "state": t.state, "first_seen": t.first_seen, "last_seen": t.last_seen, "row": t.row,
                  "points": t.series.points}
                 for t in sorted(self.peers.values(), key=lambda t: t.first_seen)
