@@ -110,6 +110,26 @@ def test_a_search_says_whether_its_leader_never_invited_it_or_no_mate_was_ready(
     assert m.alone_cause == "no_mate_ready"
 
 
+def test_a_stop_word_of_a_mates_last_search_that_arrives_after_its_next_search_began_leaves_it_ready():
+    # a mate's words travel as separate requests: the stop of its last search (sent in the background at its end)
+    # may arrive after the word that its next search is looking. Taken as a stop, the mate counted as live but not
+    # ready, and a leader waited for it to its own deadline (a whole window of every merge of its group).
+    m = _matchmaker(FakeRpc())
+
+    def word(looking: bool, deadline: float) -> None:
+        asyncio.run(m.on_ready(Request("ready", "x", {"looking": looking, "deadline": deadline}), None, None))
+
+    now = get_dht_time()
+    word(True, now + 2.0)  # its next search: looking until now + 2
+    word(False, now - 1.0)  # its last search's stop, overtaken on the way
+    assert m._ready == {"x": now + 2.0}
+    word(False, now + 2.0)  # the stop of the search it is looking in: no longer ready
+    assert m._ready == {}
+    word(True, now + 2.0)
+    word(True, now + 3.0)  # a later word of its own replaces the earlier one
+    assert m._ready == {"x": now + 3.0}
+
+
 def test_bench_scale_counts_merges_alone_by_cause():
     merges = [{"group_size": 4}, {"group_size": 1, "alone_cause": "not_invited"},
               {"group_size": 1, "alone_cause": "not_invited"}, {"group_size": 1, "failure": "TimeoutError"},

@@ -362,7 +362,7 @@ class Matchmaker:
         await self.rpc.receive_payload(reader, 0)  # it carries none
         header, peer = request.header, request.sender
         now = get_dht_time()
-        self._ready = {p: d for p, d in self._ready.items() if d + RPC_TIMEOUT_S >= now and p != peer}
+        self._ready = {p: d for p, d in self._ready.items() if d + RPC_TIMEOUT_S >= now and (p != peer or Search.overtaken(header, d))}
         self._closers = {p for p in self._closers if p in self._ready}
         if header.get("looking") is True and self._plausible(header.get("deadline"), now):
             self._ready[peer] = float(header["deadline"])

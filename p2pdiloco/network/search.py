@@ -79,6 +79,14 @@ class Search:
     marks: dict[str, float] = field(default_factory=dict)
     """When (monotonic) this search passed each of its steps (see `Matchmaker.marks`)."""
 
+    @staticmethod
+    def overtaken(header: dict, held: float) -> bool:
+        """Whether a mate's ready word `header` that says it stopped looking is of an earlier search than the one whose
+        word that it is looking this peer holds (until deadline `held`): the words of its next search overtook it on the
+        way, and it is looking still. Taken as a stop, it made a leader wait to its deadline for a mate it counted as
+        live but not ready."""
+        return header.get("looking") is not True and header.get("deadline") != held
+
     def mark(self, step: str) -> None:
         """Note that this search passed `step` now (the first time only)."""
         self.marks.setdefault(step, time.monotonic())
