@@ -197,6 +197,42 @@ def test_a_silent_leader_is_passed_over_to_the_end_of_its_epoch_and_for_some_sea
     assert leaders.passed_over("y", leaders.new_search(4), 4)  # its count of searches still runs
 
 
+def test_a_leader_that_ends_a_search_without_inviting_is_passed_over_when_it_stops_or_its_next_search_begins():
+    from p2pdiloco.network.search import Search
+
+    leaders = Leaders("run", Census(None, "run", "me"))
+
+    def search(epoch: int) -> Search:  # this peer's word reached "x" long before x's deadline (100)
+        return Search(contribution=_contribution(), deadline=100.0, epoch=epoch, acked={"x": 10.0})
+
+    # x stopped looking: passed over for this search and the next SILENT_ROUNDS
+    s, silent = search(3), set()
+    leaders.new_search(3)
+    assert leaders.follow(s, "", "x", {"x"}, {"x": 100.0}, silent) == "x"
+    assert leaders.follow(s, "x", None, set(), {}, silent) == "" and silent == {"x"}
+    counted = leaders.new_search(3)
+    assert leaders.passed_over("x", counted, 3)
+    for _ in range(SILENT_ROUNDS):
+        counted = leaders.new_search(3)
+    assert not leaders.passed_over("x", counted, 3)  # its searches used up: followed again this epoch
+    # the second time in the epoch it is passed over to the epoch's end; here its next search's word came before its
+    # stop (they travel apart): a mate that saw only that must pass it over as one that saw the stop does
+    s, silent = search(3), set()
+    leaders.follow(s, "", "x", {"x"}, {"x": 100.0}, silent)
+    leaders.follow(s, "x", "x", {"x"}, {"x": 130.0}, silent)
+    assert silent == {"x"}
+    for _ in range(SILENT_ROUNDS + 2):
+        counted = leaders.new_search(3)
+    assert leaders.passed_over("x", counted, 3)
+    assert not leaders.passed_over("x", leaders.new_search(4), 4)  # a new epoch: followed again
+    # a leader whose group formed before this peer's word reached it is not at fault
+    s, silent = search(4), set()
+    s.acked["x"] = 99.9
+    leaders.follow(s, "", "x", {"x"}, {"x": 100.0}, silent)
+    leaders.follow(s, "x", "x", {"x"}, {"x": 130.0}, silent)
+    assert silent == set() and not leaders.passed_over("x", leaders.new_search(4), 4)
+
+
 def _grind(run_id: str, epochs: range, victims: int = 3, tries: int = 8000) -> tuple[list, PeerIdentity]:
     """Keys for `victims` victims, and an attacker's key whose id ranks before all of theirs in the public order of
     each of `epochs` (about 4^k keys for k epochs and 3 victims; a draw of victims whose ids rank so low that it

@@ -16,7 +16,7 @@ first and lead, and leaders decline each other's invites. So for `REVEAL_WAIT_S`
 committed to a nonce for it, and whose ready word for it has not come yet, is followed first (`order`): its reveal
 is on its way, and the mates draw one order once it is here. A leader that never
 invites is passed over for the rest of the epoch (its place in the order stays the same all epoch), and for
-`SILENT_ROUNDS` searches at least; one that told its members different groups is too, and its invites are
+`SILENT_ROUNDS` searches at least (one that ended a search without inviting, for those searches: see `follow`); one that told its members different groups is too, and its invites are
 declined as long (`distrust`).
 """
 
@@ -65,6 +65,8 @@ class Leaders:
         """(epoch, when this peer first drew an order in it: monotonic)."""
         self._passed: dict[str, tuple[int, int]] = {}
         """Leaders that never invited us: peer id -> (searches left in which they are not followed, epoch)."""
+        self._slipped: dict[str, int] = {}
+        """Leaders that ended a search without inviting this peer (`follow`): peer id -> the epoch it last happened."""
         self._distrusted: dict[str, tuple[int, int]] = {}
         """Leaders that told this peer's group different groups: the same, and their invites are declined."""
         self._joined: tuple[str, str, int] = ("", "", 0)
@@ -137,6 +139,7 @@ class Leaders:
         counted = {p for p, (n, _) in self._passed.items() if n > 0}
         self._passed = {p: (n - 1, e) for p, (n, e) in self._passed.items() if n > 1 or e >= epoch}
         self._distrusted = {p: (n - 1, e) for p, (n, e) in self._distrusted.items() if n > 1 or e >= epoch}
+        self._slipped = {p: e for p, e in self._slipped.items() if e >= epoch}
         return counted
 
     def passed_over(self, peer: str, counted: set[str], epoch: int) -> bool:
@@ -146,6 +149,7 @@ class Leaders:
     def pass_over(self, peer: str, epoch: int) -> None:
         """`peer` was followed in `epoch` and never invited: not followed again this epoch, nor in the next
         `SILENT_ROUNDS` searches."""
+        logger.debug("[%s] passing over %s this epoch (%d)", short_id(self.census.peer_id), short_id(peer), epoch)
         self._passed[peer] = (SILENT_ROUNDS, epoch)
 
     def distrust(self, peer: str, epoch: int) -> None:
@@ -176,24 +180,35 @@ class Leaders:
 
         Args:
             search: the search.
-            followed: the mate it waited for at its last poll ('' if none). If that mate stopped looking without
-                inviting this peer although this peer's ready word reached it before its deadline (an honest leader
-                invites every mate ready by then), it is not followed for the rest of this search (added to
-                `silent`) nor in the next `SILENT_ROUNDS` searches; not for the rest of the epoch, as a leader that
-                outlived its deadline without inviting is (`pass_over`): an invite lost on a loaded link must not
-                make this peer lead beside an honest leader, splitting their mates, all epoch. One whose group
-                formed before this peer was ready is not at fault, and is followed still.
+            followed: the mate it waited for at its last poll ('' if none). If that mate ended its search without
+                inviting this peer (it stopped looking, or its next search's word came) although this peer's ready
+                word reached it before its deadline (an honest leader invites every mate ready by then), it is not
+                followed for the rest of this search (added to `silent`) nor in the next `SILENT_ROUNDS` searches;
+                not for the rest of the epoch, as a leader that outlived its deadline without inviting is
+                (`pass_over`): an invite lost on a loaded link must not make this peer lead beside an honest leader,
+                splitting their mates, all epoch. The second time in an epoch, it is passed over to the epoch's end.
+                Its next search's word is looked at too, not only its stop: the two travel as separate requests, so
+                mates saw one or the other first, and those that saw the stop passed it over while the others
+                followed it on; each then passed over the other's leader. One whose group formed before this peer
+                was ready is not at fault, and is followed still.
             leader: the mate first in the order that this search may follow.
             ready: the mates ready now.
             deadlines: the deadlines the ready mates announced (DHT time).
             silent: mates this search no longer follows.
         """
-        if (followed and followed != leader and followed not in ready
+        ended = followed not in ready if followed != leader else deadlines.get(followed) != search.followed_deadline
+        if (followed and followed not in silent and ended
                 and search.acked.get(followed, math.inf) < search.followed_deadline - INVITE_SLACK_S):
             silent.add(followed)
-            self._passed[followed] = (SILENT_ROUNDS, self._passed.get(followed, (0, -1))[1])
+            again = self._slipped.get(followed) == search.epoch
+            self._slipped[followed] = search.epoch
+            self._passed[followed] = (SILENT_ROUNDS, search.epoch if again else self._passed.get(followed, (0, -1))[1])
+            logger.debug("[%s] %s ended a search without inviting: passed over%s", short_id(self.census.peer_id),
+                         short_id(followed), " this epoch" if again else "")
         if leader is None:
             return ""
+        if leader != followed:
+            logger.debug("[%s] following %s (epoch %d)", short_id(self.census.peer_id), short_id(leader), search.epoch)
         search.followed_deadline = deadlines.get(leader, 0.0)
         return leader
 
