@@ -206,13 +206,14 @@ def _joined_dht(cfg: SwarmConfig, t0: float, identity_path: str | None, client_m
                 cache_locally=False, cache_nearest=0,
             )
         except RuntimeError as e:
-            if BOOTSTRAP_PING not in str(e) or isinstance(e, SwarmError):
+            if BOOTSTRAP_PING not in str(e):
                 raise
             if time.monotonic() - t0 + 1.0 >= cfg.join_timeout_s:
                 raise SwarmError(f"no initial peer of {', '.join(cfg.initial_peers)} answered a ping within "
                                  f"{cfg.join_timeout_s:.0f} s") from None
             logger.warning("no initial peer answered a ping yet (%.1f s): trying again", time.monotonic() - t0)
             time.sleep(1.0)  # a back-off before the next join, not a wait for a condition
+
 
 class Reaper:
     """Ends the DHT process and p2p daemon of this process if it dies without closing them (see reaper.py).
