@@ -13,7 +13,13 @@ import pytest
 from rich.console import Console
 
 from p2pdiloco.bench.soak import EVENTS, Schedule, Soak, bench_soak
-from p2pdiloco.bench.soakprobe import COUNT_LIMIT, flatness, robust_slope_per_hour, slope_per_hour
+from p2pdiloco.bench.soakprobe import (
+    COUNT_LIMIT,
+    flatness,
+    floor_points,
+    robust_slope_per_hour,
+    slope_per_hour,
+)
 
 P2PD_SLACK = {"p2pd.threads": 4, "p2pd.fds": 4}
 """p2pd's counts move with its traffic. It is a Go program: the runtime starts an OS thread for each goroutine blocked
@@ -85,6 +91,31 @@ def test_the_robust_slope_ignores_a_few_spikes_and_its_interval_covers_the_true_
     assert covered >= 0.88 * 200, covered  # 9 in 10 or more hold the true slope (r read from 100 points is a little low)
     assert naive_covered < 0.8 * 200, naive_covered  # unwidened they would hold it far less often
     assert robust_slope_per_hour(line[:3]) is None
+
+
+def test_the_limit_judges_the_floor_a_sawing_process_returns_to_and_still_catches_a_leak_under_the_saw():
+    """A peer's main process: 100 MB between merges, up to 135 while a merge's buffers are held (half the samples),
+    sampled every 30 s for 50 minutes at whatever point of the saw. Every sample's least-squares slope reads the saw's phase; the
+    slope of the 5-minute low-water marks reads the floor: flat, or growing with a leak of 3 MB/h beneath it."""
+    rng = random.Random(3)
+    for leak in (0.0, 3.0):
+        samples, worst_all = [], 0.0
+        for run in range(20):
+            pts = [(t, 100 + leak * t / 3600 + (rng.uniform(0, 35) if rng.random() < 0.5 else 0.0))
+                   for t in range(600, 3600, 30)]
+            worst_all = max(worst_all, abs(slope_per_hour(pts) - leak))
+            floor = slope_per_hour(floor_points(pts))
+            assert floor == pytest.approx(leak, abs=1.0), (leak, run, floor)
+            samples = pts
+        assert worst_all > 4.0  # some runs' every-sample slopes were off by twice the limit
+    assert len(floor_points(samples)) == 10 and floor_points(samples[:-6]) == floor_points(samples)[:-1]  # a window 4/10 full: left out
+
+    def proc(mb):
+        return {"pid": 1, "pss": mb * 1e6, "uss": mb * 1e6, "anon": mb * 1e6, "fds": 20, "threads": 9, "children": 1}
+
+    sawing = [{"elapsed_s": t, "trees": {"peer0": {"main": proc(v)}}} for t, v in samples]  # the last run: leaking
+    row = flatness(sawing, 600)[0]
+    assert row["pss_floor_mb_per_h"] == pytest.approx(3.0, abs=1.0) and row["ok"] is False
 
 
 def test_a_process_restarted_late_is_judged_after_its_own_warm_up():

@@ -22,7 +22,9 @@ from p2pdiloco.network.sockets import bound_paths, bound_sockets, daemon_sockets
 ROLES = ("main", "dht", "p2pd", "reaper")
 COUNTS = ("fds", "threads", "children")
 PSS_LIMIT_MB_PER_H = 2.0
-"""The most a process's PSS may grow per hour after the warm-up."""
+"""The most a process's PSS may grow per hour after the warm-up: the slope of its low-water marks (`floor_points`)."""
+FLOOR_WINDOW_S = 300.0
+"""The span of which a process's lowest PSS sample is one low-water mark (`floor_points`)."""
 COUNT_LIMIT = 2
 """The most a process's fds, threads or children may grow from the warm-up's end to the run's end."""
 EDGE = 5
@@ -136,6 +138,23 @@ def slope_per_hour(points: list[tuple[float, float]]) -> float | None:
     return sum((t - mt) * (v - mv) for t, v in points) / var * 3600
 
 
+def floor_points(points: list[tuple[float, float]], window_s: float = FLOOR_WINDOW_S) -> list[tuple[float, float]]:
+    """A process's low-water marks: the lowest of `points` (seconds, value) in each `window_s` from the first, at the
+    window's mean time; a last window with under half the samples of the fullest is left out (fewer samples, a
+    higher lowest).
+
+    A peer's main process frees a round's buffers and hands them back after each merge (util/memory), so its PSS
+    swings by tens of MB within minutes and a 30 s sample lands anywhere on that saw: over 50 minutes the
+    least-squares slope of all samples was ±10 MB/h wide, five times the limit, with or without a leak. What a leak
+    raises is the floor the saw returns to: the slope of the lowest sample of every 5 minutes."""
+    windows: dict[int, list[tuple[float, float]]] = {}
+    for t, v in points:
+        windows.setdefault(int((t - points[0][0]) // window_s), []).append((t, v))
+    fullest = max((len(w) for w in windows.values()), default=0)
+    return [(sum(t for t, _ in w) / len(w), min(v for _, v in w)) for _, w in sorted(windows.items())
+            if 2 * len(w) >= fullest]
+
+
 def robust_slope_per_hour(points: list[tuple[float, float]]) -> dict[str, float] | None:
     """Two readings of a noisy slope to print beside the least-squares one (which the limits judge).
 
@@ -177,7 +196,8 @@ def series(samples: list[dict], tree: str, role: str, key: str) -> list[tuple[fl
 def flatness(samples: list[dict], warmup_s: float) -> list[dict]:
     """Per tree and role, over the samples of the process alive at the end (a restarted peer's last incarnation)
     after its own warm-up (`warmup_s` from the run's start, or from its first sample if it started later: a resumed
-    process loads and faults in its pages as the first one did): PSS and USS slopes in MB/h and the growth of each
+    process loads and faults in its pages as the first one did): PSS and USS slopes in MB/h, of every sample and of
+    the low-water marks (`floor_points`: the PSS limit judges that one, where there are 3), and the growth of each
     count from the first such sample to the last (each end the median of its `EDGE` samples). A process judged over
     less than half the time after the run's warm-up is reported without a verdict."""
     if not samples:
@@ -203,11 +223,12 @@ def flatness(samples: list[dict], warmup_s: float) -> list[dict]:
                 row[f"{key}_mb_per_h"] = slope_per_hour(pts)
                 row[f"{key}_mb_last"] = pts[-1][1] if pts else None
                 row[f"{key}_robust"] = robust_slope_per_hour(pts)
+                row[f"{key}_floor_mb_per_h"] = slope_per_hour(floor_points(pts))
             for key in COUNTS:
                 vals = [v for t, pid, v in series(samples, tree, role, key) if t >= since and pid == last_pid]
                 row[f"{key}_first"], row[f"{key}_last"] = statistics.median_low(vals[:EDGE]), statistics.median_low(vals[-EDGE:])
                 row[f"{key}_growth"] = row[f"{key}_last"] - row[f"{key}_first"]
-            slope = row["pss_mb_per_h"]
+            slope = row["pss_floor_mb_per_h"] if row["pss_floor_mb_per_h"] is not None else row["pss_mb_per_h"]
             row["ok"] = (None if not row["judged"] else
                          (slope is None or slope <= PSS_LIMIT_MB_PER_H)
                          and all(row[f"{k}_growth"] <= COUNT_LIMIT for k in COUNTS))

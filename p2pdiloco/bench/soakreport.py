@@ -82,20 +82,22 @@ def _robust(r: dict | None) -> tuple[str, str]:
 def print_soak(r: dict, console: Console) -> None:
     """Print the soak's figures beside their limits."""
     console.print(f"machine: {r['machine']}")
-    table = Table(title=f"after the {r['schedule']['warmup_s']:.0f} s warm-up: PSS slope <= {PSS_LIMIT_MB_PER_H} "
+    table = Table(title=f"after the {r['schedule']['warmup_s']:.0f} s warm-up: PSS floor slope <= {PSS_LIMIT_MB_PER_H} "
                   f"MB/h, fds/threads/children: median of the last {EDGE} samples - of the first {EDGE} <= {COUNT_LIMIT}")
-    for col in ("tree", "role", "pid", "span min", "PSS MB", "PSS MB/h", "±95%", "Theil-Sen", "USS MB/h", "anon MB/h",
-                "anon Theil-Sen", *COUNTS, "ok"):
+    for col in ("tree", "role", "pid", "span min", "PSS MB", "PSS floor MB/h", "PSS MB/h", "±95%", "Theil-Sen",
+                "USS MB/h", "anon MB/h", "anon Theil-Sen", *COUNTS, "ok"):
         table.add_column(col, justify="left" if col in ("tree", "role") else "right", no_wrap=True)
     for f in r["flatness"]:
         table.add_row(f["tree"], f["role"], str(f["pid"]), f"{f['span_s'] / 60:.0f}", _fmt(f["pss_mb_last"], ".0f"),
-                      _fmt(f["pss_mb_per_h"]), *_robust(f.get("pss_robust")), _fmt(f["uss_mb_per_h"]),
+                      _fmt(f.get("pss_floor_mb_per_h")), _fmt(f["pss_mb_per_h"]), *_robust(f.get("pss_robust")), _fmt(f["uss_mb_per_h"]),
                       _fmt(f.get("anon_mb_per_h")), _robust(f.get("anon_robust"))[1],
                       *(f"{f[k + '_first']}→{f[k + '_last']}" for k in COUNTS),
                       {True: "yes", False: "[red]NO[/red]", None: "(restarted)"}[f["ok"]])
     console.print(table)
-    console.print("±95%: the least-squares PSS slope's 95 % interval, for residuals that follow each other; "
-                  "Theil-Sen: the median of pairwise slopes. Both are readings beside the slope the limit judges.")
+    console.print("PSS floor: the slope of the lowest sample of every 5 minutes, which the limit judges (a main "
+                  "process's PSS swings by tens of MB with its merges; a leak raises the floor it returns to). PSS: of "
+                  "every sample; ±95%: its 95 % interval, for residuals that follow each other; Theil-Sen: the median "
+                  "of pairwise slopes.")
     worst = ", ".join(f"{k} {v}" for k, v in r["level_worst_growth"].items() if v) or "none"
     console.print(f"kill/stop cycles: {r['level_cycles']} back in a group ({r['level_cycles_unfinished']} not "
                   f"back by the end); counts after a restart - before, largest |difference| over 0: {worst}")
