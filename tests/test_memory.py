@@ -54,6 +54,30 @@ def test_the_growth_report_names_the_line_that_holds_more():
     assert float(top.split()[0]) > 2000, report  # kB
 
 
+def _keeper(n: int) -> list[bytes]:
+    return [bytes(100) + bytes([i % 256]) for i in range(n)]  # the allocating line; its caller keeps the list
+
+
+def test_with_frames_the_growth_report_names_who_called_the_allocating_line():
+    was_tracing = tracemalloc.is_tracing()
+    tracemalloc.stop()
+    tracemalloc.start(3)
+    try:
+        first = tracemalloc.take_snapshot()
+        grown = _keeper(20_000)  # ~2.6 MB, allocated in _keeper, kept here
+        lines = GrowthReports.report(first, tracemalloc.take_snapshot(), 60.0, frames=3).splitlines()
+    finally:
+        tracemalloc.stop()
+        if was_tracing:
+            tracemalloc.start(1)
+    assert len(grown) == 20_000
+    top = next(i for i, line in enumerate(lines) if i >= 2 and "test_memory.py" in line and "<-" not in line)
+    assert float(lines[top].split()[0]) > 2000, lines  # kB
+    keeper_line = _keeper.__code__.co_firstlineno + 1
+    assert lines[top].endswith(f"test_memory.py:{keeper_line}"), lines
+    assert "<-" in lines[top + 1] and "test_memory.py" in lines[top + 1], lines  # its caller: this test's line
+
+
 def test_a_process_with_the_variable_set_writes_its_report(tmp_path):
     env = {**os.environ, TRACE_ENV: str(tmp_path), TRACE_EVERY_ENV: "0.2"}
     code = ("import os, time; from p2pdiloco.util.memory import trace_growth_from_env as t; assert t(); "

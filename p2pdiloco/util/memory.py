@@ -11,7 +11,8 @@ every minute in a process that has no rounds (a DHT process).
 `trace_growth_from_env` is a debugging aid: with ``P2PDILOCO_TRACE_MEMORY=DIR`` in its environment, a process (and
 every process it forks) records its Python allocations with `tracemalloc` and writes, every
 ``P2PDILOCO_TRACE_MEMORY_S`` seconds (default 300), the source lines whose live allocations grew the most since its
-first report to ``DIR/<pid>.txt``. Tracing costs CPU time and memory: it is for finding a leak, not for figures.
+first report to ``DIR/<pid>.txt``; with ``P2PDILOCO_TRACE_MEMORY_FRAMES=N`` (default 1), each with the N - 1 calls that
+led to it (a line inside a library, such as msgpack's decoding, says little about who keeps what it made). Tracing costs CPU time and memory: it is for finding a leak, not for figures.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 
 TRACE_ENV = "P2PDILOCO_TRACE_MEMORY"
 TRACE_EVERY_ENV = "P2PDILOCO_TRACE_MEMORY_S"
+TRACE_FRAMES_ENV = "P2PDILOCO_TRACE_MEMORY_FRAMES"
 TRACE_TOP = 25
 """Source lines listed in each report."""
 _reporting_in: set[int] = set()
@@ -85,10 +87,11 @@ class GrowthReports:
     Args:
         folder: where the reports go, one file per process (``<pid>.txt``, rewritten at each report).
         every_s: seconds between reports.
+        frames: frames of each allocation's traceback kept and reported (1: the allocating line alone).
     """
 
-    def __init__(self, folder: Path, every_s: float):
-        self.folder, self.every_s = folder, every_s
+    def __init__(self, folder: Path, every_s: float, frames: int = 1):
+        self.folder, self.every_s, self.frames = folder, every_s, max(1, frames)
         self.stop = threading.Event()
 
     def start(self) -> None:
@@ -97,7 +100,7 @@ class GrowthReports:
             return
         _reporting_in.add(os.getpid())
         if not tracemalloc.is_tracing():
-            tracemalloc.start(1)
+            tracemalloc.start(self.frames)
         threading.Thread(target=self._run, name="memory-growth", daemon=True).start()
 
     def _run(self) -> None:
@@ -108,18 +111,20 @@ class GrowthReports:
             if first is None:
                 first, first_at = snap, time.monotonic()
             partial = path.with_suffix(".partial")
-            partial.write_text(self.report(first, snap, time.monotonic() - first_at))
+            partial.write_text(self.report(first, snap, time.monotonic() - first_at, self.frames))
             os.replace(partial, path)  # a reader sees a whole report, even one cut short by the process's exit
 
     @staticmethod
-    def report(first: tracemalloc.Snapshot, now: tracemalloc.Snapshot, span_s: float) -> str:
-        """The growth from `first` to `now`: traced totals, then the lines that grew the most."""
+    def report(first: tracemalloc.Snapshot, now: tracemalloc.Snapshot, span_s: float, frames: int = 1) -> str:
+        """The growth from `first` to `now`: traced totals, then the lines that grew the most; with `frames` > 1,
+        by whole traceback, each line followed by its callers (``<-``, innermost first)."""
         total = sum(s.size for s in now.statistics("filename"))
         was = sum(s.size for s in first.statistics("filename"))
         lines = [f"pid {os.getpid()} {' '.join(sys.argv)[:200]}",
                  f"traced {total / 1e6:.2f} MB, {(total - was) / 1e6:+.3f} MB in {span_s / 60:.1f} min"]
-        for stat in now.compare_to(first, "lineno")[:TRACE_TOP]:
-            lines.append(f"{stat.size_diff / 1e3:+10.1f} kB {stat.count_diff:+8d} blocks  {stat.traceback[0]}")
+        for stat in now.compare_to(first, "lineno" if frames <= 1 else "traceback")[:TRACE_TOP]:
+            lines.append(f"{stat.size_diff / 1e3:+10.1f} kB {stat.count_diff:+8d} blocks  {stat.traceback[-1]}")
+            lines.extend(f"{'':30}<- {frame}" for frame in reversed(stat.traceback[:-1]))
         return "\n".join(lines) + "\n"
 
 
@@ -132,7 +137,8 @@ def trace_growth_from_env() -> bool:
     if os.getpid() in _reporting_in:
         return True
     Path(folder).mkdir(parents=True, exist_ok=True)
-    reports = GrowthReports(Path(folder), float(os.environ.get(TRACE_EVERY_ENV, "300")))
+    reports = GrowthReports(Path(folder), float(os.environ.get(TRACE_EVERY_ENV, "300")),
+                            int(os.environ.get(TRACE_FRAMES_ENV, "1")))
     reports.start()
     os.register_at_fork(after_in_child=reports.start)  # a fork keeps the tracing but not the thread
     return True
