@@ -145,23 +145,21 @@ def net_loop():
         loop.close()
 
 
-def _is_shm_manager(p: psutil.Process) -> bool:
+SINGLETONS = ("torch_shm_manager", "multiprocessing.resource_tracker")
+"""Per-process helpers started by the first use (torch's shared-memory manager; multiprocessing's resource tracker,
+started by the first spawn) that outlive any one test by design and end with the test process."""
+
+
+def _is_singleton(p: psutil.Process) -> bool:
     try:
-        return "torch_shm_manager" in p.name() or any("torch_shm_manager" in a for a in p.cmdline()[:1])
+        return any(s in p.name() or s in " ".join(p.cmdline()) for s in SINGLETONS)
     except psutil.Error:
         return False
 
 
 def run_children() -> set[int]:
-    """PIDs of this process's descendants, less the per-process singletons that outlive any one run by design:
-    torch's shared-memory manager and multiprocessing's resource tracker (started by the first spawn)."""
-    singletons = ("torch_shm_manager", "multiprocessing.resource_tracker")
-    pids = set()
-    for p in psutil.Process(os.getpid()).children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if not any(s in " ".join(p.cmdline()) for s in singletons):
-                pids.add(p.pid)
-    return pids
+    """PIDs of this process's descendants, less the per-process singletons (`SINGLETONS`)."""
+    return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True) if not _is_singleton(p)}
 
 
 @pytest.fixture(autouse=True)
@@ -170,8 +168,8 @@ def reap_children():
     me = psutil.Process(os.getpid())
     before = {p.pid for p in me.children(recursive=True)}
     yield
-    # torch's shared-memory manager is started once per process on first use and must outlive each test
-    leftover = [p for p in me.children(recursive=True) if p.pid not in before and not _is_shm_manager(p)]
+    # the per-process singletons must outlive each test: waiting on them cost a test that started one 10 s
+    leftover = [p for p in me.children(recursive=True) if p.pid not in before and not _is_singleton(p)]
     _, alive = psutil.wait_procs(leftover, timeout=10)
     kill_quietly(alive)
     psutil.wait_procs(alive, timeout=5)

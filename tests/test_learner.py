@@ -184,7 +184,9 @@ def test_land_wait_lands_a_quick_merge_before_the_next_step_and_gives_up_on_a_sl
     off.should_stop = lambda: off.c.step >= 5
     off.run()  # its merge, done at the submit, would have been applied at the next step's poll: it was not
     assert off.c.round == 0 and off.c.merge_wait_s == 0.0
-    slow = _learner(cfg, InMemoryMerger("r0", {"group_size": 2}), tmp_path, 0)  # nobody else: it never lands
+    # nobody else: it never lands; at the stop it is waited for only the merge timeout, 2 s here (60 by default)
+    slow = _learner(_cfg(**{"outer.land_wait": "0.5", "emulate.min_step_s": "0.05", "merge.merge_timeout_s": "2"}),
+                    InMemoryMerger("r0", {"group_size": 2}), tmp_path, 0)
     slow.should_stop = lambda: slow.c.step >= 8
     slow.run()
     assert slow.c.round == 0 and slow.c.step == 8
@@ -254,7 +256,7 @@ def test_land_wait_is_due_while_the_median_recent_exchange_fits_its_bound_whatev
 def test_decoupled_learner_never_waits_for_a_slow_merge(tmp_path):
     """With a merge partner that never comes, inner steps go on; the round extends instead of blocking (past the
     default `outer.land_wait`, a few % of a round, once)."""
-    cfg = _cfg(**{"run.total_steps": 30})
+    cfg = _cfg(**{"run.total_steps": 30, "merge.merge_timeout_s": 2})  # the stop waits that long for it
     hub = {"group_size": 2}  # nobody else ever submits: the merge stays in flight
     learner = _learner(cfg, InMemoryMerger("p0", hub), tmp_path, 0)
     learner.should_stop = lambda: learner.c.step >= 30
