@@ -537,3 +537,39 @@ def test_a_near_read_of_every_shard_finds_every_record_in_one_copy(swarm, net_lo
         after = counts.dht_by_rpc.get("find", [0, 0, 0])
         assert after[0] - before[0] <= len(writers) + 1  # one request a node at most (of 4 nodes)
         assert after[2] - before[2] < 1.5 * len(want) * len(blob) + 4 * 1_000
+
+
+async def _newest_expiration(key: str, _dht, node) -> float | None:
+    """When the newest record this node stores under `key` expires (None: it stores none)."""
+    from hivemind.dht.routing import DHTID
+
+    found = node.protocol.storage.get(DHTID.generate(source=key))
+    return None if found is None else max(item.expiration_time for _, item in found.value.items())
+
+
+async def _known(_dht, node) -> int:
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+@pytest.mark.integration
+def test_a_store_reaches_nodes_that_joined_after_the_key_s_nearest_were_looked_up(net_loop):
+    """The nearest nodes `store_near` remembers for a minute are brought up to date with the routing table: a node
+    that looked a key up alone (a swarm's first peer) stores on the nodes that joined since, not on itself only,
+    where the others' reads of their nearest node would not find it."""
+    cfg = SwarmConfig(run_id="near", host="127.0.0.1")
+    started = [start_dht(cfg)]
+    try:
+        first, key = started[0], "near_key"
+        me = first.peer_id.to_base58()  # records are signed: a peer writes under its own id
+        assert net_loop.run(write_subkey(first, key, me, {"i": 0}, get_dht_time() + 60), 10)
+        joined = SwarmConfig(**{**cfg.__dict__, "initial_peers": [str(m) for m in first.get_visible_maddrs()]})
+        started += [start_dht(joined), start_dht(joined)]
+        wait_for(lambda: first.run_coroutine(_known) == 2, 20, "the first node to learn of the two that joined")
+        # (hivemind's node may hand the records it stores to a node it meets that is nearer to their key)
+        newer = get_dht_time() + 90
+        assert net_loop.run(write_subkey(first, key, me, {"i": 1}, newer), 10)
+        # 3 nodes, 3 replicas: every node is among the key's nearest
+        assert [dht.run_coroutine(functools.partial(_newest_expiration, key)) for dht in started] == [newer] * 3
+    finally:
+        for dht in started:
+            dht.shutdown()

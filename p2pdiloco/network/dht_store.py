@@ -41,9 +41,13 @@ async def _nearest(node, key_id: DHTID) -> dict:
 
 
 async def _nearest_many(node, key_ids: list[DHTID]) -> dict[DHTID, dict]:
-    """The nearest nodes of each key, from the cache or by one walk for all the keys not in it."""
+    """The nearest nodes of each key, from the cache or by one walk for all the keys not in it. A cached set is
+    first brought up to date with this node's routing table (`_with_known`): no walk, no byte."""
     now = time.monotonic()
     missing = [k for k in key_ids if (cached := _NEAREST.get(k)) is None or now - cached[0] >= NEAREST_TTL_S]
+    for key_id in set(key_ids) - set(missing):
+        when, cached = _NEAREST[key_id]
+        _NEAREST[key_id] = (when, _with_known(node, key_id, cached))
     if missing:
         # The walk asks for `beside(key_id)`, where nothing is stored: every node it visits answers with contacts
         # only, where asking for the key itself returned its whole value (all subkeys) from each of them. The keys'
@@ -56,6 +60,22 @@ async def _nearest_many(node, key_ids: list[DHTID]) -> dict[DHTID, dict]:
         for query, key_id in queries.items():
             _NEAREST[key_id] = (now, found[query])
     return {k: _NEAREST[k][1] for k in key_ids}
+
+
+def _with_known(node, key_id: DHTID, cached: dict) -> dict:
+    """`cached` (a key's nearest nodes as last looked up, nearest first) with any nearer node that this node's routing
+    table has learned of since, as many nodes as before.
+
+    A key's nearest nodes looked up while the swarm was still starting (a routing table of a few nodes) are not its
+    nearest once the rest have joined. Kept for `NEAREST_TTL_S`, they sent a peer's census registrations of the next
+    epoch to nodes where the others' reads (`read_near_many`, from the nearest node they know) did not look; the
+    readers' views of the epoch then differed, and they walked the census to fill them (`census.Census.members`).
+    Nodes that join contact the others (and are contacted), so the routing tables learn of them within seconds."""
+    known = node.protocol.routing_table.get_nearest_neighbors(key_id, k=node.num_replicas,
+                                                              exclude=node.node_id)
+    merged = {**cached, **{n: p for n, p in known if n not in cached}}
+    nearest = sorted(merged, key=key_id.xor_distance)[:node.num_replicas]
+    return cached if list(cached) == nearest else {n: merged[n] for n in nearest}
 
 
 def beside(key_id: DHTID) -> DHTID:
