@@ -8,6 +8,15 @@ over its first tens of minutes as its arenas reach their high-water marks. `rele
 (`malloc_trim(0)`), so that what a process holds between rounds is what it uses; `keep_releasing_memory` does it
 every minute in a process that has no rounds (a DHT process).
 
+CPython keeps one table of interned strings, sized by how many it holds, and msgpack interns every string key of
+every map it decodes: a DHT process interns each record field name that its own code does not hold, and drops it
+with the record. Each such insertion takes a slot of the table until it is rebuilt; the first rebuild after the
+process started sizes it for the strings it holds (torch's and hivemind's names: 2**18 slots, one block of 3.8 MB),
+after which every rebuild gives the same size. In a `dashboard`'s DHT process that rebuild came ~44 minutes in, a
+step of +1.9 and +2.7 MB in two hour-long soaks (traced to that one block). `settle_interned_strings` makes it happen
+at the start, with strings of its own, so that the process's memory stays flat later (`keep_releasing_memory` runs it
+first).
+
 `trace_growth_from_env` is a debugging aid: with ``P2PDILOCO_TRACE_MEMORY=DIR`` in its environment, a process (and
 every process it forks) records its Python allocations with `tracemalloc` and writes, every
 ``P2PDILOCO_TRACE_MEMORY_S`` seconds (default 300), the source lines whose live allocations grew the most since its
@@ -63,15 +72,32 @@ def release_free_memory() -> bool:
     return True
 
 
+SETTLE_INTERNS = 1 << 18
+"""Strings interned and dropped by `settle_interned_strings`: more than the free slots of the table of a process
+whose interned strings number up to ~87k (a table of 2**18 slots, 2/3 of them usable), so that it is rebuilt."""
+
+
+async def settle_interned_strings(count: int = SETTLE_INTERNS, chunk: int = 1 << 14) -> None:
+    """Intern `count` strings and drop each at once (see the module's docstring): CPython's table of interned strings
+    is rebuilt to the size its strings call for now, instead of once the process's own decoding has used up its free
+    slots. ~0.1 s of CPU, in chunks of `chunk` with the event loop served in between."""
+    for start in range(0, count, chunk):
+        for i in range(start, min(start + chunk, count)):
+            sys.intern(f"p2pdiloco-settle-{i}")  # interned, then freed: its slot is used up, as a decoded key's is
+        await asyncio.sleep(0)
+
+
 _releasing: set[asyncio.Task] = set()
 
 
 async def keep_releasing_memory(every_s: float, *_ignored: object) -> None:
     """Release the process's freed memory (`release_free_memory`) every `every_s` seconds from now on, in a task
     of the running event loop. Arguments after `every_s` are ignored, so that a hivemind DHT's `run_coroutine`
-    (which passes the DHT and its node) can start it in the DHT process."""
+    (which passes the DHT and its node) can start it in the DHT process. Settles the process's table of interned
+    strings first (`settle_interned_strings`)."""
 
     async def release() -> None:
+        await settle_interned_strings()
         while True:
             await asyncio.sleep(every_s)
             release_free_memory()
