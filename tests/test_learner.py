@@ -174,7 +174,9 @@ def test_eager_update_moves_to_the_own_outer_step_at_submit_and_the_merge_by_the
 def test_land_wait_lands_a_quick_merge_before_the_next_step_and_gives_up_on_a_slow_one(tmp_path):
     """Decoupled with `outer.land_wait`: a merge that lands within that share of a round is applied before the next
     step (no step in flight: θ is the new θg exactly, as in --sync); one that does not is waited for only that long."""
-    cfg = _cfg(**{"outer.land_wait": "0.5", "emulate.min_step_s": "0.05"})  # rounds of 5 steps of 0.05 s: wait ≤ ~0.13 s
+    # rounds of 5 steps of 0.05 s: wait ≤ ~0.13 s; a merge that never lands is waited for at the stop for only the
+    # merge timeout, 2 s here (60 by default)
+    cfg = _cfg(**{"outer.land_wait": "0.5", "emulate.min_step_s": "0.05", "merge.merge_timeout_s": "2"})
     quick = _learner(cfg, InMemoryMerger("p0", {"group_size": 1}), tmp_path, 0)  # merges alone, at once
     quick.should_stop = lambda: quick.c.step >= 5  # one round, its merge, then stop
     quick.run()
@@ -184,9 +186,7 @@ def test_land_wait_lands_a_quick_merge_before_the_next_step_and_gives_up_on_a_sl
     off.should_stop = lambda: off.c.step >= 5
     off.run()  # its merge, done at the submit, would have been applied at the next step's poll: it was not
     assert off.c.round == 0 and off.c.merge_wait_s == 0.0
-    # nobody else: it never lands; at the stop it is waited for only the merge timeout, 2 s here (60 by default)
-    slow = _learner(_cfg(**{"outer.land_wait": "0.5", "emulate.min_step_s": "0.05", "merge.merge_timeout_s": "2"}),
-                    InMemoryMerger("r0", {"group_size": 2}), tmp_path, 0)
+    slow = _learner(cfg, InMemoryMerger("r0", {"group_size": 2}), tmp_path, 0)  # nobody else: it never lands
     slow.should_stop = lambda: slow.c.step >= 8
     slow.run()
     assert slow.c.round == 0 and slow.c.step == 8

@@ -67,10 +67,11 @@ def _with_known(node, key_id: DHTID, cached: dict) -> dict:
     table has learned of since, as many nodes as before.
 
     A key's nearest nodes looked up while the swarm was still starting (a routing table of a few nodes) are not its
-    nearest once the rest have joined. Kept for `NEAREST_TTL_S`, they sent a peer's census registrations of the next
-    epoch to nodes where the others' reads (`read_near_many`, from the nearest node they know) did not look; the
-    readers' views of the epoch then differed, and they walked the census to fill them (`census.Census.members`).
-    Nodes that join contact the others (and are contacted), so the routing tables learn of them within seconds."""
+    nearest once the rest have joined. Kept for `NEAREST_TTL_S`, a record written in that time (a census registration
+    for the next epoch) went to them only, where the others' reads (`read_near_many`, from the nearest node they
+    know) may not look: their views of the epoch then differ, and they walk the census to fill them
+    (`census.Census.members`). Nodes that join contact the others (and are contacted), so the routing tables learn of
+    them within seconds."""
     known = node.protocol.routing_table.get_nearest_neighbors(key_id, k=node.num_replicas,
                                                               exclude=node.node_id)
     merged = {**cached, **{n: p for n, p in known if n not in cached}}
